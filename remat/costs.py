@@ -1,0 +1,165 @@
+"""``Costs``: what one chain costs, stage by stage (DESIGN.md section 3).
+
+Stage i (1..L) is at index i-1 of every list. Times are seconds, sizes bytes.
+"""
+
+import json
+import math
+from dataclasses import dataclass, fields
+
+from .errors import CostsError
+from .units import format_bytes
+
+__all__ = ["Costs"]
+
+_TIMES = ("fwd_time", "fwd_nograd_time", "bwd_time")
+_SIZES = ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs of a chain of L stages, validated on creation.
+
+    Args:
+        fwd_time: forward time of each stage with autograd recording.
+        fwd_nograd_time: forward time without recording (recomputations).
+        bwd_time: backward time of each stage.
+        out_bytes: size of each stage's output a^i (and of its gradient).
+        saved_bytes: size of a-bar^i: a^i plus what autograd saves for the
+            stage's backward, without parameters, buffers or the stage input.
+        fwd_tmp: transient bytes above input and output during the forward.
+        bwd_tmp: transient bytes above what B(i) holds during the backward.
+        input_bytes: size of a^0, the chain input.
+
+    Raises:
+        CostsError: a list has the wrong length, a size is not a
+            non-negative int, or a time is not finite and non-negative.
+
+    Example:
+        >>> c = Costs.uniform(3, time=1.0, size=100)
+        >>> c.length
+        3
+    """
+
+    fwd_time: tuple
+    fwd_nograd_time: tuple
+    bwd_time: tuple
+    out_bytes: tuple
+    saved_bytes: tuple
+    fwd_tmp: tuple
+    bwd_tmp: tuple
+    input_bytes: int
+
+    def __post_init__(self):
+        length = None
+        for name in _TIMES + _SIZES:
+            raw = getattr(self, name)
+            try:
+                values = tuple(raw)
+            except TypeError:
+                raise CostsError(f"remat: Costs.{name} must be a list, got {type(raw).__name__}") from None
+            if length is None:
+                length = len(values)
+            elif len(values) != length:
+                raise CostsError(
+                    f"remat: Costs.{name} has {len(values)} entries but fwd_time has {length}; "
+                    f"every per-stage list needs one entry per stage"
+                )
+            checked = []
+            for i, v in enumerate(values):
+                checked.append(_check_time(name, i, v) if name in _TIMES else _check_size(name, i, v))
+            object.__setattr__(self, name, tuple(checked))
+        object.__setattr__(self, "input_bytes", _check_size("input_bytes", None, self.input_bytes))
+
+    @property
+    def length(self):
+        """Number of stages L."""
+        return len(self.fwd_time)
+
+    def sizes(self):
+        """Return x[0..L]: the input size followed by each stage's output size."""
+        return (self.input_bytes,) + self.out_bytes
+
+    @classmethod
+    def uniform(cls, length, time=1.0, size=1, saved=None, nograd_time=None):
+        """A chain of ``length`` identical stages (handy in examples and tests)."""
+        saved = size if saved is None else saved
+        nograd_time = time if nograd_time is None else nograd_time
+        return cls(
+            fwd_time=[time] * length, fwd_nograd_time=[nograd_time] * length,
+            bwd_time=[2 * time] * length, out_bytes=[size] * length,
+            saved_bytes=[saved] * length, fwd_tmp=[0] * length, bwd_tmp=[0] * length,
+            input_bytes=size,
+        )
+
+    def to_dict(self):
+        """A JSON-ready dict of every field."""
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data):
+        """Build from ``to_dict``'s output; raises ``CostsError`` on missing or extra keys."""
+        if not isinstance(data, dict):
+            raise CostsError(f"remat: costs must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        missing, extra = names - set(data), set(data) - names - {"format"}
+        if missing or extra:
+            raise CostsError(
+                f"remat: costs record has missing fields {sorted(missing)} and unknown fields "
+                f"{sorted(extra)}; it was not written by Costs.save"
+            )
+        return cls(**{k: data[k] for k in names})
+
+    def save(self, path):
+        """Write the costs to ``path`` as JSON."""
+        with open(path, "w") as fh:
+            json.dump({"format": "remat.costs/1", **self.to_dict()}, fh, indent=1)
+
+    @classmethod
+    def load(cls, path):
+        """Read costs written by ``save``; raises ``CostsError`` if the file is not such a record."""
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise CostsError(f"remat: {path} is not valid JSON ({exc}); delete it to measure again") from None
+        return cls.from_dict(data)
+
+    def table(self):
+        """A per-stage table a person can read."""
+        rows = [f"{'stage':>5} {'fwd ms':>9} {'nograd ms':>9} {'bwd ms':>9} {'out':>11} {'saved':>11} {'fwd tmp':>11} {'bwd tmp':>11}"]
+        rows.append(f"{'input':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.input_bytes):>11}")
+        for i in range(self.length):
+            rows.append(
+                f"{i + 1:>5} {self.fwd_time[i] * 1e3:9.3f} {self.fwd_nograd_time[i] * 1e3:9.3f} "
+                f"{self.bwd_time[i] * 1e3:9.3f} {format_bytes(self.out_bytes[i]):>11} "
+                f"{format_bytes(self.saved_bytes[i]):>11} {format_bytes(self.fwd_tmp[i]):>11} "
+                f"{format_bytes(self.bwd_tmp[i]):>11}"
+            )
+        return "\n".join(rows)
+
+
+def _where(name, i):
+    return f"Costs.{name}" if i is None else f"Costs.{name}[{i}] (stage {i + 1})"
+
+
+def _check_time(name, i, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise CostsError(f"remat: {_where(name, i)} must be a number of seconds, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0:
+        raise CostsError(f"remat: {_where(name, i)} is {v}; times must be finite and non-negative")
+    return v
+
+
+def _check_size(name, i, v):
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer() and v >= 0:
+            v = int(v)
+        else:
+            raise CostsError(f"remat: {_where(name, i)} must be a non-negative int of bytes, got {v!r}")
+    if v < 0:
+        raise CostsError(f"remat: {_where(name, i)} is {v}; sizes must be non-negative")
+    if v >= 2**62:
+        raise CostsError(f"remat: {_where(name, i)} is {v} bytes, beyond any real device; check the unit")
+    return int(v)

@@ -1,0 +1,39 @@
+"""The exception family: every error remat raises is a ``RematError``."""
+
+__all__ = [
+    "RematError",
+    "BudgetError",
+    "CostsError",
+    "InvalidScheduleError",
+    "SolverError",
+    "StageError",
+    "RecomputeMismatchError",
+]
+
+
+class RematError(Exception):
+    """Base class of every error raised by remat."""
+
+
+class BudgetError(RematError, ValueError):
+    """The memory budget is malformed or below what the chain needs."""
+
+
+class CostsError(RematError, ValueError):
+    """A ``Costs`` record is malformed (names the field and the stage)."""
+
+
+class InvalidScheduleError(RematError, ValueError):
+    """A schedule breaks the op rules (a value used before it exists, ...)."""
+
+
+class SolverError(RematError, RuntimeError):
+    """The C solver refused the input or could not allocate its tables."""
+
+
+class StageError(RematError, RuntimeError):
+    """A stage or a chain was misused (names the stage and the fix)."""
+
+
+class RecomputeMismatchError(RematError, RuntimeError):
+    """A recomputation did not save what the first forward saved."""

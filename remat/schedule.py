@@ -1,0 +1,273 @@
+"""Ops, ``Schedule`` and ``simulate``: the single source of truth for what a
+schedule costs (DESIGN.md sections 3 and 4).
+
+Note [Accounting]
+-----------------
+``simulate`` tracks which values are held. x[j] is the size of a^j (x[0]
+the chain input), s[i] the size of a-bar^i, which includes a^i.
+
+1. Held memory is the sum of x[j] for every a^j held on its own (not inside
+   a held a-bar^j), of s[i] for every held a-bar^i, and of the gradient
+   currently flowing back (none before ``Loss``).
+2. ``Fn(i)``, ``Fck(i)``: need a^(i-1); peak during the op is
+   held + x[i] + fwd_tmp[i]; afterwards a^i is held. ``Fn`` then lets go of
+   a^(i-1) (it stays reachable if a-bar^(i-1) is held).
+3. ``Fall(i)``: needs a^(i-1), keeps it; peak is held + max(s[i], x[i] +
+   fwd_tmp[i]); afterwards a-bar^i is held.
+4. ``Loss``: after the forward phase; the gradient of a^L (x[L]) appears.
+5. ``B(i)``: needs a-bar^i, a^(i-1) and the gradient of a^i; peak is
+   held + x[i-1] + bwd_tmp[i]; afterwards a-bar^i, the gradient of a^i and a
+   separately held a^(i-1) are gone (nothing needs them again) and the
+   gradient of a^(i-1) flows on.
+6. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
+   phase (it records the graph, see DESIGN.md section 4) and fwd_nograd_time
+   afterwards; ``B`` costs bwd_time.
+
+A schedule is invalid if it uses a value that is not held, computes a value
+that is already held, recomputes a stage after its backward, runs the
+forward phase out of order or ends before ``B(1)``.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .errors import InvalidScheduleError
+from .units import format_bytes
+
+__all__ = ["Fn", "Fck", "Fall", "B", "Loss", "Schedule", "Simulation", "simulate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fn:
+    """Forward stage ``stage`` keeping nothing; its input is let go."""
+    stage: int
+    code = 0
+
+    def __str__(self):
+        return f"Fn{self.stage}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fck:
+    """Forward stage ``stage`` keeping its input as a checkpoint."""
+    stage: int
+    code = 1
+
+    def __str__(self):
+        return f"Fck{self.stage}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fall:
+    """Forward stage ``stage`` recording the graph: keep its input and a-bar."""
+    stage: int
+    code = 2
+
+    def __str__(self):
+        return f"Fall{self.stage}"
+
+
+@dataclass(frozen=True, slots=True)
+class B:
+    """Backward of stage ``stage``."""
+    stage: int
+    code = 3
+
+    def __str__(self):
+        return f"B{self.stage}"
+
+
+class _LossOp:
+    __slots__ = ()
+    code = 4
+    stage = 0
+
+    def __repr__(self):
+        return "Loss"
+
+    def __str__(self):
+        return "Loss"
+
+    def __reduce__(self):
+        return "Loss"
+
+
+Loss = _LossOp()
+_BY_CODE = (Fn, Fck, Fall, B)
+
+
+def op_from_code(code, stage):
+    """The op for a (code, stage) pair as the C solver returns them."""
+    return Loss if code == 4 else _BY_CODE[code](stage)
+
+
+class Simulation(NamedTuple):
+    """Predicted time (seconds) and peak memory (bytes) of a schedule."""
+    time: float
+    peak: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An immutable sequence of ops with its predicted time and peak.
+
+    Attributes:
+        ops: the ops, forward phase, ``Loss``, then the backward phase.
+        time: predicted seconds (``simulate``).
+        peak: predicted peak bytes (``simulate``).
+        algorithm: the algorithm that made it.
+        budget: the budget in bytes it was made for (None if none).
+        slot_bytes: the memory unit the solver worked in (None if exact).
+    """
+
+    ops: tuple
+    time: float = float("nan")
+    peak: int = -1
+    algorithm: str = "custom"
+    budget: int = None
+    slot_bytes: int = None
+
+    @property
+    def length(self):
+        """Number of stages."""
+        return sum(1 for op in self.ops if isinstance(op, B))
+
+    def forward_modes(self):
+        """The op of each stage in the forward phase, stage 1 first."""
+        out = []
+        for op in self.ops:
+            if op is Loss:
+                break
+            out.append(type(op))
+        return out
+
+    def backward_ops(self):
+        """The ops after ``Loss``."""
+        ops = self.ops
+        return ops[ops.index(Loss) + 1:]
+
+    def recomputations(self):
+        """Number of forward ops run after ``Loss``."""
+        return sum(1 for op in self.backward_ops() if not isinstance(op, B))
+
+    def __str__(self):
+        if Loss in self.ops:
+            k = self.ops.index(Loss)
+            return " ".join(map(str, self.ops[:k])) + "\n| " + " ".join(map(str, self.ops[k + 1:]))
+        return " ".join(map(str, self.ops))
+
+    def summary(self):
+        """One line: algorithm, predicted time and peak, recomputations."""
+        budget = "" if self.budget is None else f" for budget {format_bytes(self.budget)}"
+        return (
+            f"{self.algorithm} schedule{budget}: predicted {self.time * 1e3:.3f} ms, "
+            f"peak {format_bytes(self.peak)}, {self.recomputations()} recomputed stages"
+        )
+
+
+def simulate(costs, schedule):
+    """Predicted time and peak memory of ``schedule`` on ``costs`` (Note [Accounting]).
+
+    Args:
+        costs: a ``remat.Costs``.
+        schedule: a ``Schedule`` or a sequence of ops.
+
+    Returns:
+        Simulation(time, peak).
+
+    Raises:
+        InvalidScheduleError: the schedule breaks a rule; the message names the op.
+
+    Example:
+        >>> from remat import Costs
+        >>> c = Costs.uniform(2, time=1.0, size=10)
+        >>> simulate(c, [Fall(1), Fall(2), Loss, B(2), B(1)])
+        Simulation(time=6.0, peak=50)
+    """
+    ops = schedule.ops if isinstance(schedule, Schedule) else tuple(schedule)
+    n = costs.length
+    x = costs.sizes()
+    s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
+    tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
+    alone = [False] * (n + 1)   # a^j held on its own
+    whole = [False] * (n + 1)   # a-bar^j held (index 0 unused)
+    alone[0] = True
+    mem = x[0]
+    peak = mem
+    time = 0.0
+    forward = True
+    next_fwd = 1
+    grad = -1   # index of the gradient flowing back; -1 before Loss
+
+    def bad(pos, op, why):
+        raise InvalidScheduleError(f"remat: op {pos} ({op}) of the schedule is invalid: {why}")
+
+    for pos, op in enumerate(ops):
+        code = getattr(op, "code", None)
+        if code is None:
+            bad(pos, op, "not an op (use Fn, Fck, Fall, B or Loss)")
+        i = op.stage
+        if code == 4:
+            if not forward:
+                bad(pos, op, "Loss appears twice")
+            if next_fwd != n + 1:
+                bad(pos, op, f"the forward phase ended at stage {next_fwd - 1} of {n}")
+            forward = False
+            grad = n
+            mem += x[n]
+            peak = max(peak, mem)
+            continue
+        if not isinstance(i, int) or not 1 <= i <= n:
+            bad(pos, op, f"stage {i} is outside 1..{n}")
+        if code == 3:
+            if forward:
+                bad(pos, op, "a backward before Loss")
+            if i != grad:
+                bad(pos, op, f"the gradient flowing back is that of a^{grad}, not a^{i} "
+                             f"(stages must be backwarded once each, {n} down to 1)")
+            if not whole[i]:
+                bad(pos, op, f"a-bar^{i} is not held (run Fall({i}) first)")
+            if not (alone[i - 1] or whole[i - 1]):
+                bad(pos, op, f"a^{i - 1} is not held")
+            peak = max(peak, mem + x[i - 1] + bt[i - 1])
+            time += tb[i - 1]
+            whole[i] = False
+            alone[i] = False
+            mem -= s[i - 1] + x[i]
+            if alone[i - 1]:
+                alone[i - 1] = False
+                if not whole[i - 1]:
+                    mem -= x[i - 1]
+            mem += x[i - 1]
+            grad = i - 1
+            continue
+        # a forward op
+        if forward:
+            if i != next_fwd:
+                bad(pos, op, f"the forward phase must run stage {next_fwd} next (stages 1..{n} once each, in order)")
+            next_fwd += 1
+        elif i > grad:
+            bad(pos, op, f"stage {i} is recomputed after its backward")
+        if not (alone[i - 1] or whole[i - 1]):
+            bad(pos, op, f"a^{i - 1} is used but not held")
+        if alone[i] or whole[i]:
+            bad(pos, op, f"a^{i} is computed while already held")
+        if code == 2:
+            peak = max(peak, mem + max(s[i - 1], x[i] + ft[i - 1]))
+            time += tf[i - 1]
+            whole[i] = True
+            mem += s[i - 1]
+        else:
+            peak = max(peak, mem + x[i] + ft[i - 1])
+            time += tf[i - 1] if forward else tn[i - 1]
+            alone[i] = True
+            mem += x[i]
+            if code == 0 and alone[i - 1]:
+                alone[i - 1] = False
+                if not whole[i - 1]:
+                    mem -= x[i - 1]
+    if forward:
+        raise InvalidScheduleError("remat: the schedule has no Loss op")
+    if grad != 0:
+        raise InvalidScheduleError(f"remat: the schedule ends before B(1) (last backward was B({grad + 1}))")
+    return Simulation(time, peak)

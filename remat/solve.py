@@ -1,0 +1,215 @@
+"""``solve``: from costs and a budget to a ``Schedule`` (DESIGN.md section 5).
+
+Note [The recurrence]
+---------------------
+The optimal algorithm is the persistent dynamic program of Beaumont et al.
+(2019), with every memory condition derived from ``simulate``'s accounting
+(remat/schedule.py Note [Accounting]) rather than copied from rotor.
+
+P(a, t, m) backpropagates stages a..t. On entry a^(a-1) and the gradient of
+a^t are held by the caller (the latter only if t < L: before ``Loss`` there
+is no gradient) and m is the headroom, the budget minus everything held.
+With g = x[t] if t < L else 0, and forward cost f_k = fwd_time[k] if t = L
+(the forward phase) else fwd_nograd_time[k]:
+
+* Fall branch: Fall(a), P(a+1, t, m - s[a]), B(a). Needs
+  max(s[a], x[a] + fwd_tmp[a]) <= m and s[a] + x[a] + x[a-1] + bwd_tmp[a] <= m + g
+  (B(a) holds a-bar^a, the gradient of a^a and makes that of a^(a-1); the
+  gradient of a^t that the caller held is gone by then). For a = t the middle
+  call is empty.
+* Checkpoint branch, for j in a+1..t: Fck(a), Fn(a+1) .. Fn(j-1),
+  P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]). Needs x[a] + fwd_tmp[a] <= m
+  and x[k-1] + x[k] + fwd_tmp[k] <= m for a < k < j.
+
+The top call is P(1, L, budget - x[0]). Sizes are rounded *up* to slots of
+``ceil(budget / slots)`` bytes and the budget down, so a schedule that fits in
+slots fits in bytes. The C solver (src_c/solver.c) computes this table;
+tests/reference_solver.py is its plain Python twin.
+"""
+
+import math
+import re
+
+from .costs import Costs
+from .errors import BudgetError, RematError, SolverError
+from .schedule import B, Fall, Fck, Fn, Loss, Schedule, op_from_code, simulate
+from .units import format_bytes
+
+__all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget"]
+
+ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(k)")
+DEFAULT_SLOTS = 500
+# The DP table may use at most this many bytes before the solver refuses.
+MAX_TABLE_BYTES = 2 * 2**30
+
+
+def discretise(costs, slot):
+    """``costs`` with every size rounded up to whole slots of ``slot`` bytes."""
+    up = lambda v: -(-v // slot)
+    return Costs(
+        fwd_time=costs.fwd_time, fwd_nograd_time=costs.fwd_nograd_time, bwd_time=costs.bwd_time,
+        out_bytes=[up(v) for v in costs.out_bytes], saved_bytes=[up(v) for v in costs.saved_bytes],
+        fwd_tmp=[up(v) for v in costs.fwd_tmp], bwd_tmp=[up(v) for v in costs.bwd_tmp],
+        input_bytes=up(costs.input_bytes),
+    )
+
+
+def slot_size(budget, slots):
+    """Bytes per slot for a budget cut into ``slots`` slots (at least 1)."""
+    return max(1, -(-budget // slots))
+
+
+def store_all(n):
+    """Plain PyTorch: record every stage, recompute nothing."""
+    return tuple(Fall(i) for i in range(1, n + 1)) + (Loss,) + tuple(B(i) for i in range(n, 0, -1))
+
+
+def periodic(n, k):
+    """What checkpoint_sequential does with segments of ``k`` stages: keep each
+    segment's input, recompute the segment before its backward; the last
+    segment is recorded."""
+    if k >= n:
+        return store_all(n)
+    starts = list(range(1, n + 1, k))
+    last = starts[-1]
+    ops = []
+    for a in starts[:-1]:
+        ops.append(Fck(a))
+        ops.extend(Fn(i) for i in range(a + 1, a + k))
+    ops.extend(Fall(i) for i in range(last, n + 1))
+    ops.append(Loss)
+    ops.extend(B(i) for i in range(n, last - 1, -1))
+    for a in reversed(starts[:-1]):
+        ops.extend(Fall(i) for i in range(a, a + k))
+        ops.extend(B(i) for i in range(a + k - 1, a - 1, -1))
+    return tuple(ops)
+
+
+def min_memory(n):
+    """Keep only stage inputs: checkpoint every stage (what remat's measuring call runs)."""
+    ops = [Fck(i) for i in range(1, n)] + [Fall(n), Loss, B(n)]
+    for i in range(n - 1, 0, -1):
+        ops += [Fall(i), B(i)]
+    return tuple(ops)
+
+
+def _parse_algorithm(algorithm, n):
+    if not isinstance(algorithm, str):
+        raise ValueError(f"remat: algorithm must be a string such as 'optimal', got {algorithm!r}")
+    name = algorithm.strip().lower()
+    if name in ("optimal", "store_all", "min_memory", "sqrt"):
+        return name, None
+    match = re.fullmatch(r"periodic\((\d+)\)", name.replace(" ", ""))
+    if match and int(match.group(1)) >= 1:
+        return "periodic", int(match.group(1))
+    raise ValueError(
+        f"remat: unknown algorithm {algorithm!r}; choose one of "
+        f"'optimal', 'store_all', 'min_memory', 'sqrt' or 'periodic(k)' with k >= 1"
+    )
+
+
+def _check_budget(budget):
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise BudgetError(f"remat: budget must be an int of bytes here, got {budget!r}")
+    if budget <= 0:
+        raise BudgetError(f"remat: budget must be positive, got {budget} bytes")
+    if budget >= 2**62:
+        raise BudgetError(f"remat: budget {budget} bytes is beyond any device; check the unit")
+    return budget
+
+
+def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
+    """The schedule of ``algorithm`` for ``costs`` under ``budget`` bytes.
+
+    Args:
+        costs: a ``remat.Costs``.
+        budget: bytes of activation memory (int).
+        algorithm: 'optimal' (persistent dynamic program, least time),
+            'store_all', 'min_memory', 'sqrt' or 'periodic(k)'.
+        slots: how finely the optimal solver cuts the budget; more slots
+            give schedules closer to the true optimum and cost more time.
+
+    Returns:
+        A ``Schedule`` whose ``time`` and ``peak`` come from ``simulate``;
+        its peak never exceeds ``budget``.
+
+    Raises:
+        BudgetError: the budget is below what the algorithm needs; the
+            message gives the chain's minimum.
+        ValueError: unknown algorithm or bad slots.
+
+    Example:
+        >>> from remat import Costs
+        >>> s = solve(Costs.uniform(4, size=10), budget=10**6)
+        >>> s.recomputations()
+        0
+    """
+    if not isinstance(costs, Costs):
+        raise TypeError(f"remat: solve needs a remat.Costs, got {type(costs).__name__}")
+    budget = _check_budget(budget)
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 10**7:
+        raise ValueError(f"remat: slots must be an int in 1..10^7, got {slots!r}")
+    n = costs.length
+    if n == 0:
+        raise ValueError("remat: the chain has no stages; call at least one @remat.stage inside the chain")
+    name, k = _parse_algorithm(algorithm, n)
+    if name != "optimal":
+        ops = {"store_all": lambda: store_all(n), "min_memory": lambda: min_memory(n),
+               "sqrt": lambda: periodic(n, max(1, round(math.sqrt(n)))),
+               "periodic": lambda: periodic(n, k)}[name]()
+        sim = simulate(costs, ops)
+        if sim.peak > budget:
+            raise BudgetError(
+                f"remat: the {algorithm} schedule needs {format_bytes(sim.peak)} but the budget is "
+                f"{format_bytes(budget)}; raise the budget or use algorithm='optimal' "
+                f"(this chain's minimum is {format_bytes(minimum_budget(costs))})"
+            )
+        return Schedule(ops, sim.time, sim.peak, algorithm, budget, None)
+
+    full = simulate(costs, store_all(n))
+    if full.peak <= budget:
+        return Schedule(store_all(n), full.time, full.peak, "optimal", budget, None)
+    from . import _c_solver
+
+    least = _c_solver.least_memory(costs)[1]
+    if budget < least:
+        raise BudgetError(
+            f"remat: budget {format_bytes(budget)} is below this chain's minimum of "
+            f"{format_bytes(least)} ({least} bytes; storing everything needs "
+            f"{format_bytes(full.peak)}); raise the budget or split the largest stage"
+        )
+    # Rounding sizes up to slots can make a budget just above the minimum
+    # look infeasible: refine the slots a few times, then fall back to the
+    # exact least-memory schedule, which fits by construction.
+    for factor in (1, 4, 16):
+        attempt = slots * factor
+        try:
+            ops, _, slot = _c_solver.optimal(costs, budget, attempt)
+        except _c_solver.Infeasible:
+            if slot_size(budget, attempt) == 1:
+                break
+            continue
+        except SolverError:
+            break
+        sim = simulate(costs, ops)
+        _check_fits(sim, budget)
+        return Schedule(ops, sim.time, sim.peak, "optimal", budget, slot)
+    ops, _ = _c_solver.least_memory(costs)
+    sim = simulate(costs, ops)
+    _check_fits(sim, budget)
+    return Schedule(ops, sim.time, sim.peak, "optimal", budget, None)
+
+
+def minimum_budget(costs):
+    """The least budget in bytes any persistent schedule of ``costs`` fits in."""
+    from . import _c_solver
+
+    return _c_solver.least_memory(costs)[1]
+
+
+def _check_fits(sim, budget):
+    if sim.peak > budget:
+        raise RematError(
+            f"remat: the solver returned a schedule peaking at {sim.peak} bytes over the budget "
+            f"of {budget}; please report this bug with the chain's costs"
+        )
