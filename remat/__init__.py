@@ -1,0 +1,19 @@
+"""remat: train PyTorch models that do not fit in memory by recomputing
+activations on an optimal schedule for a memory budget you choose."""
+
+from .chain import chain, clear_cache, explain
+from .costs import Costs
+from .errors import (BudgetError, CostsError, InvalidScheduleError, RecomputeMismatchError, RematError,
+                     SolverError, StageError)
+from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
+from .solve import solve
+from .stage import stage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "stage", "chain", "explain", "clear_cache", "solve", "simulate", "Costs", "Schedule",
+    "Fn", "Fck", "Fall", "B", "Loss",
+    "RematError", "BudgetError", "CostsError", "InvalidScheduleError", "SolverError", "StageError",
+    "RecomputeMismatchError",
+]

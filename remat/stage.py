@@ -1,7 +1,130 @@
-"""``remat.stage`` (placeholder until the runtime lands: runs plainly)."""
+"""``remat.stage``: mark a function, a method or a module instance as one
+stage of a chain (DESIGN.md section 1).
 
-__all__ = ["stage"]
+Outside a chain, or under ``torch.no_grad()``, a stage is the undecorated
+code plus one thread-local lookup. Inside a chain its call is handed to the
+chain (remat/chain.py), which records, measures or runs it on the schedule.
+"""
+
+import functools
+import types
+
+import torch
+
+from .chain import active as _active
+
+__all__ = ["stage", "is_stage", "unstage"]
+
+
+def _module_forward(self, *args, **kwargs):
+    forward = type(self).forward.__get__(self)
+    current = _active()
+    if current is None:
+        return forward(*args, **kwargs)
+    return current.call(self, type(self).__name__, forward, args, kwargs, 0)
 
 
 def stage(obj):
-    return obj
+    """Make ``obj`` one stage of the chains it is called in.
+
+    Args:
+        obj: a function, a method (decorate ``forward``), or an ``nn.Module``
+            instance, which is marked in place and returned (for modules of
+            other libraries).
+
+    Returns:
+        The decorated function, or the same module.
+
+    Inside ``remat.chain`` the first tensor argument is the activation; other
+    arguments are side inputs, held as given. A stage returns the activation,
+    or a tuple whose first item is it and whose other items need no grad. A
+    stage must not modify its input in place and must compute the same thing
+    when run again on the same input, RNG state aside (remat replays RNG).
+
+    Example:
+        >>> import torch, remat
+        >>> class Block(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(8, 8)
+        ...     @remat.stage
+        ...     def forward(self, x):
+        ...         return torch.relu(self.lin(x))
+        >>> Block()(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+    if isinstance(obj, torch.nn.Module):
+        if "forward" in obj.__dict__ and getattr(obj.__dict__["forward"], "__func__", None) is _module_forward:
+            return obj
+        if getattr(type(obj).forward, "_remat_stage", False):
+            return obj
+        obj.forward = types.MethodType(_module_forward, obj)
+        return obj
+    if not callable(obj):
+        raise TypeError(f"remat.stage needs a function, a method or an nn.Module, got {type(obj).__name__}")
+    if getattr(obj, "_remat_stage", False):
+        return obj
+    return _StageFunction(obj)
+
+
+class _StageFunction:
+    """A function marked as a stage; as a class attribute it binds like a method."""
+
+    _remat_stage = True
+
+    def __init__(self, fn, owner=None):
+        self.fn = fn
+        self.owner = owner
+        functools.update_wrapper(self, fn)
+        self.name = getattr(fn, "__qualname__", getattr(fn, "__name__", "stage"))
+
+    def __get__(self, instance, cls=None):
+        if instance is None:
+            return self
+        return _BoundStage(self.fn.__get__(instance, cls), instance, self.name)
+
+    def __call__(self, *args, **kwargs):
+        current = _active()
+        if current is None:
+            return self.fn(*args, **kwargs)
+        owner = self.owner
+        if owner is not None:
+            label = type(owner).__name__ if isinstance(owner, torch.nn.Module) else self.name
+            return current.call(owner, label, self.fn, args, kwargs, 0)
+        return current.call(self.fn, self.name, self.fn, args, kwargs, 0)
+
+
+class _BoundStage:
+    """A stage method bound to its instance (the instance is the stage's identity)."""
+
+    __slots__ = ("fn", "owner", "name")
+    _remat_stage = True
+
+    def __init__(self, fn, owner, name):
+        self.fn = fn
+        self.owner = owner
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        current = _active()
+        if current is None:
+            return self.fn(*args, **kwargs)
+        owner = self.owner
+        label = type(owner).__name__ if isinstance(owner, torch.nn.Module) else self.name
+        return current.call(owner, label, self.fn, args, kwargs, 0)
+
+
+def is_stage(obj):
+    """True if ``obj`` (a function or module) is a remat stage."""
+    if isinstance(obj, torch.nn.Module):
+        fwd = obj.__dict__.get("forward")
+        return getattr(fwd, "__func__", None) is _module_forward or getattr(type(obj).forward, "_remat_stage", False)
+    return getattr(obj, "_remat_stage", False)
+
+
+def unstage(module):
+    """Undo ``stage(module)`` on a module instance; returns the module."""
+    fwd = module.__dict__.get("forward")
+    if getattr(fwd, "__func__", None) is _module_forward:
+        del module.__dict__["forward"]
+    return module

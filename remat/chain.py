@@ -1,0 +1,537 @@
+"""``remat.chain``: stage calls inside it form a chain that is measured once,
+solved for the budget and then run on the schedule (DESIGN.md section 2).
+
+Note [Chain keys]
+-----------------
+A chain is keyed by its call site (code object and line of the ``with``, or
+the decorated function), the identity of its first stage (so two models of
+one class do not share measurements), the signature of the first stage's
+arguments (shape, dtype, device and requires_grad of every tensor, value of
+small Python values), the first stage module's training flag and the
+autocast state. A key seen before runs its schedule; a new budget re-solves
+from the cached costs; a new key measures. While running, each stage is
+checked against the recording (same stage object, same input shape): if the
+chain takes another path, the rest of it is measured again and the
+recording replaced. At most ``CACHE_SIZE`` keys are kept (least recently
+used first out).
+"""
+
+import collections
+import functools
+import sys
+import threading
+import weakref
+
+import torch
+
+from .budget import parse_budget, resolve_budget
+from .costs import Costs
+from .errors import BudgetError, RematError, StageError
+from .profile import Instrument, Timer, stage_leaves, storage_key
+from .replay import capture_autocast, capture_rng, cuda_devices, restore_tensors
+from .runtime import BWD, FALL, FCK, FN, Run, StageCall, replaying
+from .schedule import Schedule, B, Fall, Fck, Fn, Loss
+from .solve import DEFAULT_SLOTS, _parse_algorithm, solve
+from .units import format_bytes
+
+__all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
+
+CACHE_SIZE = 64
+_CODES = {Fn: FN, Fck: FCK, Fall: FALL, B: BWD}
+_local = threading.local()
+_cache = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def clear_cache():
+    """Forget every recorded chain (the next call of each measures again)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def active():
+    """The chain being recorded or run on this thread, or None."""
+    return getattr(_local, "active", None)
+
+
+class Explanation:
+    """What remat knows about one chain: costs, budget, schedule."""
+
+    def __init__(self, costs, schedule, budget, names):
+        self.costs = costs
+        self.schedule = schedule
+        self.budget = budget
+        self.names = names
+
+    def table(self):
+        """Per-stage costs and the op each stage gets in the forward phase."""
+        modes = self.schedule.forward_modes() if self.schedule is not None else []
+        lines = self.costs.table().splitlines()
+        out = [lines[0] + "  forward   name", lines[1]]
+        for i, line in enumerate(lines[2:]):
+            mode = modes[i].__name__ if i < len(modes) else "-"
+            out.append(f"{line}  {mode:<8}  {self.names[i] if i < len(self.names) else ''}")
+        return "\n".join(out)
+
+    def __str__(self):
+        head = f"remat chain of {self.costs.length} stages, budget {format_bytes(self.budget)}"
+        if self.schedule is None:
+            return head + "\n" + self.table()
+        return f"{head}\n{self.schedule.summary()}\n{self.table()}\nschedule:\n{self.schedule}"
+
+
+def explain():
+    """The ``Explanation`` of the latest chain call, or None before any.
+
+    Example:
+        >>> import remat
+        >>> remat.explain() is None or hasattr(remat.explain(), "schedule")
+        True
+    """
+    return chain.last
+
+
+class _Recording:
+    """What the measuring call of one key learned, and the plans solved from it."""
+
+    def __init__(self):
+        self.idents = []      # weak references to each stage's object
+        self.names = []
+        self.in_sigs = []     # (shape, dtype) of each stage input
+        self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
+        self.uses_rng = []
+        self.state = []       # per stage: weak references to tensors it writes in place
+        self.rows = []        # per stage: dict of cost fields
+        self.input_bytes = 0
+        self.costs = None
+        self.plans = {}
+
+    def plan(self, budget, algorithm, slots):
+        key = (budget, algorithm, slots)
+        plan = self.plans.get(key)
+        if plan is None:
+            schedule = solve(self.costs, budget, algorithm, slots)
+            ops = schedule.ops
+            split = ops.index(Loss)
+            modes = [None] + [_CODES[type(op)] for op in ops[:split]]
+            back = tuple((_CODES[type(op)], op.stage) for op in ops[split + 1:])
+            fall_at = {i: j for j, (code, i) in enumerate(back) if code == FALL}
+            plan = (schedule, modes, back, fall_at)
+            if len(self.plans) > 16:
+                self.plans.clear()
+            self.plans[key] = plan
+        return plan
+
+
+class chain:
+    """Stage calls inside form a chain run under a memory budget.
+
+    Use it as a context manager around the loop that calls the stages, or
+    as a decorator of a function that calls them.
+
+    Args:
+        budget: activation memory allowed, as an int of bytes, a string
+            with a unit ("900MB", "1.5GiB") or "auto" (free device memory
+            less 10%).
+        algorithm: "optimal" (default), "store_all", "min_memory", "sqrt"
+            or "periodic(k)".
+        slots: memory resolution of the optimal solver.
+
+    Raises:
+        BudgetError: malformed budget (at once), or a budget below the
+            chain's minimum (at the end of the first call; the message gives
+            the minimum). Nothing is lost: the model, RNG and BatchNorm state
+            are as before the call and the next call re-solves without
+            measuring again.
+        StageError: misuse inside the chain (the message names the stage).
+
+    Example:
+        >>> import torch, remat
+        >>> lin = remat.stage(torch.nn.Linear(4, 4))
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> with remat.chain(budget="1MiB"):
+        ...     y = lin(lin(x))
+        >>> y.sum().backward()
+    """
+
+    last = None
+
+    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS):
+        self.budget = parse_budget(budget)
+        _parse_algorithm(algorithm, 1)
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"remat: slots must be a positive int, got {slots!r}")
+        self.algorithm = algorithm
+        self.slots = slots
+        self._site = None
+
+    def __enter__(self):
+        if active() is not None:
+            raise StageError(
+                "remat: chains cannot be nested; a chain is already open on this thread. Remove "
+                "the inner remat.chain (its stages then join the outer chain) or close the outer one first"
+            )
+        site = self._site
+        if site is None:
+            frame = sys._getframe(1)
+            site = (frame.f_code, frame.f_lineno)
+        _local.active = _Active(self, site)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        current = _local.active
+        _local.active = None
+        if exc_type is None:
+            current.finish()
+        return False
+
+    def __call__(self, fn):
+        spec = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            inner = chain.__new__(chain)
+            inner.__dict__.update(spec.__dict__)
+            inner._site = (fn.__code__ if hasattr(fn, "__code__") else fn, 0)
+            with inner:
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def _signature(value):
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def _find_activation(args, kwargs, start):
+    for i in range(start, len(args)):
+        if isinstance(args[i], torch.Tensor):
+            return i, None, args[i]
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            return None, name, value
+    return None, None, None
+
+
+class _Active:
+    """One open chain on one thread (one call of the user's forward)."""
+
+    def __init__(self, spec, site):
+        self.spec = spec
+        self.site = site
+        self.k = 0
+        self.prev = None
+        self.prev_version = 0
+        self.prev_name = None
+        self.mode = None
+        self.in_stage = False
+        self.entry = None
+        self.key = None
+        self.run = None
+        self.plan = None
+        self.budget = None
+        self.new = None
+        self.diverged = 0
+        self.rng_start = None
+        self.originals = {}
+
+    # stage calls ---------------------------------------------------------
+
+    def call(self, ident, name, fn, args, kwargs, start):
+        if self.in_stage or replaying() or not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        pos, in_kw, x = _find_activation(args, kwargs, start)
+        if x is None:
+            raise StageError(
+                f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor "
+                f"argument of a stage is the activation that flows along the chain"
+            )
+        k = self.k + 1
+        if k == 1:
+            self._begin(ident, args, kwargs, x)
+        elif x is not self.prev:
+            raise StageError(
+                f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({self.prev_name}) "
+                f"returned; code between the two stages changed the activation. Move that code into "
+                f"stage {k - 1} or {k}, or make it a stage of its own"
+            )
+        elif x._version != self.prev_version:
+            raise StageError(
+                f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "
+                f"stage {k} ({name}); move the in-place code into one of the stages"
+            )
+        self.k = k
+        call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
+        if self.mode == "run" and not self._matches(k, ident, x):
+            self._diverge(k)
+        version = x._version
+        self.in_stage = True
+        try:
+            if self.mode == "run":
+                out = self._run_stage(call, x)
+            else:
+                out = self._measure_stage(call, ident, x)
+        except BaseException as exc:
+            if hasattr(exc, "add_note") and not isinstance(exc, RematError):
+                exc.add_note(f"(raised in remat stage {k}: {name})")
+            raise
+        finally:
+            self.in_stage = False
+        act = out[0] if isinstance(out, tuple) else out
+        if not isinstance(act, torch.Tensor):
+            raise StageError(
+                f"remat: stage {k} ({name}) returned {type(act).__name__}; a stage must return its "
+                f"output activation as a tensor, or a tuple whose first item is that tensor"
+            )
+        if isinstance(out, tuple):
+            for item in out[1:]:
+                if isinstance(item, torch.Tensor) and item.requires_grad:
+                    raise StageError(
+                        f"remat: stage {k} ({name}) returned a tuple whose item {out.index(item)} "
+                        f"requires grad; only the first item may carry gradient (detach the others)"
+                    )
+        if x._version != version:
+            raise StageError(
+                f"remat: stage {k} ({name}) modified its input in place (e.g. a ReLU(inplace=True) "
+                f"as its first op); remat needs the input unchanged to recompute the stage. Make "
+                f"that op out of place or move it to the end of stage {k - 1}"
+            )
+        self.prev = act
+        self.prev_version = act._version
+        self.prev_name = name
+        return out
+
+    def _begin(self, ident, args, kwargs, x):
+        autocast = capture_autocast()
+        training = getattr(ident, "training", None)
+        self.key = (self.site, id(ident), _signature((args[1:] if args and args[0] is ident else args, kwargs)),
+                    training, autocast)
+        self.autocast = autocast
+        with _cache_lock:
+            entry = _cache.get(self.key)
+            if entry is not None:
+                if entry.idents[0]() is not ident:
+                    entry = None
+                    del _cache[self.key]
+                else:
+                    _cache.move_to_end(self.key)
+        self.entry = entry
+        self.budget = resolve_budget(self.spec.budget, x.device)
+        if entry is not None and entry.costs is not None:
+            self.plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
+            schedule, modes, back, fall_at = self.plan
+            self.mode = "run"
+            self.run = Run(back, fall_at, autocast)
+        else:
+            self.mode = "measure"
+            self.new = _Recording()
+            self.run = Run(None, {}, autocast)
+            self.rng_start = capture_rng(cuda_devices([x]))
+
+    def _matches(self, k, ident, x):
+        entry = self.entry
+        if k > len(entry.idents):
+            return False
+        return entry.idents[k - 1]() is ident and entry.in_sigs[k - 1] == (tuple(x.shape), x.dtype)
+
+    def _diverge(self, k):
+        """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
+        old = self.entry
+        new = _Recording()
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "state", "rows"):
+            setattr(new, attr, list(getattr(old, attr)[:k - 1]))
+        new.input_bytes = old.input_bytes
+        self.new = new
+        self.mode = "measure"
+        self.run.ops = None
+        self.diverged = k
+
+    def _run_stage(self, call, x):
+        entry, run, k = self.entry, self.run, call.index
+        call.meta = entry.meta[k - 1]
+        call.state = entry.state[k - 1]
+        mode = self.plan[1][k]
+        if mode == FALL:
+            run.add_whole(call)
+            return call.fn(*call.args, **call.kwargs)
+        if entry.uses_rng[k - 1]:
+            call.rng = capture_rng(cuda_devices([x]))
+        keep = mode == FCK or (k > 1 and run.whole[k - 1])
+        anchor, pack, count = run.new_anchor(call, keep, x)
+        with run.hooks(pack):
+            out = call.fn(*call.args, **call.kwargs)
+        run.settle(anchor, count[0])
+        return out
+
+    # measuring (Note [Measuring a stage] in remat/profile.py) -----------
+
+    def _measure_stage(self, call, ident, x):
+        run, new, k = self.run, self.new, call.index
+        cuda = x.is_cuda
+        devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
+        rng0 = capture_rng(devices)
+        row, meta, originals, uses_rng = _instrumented(call, ident, x, cuda, rng0)
+        state = [t for t, _ in originals]
+        for t, old in originals:
+            self.originals.setdefault(storage_key(t), (t, old))
+        with rng0.replayed(), restore_tensors(state), torch.no_grad(), Timer(cuda) as timer:
+            call.call(x)
+        row["fwd_nograd_time"] = timer.seconds
+        row["fwd_time"], row["bwd_time"] = _timed_step(call, x, cuda, rng0, state)
+        # the forward that counts: checkpoint the input, keep the saved tensors
+        # until the next stage starts so the last stage needs no recomputation
+        prev_anchor = run._anchor(k - 1) if k > 1 else None
+        if prev_anchor is not None:
+            prev_anchor.saved = None
+        call.meta = meta
+        call.state = [weakref.ref(t) for t in state]
+        call.rng = rng0 if uses_rng else None
+        anchor, _, count = run.new_anchor(call, True, x)
+        kept = []
+
+        def pack(t):
+            i = len(kept)
+            kept.append(t.detach())
+            from .runtime import _Saved
+            return _Saved(anchor, i)
+
+        with run.hooks(pack):
+            out = call.fn(*call.args, **call.kwargs)
+        anchor.saved = kept
+        run.settle(anchor, len(kept))
+        if k == 1:
+            new.input_bytes = x.untyped_storage().nbytes()
+        new.idents.append(weakref.ref(ident))
+        new.names.append(call.name)
+        new.in_sigs.append((tuple(x.shape), x.dtype))
+        new.meta.append(meta)
+        new.uses_rng.append(uses_rng)
+        new.state.append(call.state)
+        new.rows.append(row)
+        return out
+
+    # end of the chain ----------------------------------------------------
+
+    def finish(self):
+        if self.k == 0:
+            return
+        if self.mode == "run":
+            if self.k != len(self.entry.idents):
+                self.run.ops = None
+                with _cache_lock:
+                    _cache.pop(self.key, None)
+            chain.last = Explanation(self.entry.costs, self.plan[0], self.budget, self.entry.names)
+            return
+        new = self.new
+        fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+        new.costs = Costs(**{f: [row[f] for row in new.rows] for f in fields}, input_bytes=new.input_bytes)
+        with _cache_lock:
+            _cache[self.key] = new
+            _cache.move_to_end(self.key)
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+        try:
+            schedule = new.plan(self.budget, self.spec.algorithm, self.spec.slots)[0]
+        except RematError:
+            self._undo()
+            chain.last = Explanation(new.costs, None, self.budget, new.names)
+            raise
+        chain.last = Explanation(new.costs, schedule, self.budget, new.names)
+
+    def _undo(self):
+        """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""
+        if self.rng_start is not None:
+            torch.set_rng_state(self.rng_start.cpu)
+            for d, s in self.rng_start.cuda:
+                torch.cuda.set_rng_state(s, d)
+        with torch.no_grad():
+            for t, old in self.originals.values():
+                t.copy_(old)
+
+
+def _instrumented(call, ident, x, cuda, rng0):
+    """Run 1 of Note [Measuring a stage]: sizes, peaks, saved metadata, state."""
+    inst = Instrument(exclude=[x])
+    buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    xin = x.detach().requires_grad_(x.requires_grad)
+    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    row = {}
+    with rng0.replayed():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        with inst, torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = call.call(xin)
+            fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
+            out_bytes = out.untyped_storage().nbytes()
+            keys = {}
+            for t in saved + [out]:
+                key = storage_key(t)
+                if key in inst.created:
+                    keys[key] = inst.created[key]
+            saved_bytes = max(sum(keys.values()), out_bytes)
+            meta = tuple((t.shape, t.dtype, t.device) for t in saved)
+            bwd_delta = 0
+            in_grad = 0
+            if out.requires_grad:
+                leaves = [xin] if xin.requires_grad else []
+                leaves += [v for v in stage_leaves(out, stop) if v is not xin]
+                if leaves:
+                    grad_out = torch.ones_like(out)
+                    del saved[:]
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base_b = torch.cuda.memory_allocated()
+                    else:
+                        base_b = inst.reset_peak()
+                    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+                    peak_b = torch.cuda.max_memory_allocated() if cuda else inst.peak
+                    bwd_delta = peak_b - base_b
+                    in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
+                    del grads, grad_out
+            del out
+        uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu) or any(
+            not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in rng0.cuda)
+    inst.note_changed(buffers)
+    originals = list(inst.mutated.values())
+    inst.restore()
+    row["out_bytes"] = out_bytes
+    row["saved_bytes"] = saved_bytes
+    row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
+    row["bwd_tmp"] = max(0, bwd_delta - in_grad)
+    return row, meta, originals, uses_rng
+
+
+def _timed_step(call, x, cuda, rng0, state):
+    """Run 3 of Note [Measuring a stage]: forward and backward times on a detached copy."""
+    xin = x.detach().requires_grad_(x.requires_grad)
+    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    with rng0.replayed(), restore_tensors(state), torch.enable_grad():
+        with Timer(cuda) as tf:
+            out = call.call(xin)
+        tb = 0.0
+        if out.requires_grad:
+            leaves = ([xin] if xin.requires_grad else []) + [v for v in stage_leaves(out, stop) if v is not xin]
+            if leaves:
+                grad_out = torch.ones_like(out)
+                with Timer(cuda) as timer:
+                    torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+                tb = timer.seconds
+    return tf.seconds, tb

@@ -1,0 +1,313 @@
+"""Executing a schedule with saved-tensor hooks (DESIGN.md section 2, step 3).
+
+Note [The life of a saved tensor]
+---------------------------------
+1. In the forward phase a stage whose op is ``Fall`` runs with no hooks at
+   all: autograd keeps what it saves, exactly as in plain PyTorch. A stage
+   run as ``Fn`` or ``Fck`` runs under a pack hook that hands autograd a small
+   ``_Saved`` handle (stage anchor, index) instead of the tensor, so nothing
+   it saves outlives the stage.
+2. Each such stage has an ``_Anchor``: the stage's input a^(i-1) when it is
+   held (``Fck`` keeps it), and, once recomputed, the list of its saved
+   tensors. Only the handles hold the anchor strongly; the ``Run`` holds it
+   weakly. When the engine has run the last node of stage i it releases the
+   handles, the anchor goes, and with it a^(i-1) and a-bar^i: exactly the
+   moment ``B(i)`` frees them in ``simulate``. With ``retain_graph=True`` the
+   handles stay, and so does what a second backward needs.
+3. The first time the engine unpacks a handle of stage i whose anchor holds
+   no saved tensors, ``Run.materialize(i)`` executes the schedule's ops from
+   its cursor up to the ``Fall(i)`` that makes a-bar^i: ``Fn``/``Fck`` under
+   ``no_grad``, ``Fall`` with grad enabled under a collecting pack hook. ``B``
+   ops are the engine's own and are skipped. A recomputed a^k goes to the
+   anchor of stage k+1, ``Fn(k+1)`` drops it again.
+4. If the cursor has already passed that ``Fall(i)`` (the engine visited
+   stages out of chain order) or the run has no ops (a measuring call),
+   stage i is rebuilt from the nearest held input below it. Slower, never
+   wrong.
+5. Every recomputation replays RNG, autocast and in-place state (see
+   remat/replay.py), and its saved tensors are checked against what the
+   first forward saved (count, shape, dtype, device).
+"""
+
+import threading
+import weakref
+
+import torch
+
+from .errors import RecomputeMismatchError, StageError
+from .replay import restore_tensors
+
+__all__ = ["Run", "StageCall", "replaying"]
+
+_local = threading.local()
+
+FN, FCK, FALL, BWD = 0, 1, 2, 3
+
+
+def replaying():
+    """True while remat recomputes a stage on this thread (stages run plainly)."""
+    return getattr(_local, "replaying", False)
+
+
+class StageCall:
+    """One stage's call in one run: what it needs to run again."""
+
+    __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "meta",
+                 "input_requires_grad")
+
+    def __init__(self, index, name, fn, args, kwargs, pos, in_kw, input_requires_grad):
+        self.index = index
+        self.name = name
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.pos = pos
+        self.in_kw = in_kw
+        self.rng = None
+        self.state = ()
+        self.meta = None
+        self.input_requires_grad = input_requires_grad
+
+    def call(self, x):
+        """Run the stage on activation ``x`` with its side inputs; return the activation out."""
+        if self.in_kw is not None:
+            kwargs = dict(self.kwargs)
+            kwargs[self.in_kw] = x
+            out = self.fn(*self.args, **kwargs)
+        else:
+            args = list(self.args)
+            args[self.pos] = x
+            out = self.fn(*args, **self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Anchor:
+    __slots__ = ("run", "stage", "input", "saved", "__weakref__")
+
+    def __init__(self, run, stage):
+        self.run = run
+        self.stage = stage
+        self.input = None
+        self.saved = None
+
+
+class _Saved:
+    __slots__ = ("anchor", "index")
+
+    def __init__(self, anchor, index):
+        self.anchor = anchor
+        self.index = index
+
+
+def _unpack(handle):
+    anchor = handle.anchor
+    saved = anchor.saved
+    if saved is None:
+        anchor.run.materialize(anchor.stage)
+        saved = anchor.saved
+    return saved[handle.index]
+
+
+def _never(_):
+    raise RuntimeError("remat: a recomputation's own graph was backwarded; please report this bug")
+
+
+class Run:
+    """One execution of a chain: the stage calls and the backward cursor."""
+
+    def __init__(self, ops, fall_at, autocast):
+        self.ops = ops            # backward-phase ops as (code, stage) or None
+        self.fall_at = fall_at    # stage -> index in ops of its Fall
+        self.cursor = 0
+        self.calls = [None]       # 1-based StageCall list
+        self.anchors = [None]     # 1-based weak references
+        self.orphans = {}         # stage -> input, for stages autograd saved nothing of
+        self.whole = [False]      # stage was recorded in the forward phase (Fall)
+        self.autocast = autocast
+
+    # forward phase ------------------------------------------------------
+
+    def new_anchor(self, call, keep_input, x):
+        """Register stage ``call.index`` as dropped by hooks; return (anchor, pack)."""
+        anchor = _Anchor(self, call.index)
+        if keep_input:
+            anchor.input = x.detach()
+        self.calls.append(call)
+        self.anchors.append(weakref.ref(anchor))
+        self.whole.append(False)
+        count = [0]
+
+        def pack(_tensor):
+            i = count[0]
+            count[0] = i + 1
+            return _Saved(anchor, i)
+
+        return anchor, pack, count
+
+    def add_whole(self, call):
+        """Register a stage run with no hooks (Fall in the forward phase)."""
+        self.calls.append(call)
+        self.anchors.append(None)
+        self.whole.append(True)
+
+    def settle(self, anchor, packed):
+        """After a hooked forward: keep the input of a stage autograd saved nothing of."""
+        if packed == 0 and anchor.input is not None:
+            self.orphans[anchor.stage] = anchor.input
+
+    hooks = staticmethod(lambda pack: torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
+
+    # backward phase -----------------------------------------------------
+
+    def _anchor(self, k):
+        ref = self.anchors[k] if k < len(self.anchors) else None
+        anchor = ref() if ref is not None else None
+        if anchor is None and k in self.orphans:
+            anchor = _Anchor(self, k)
+            anchor.input = self.orphans[k]
+        return anchor
+
+    def _input(self, k):
+        anchor = self._anchor(k)
+        x = anchor.input if anchor is not None else None
+        if x is None:
+            raise StageError(
+                f"remat: the input of stage {k} is needed to recompute it but is no longer held; "
+                f"please report this bug"
+            )
+        return x
+
+    def _give(self, k, x):
+        """Hand a^(k-1) = x to stage k's anchor, if that stage still needs it."""
+        if k < len(self.anchors):
+            anchor = self._anchor(k)
+            if anchor is not None and anchor.input is None:
+                anchor.input = x
+                if k in self.orphans:
+                    self.orphans[k] = x
+
+    def materialize(self, k):
+        """Recompute what stage k's backward needs (Note [The life of a saved tensor], 3-4)."""
+        ops = self.ops
+        pos = self.fall_at.get(k) if ops is not None else None
+        if pos is not None and pos >= self.cursor:
+            start, self.cursor = self.cursor, pos + 1
+            for code, i in ops[start:pos + 1]:
+                if code != BWD:
+                    self._execute(code, i)
+            anchor = self._anchor(k)
+            if anchor is not None and anchor.saved is not None:
+                return
+        self._rebuild(k)
+
+    def _rebuild(self, k):
+        j = k
+        while j >= 1:
+            anchor = self._anchor(j) if not self.whole[j] else None
+            if anchor is not None and anchor.input is not None:
+                break
+            j -= 1
+        if j < 1:
+            raise StageError(f"remat: no held input to rebuild stage {k} from; please report this bug")
+        x = self._anchor(j).input
+        for i in range(j, k):
+            x = self._forward(self.calls[i], x, grad=False)
+        self._record(k, x)
+
+    def _execute(self, code, i):
+        if code == FALL:
+            self._record(i, self._input(i))
+            return
+        anchor = self._anchor(i)
+        out = self._forward(self.calls[i], self._input(i), grad=False)
+        if code == FN and not (i > 1 and self.whole[i - 1]):
+            anchor.input = None
+            self.orphans.pop(i, None)
+        self._give(i + 1, out)
+
+    def _forward(self, call, x, grad):
+        """Run ``call`` again on ``x`` replaying its state; return its output (detached)."""
+        _local.replaying = True
+        try:
+            with _Replay(call, self.autocast):
+                if grad:
+                    return call.call(x)
+                with torch.no_grad():
+                    return call.call(x).detach()
+        except (StageError, RecomputeMismatchError):
+            raise
+        except Exception as exc:
+            raise StageError(
+                f"remat: stage {call.index} ({call.name}) raised {type(exc).__name__} while being "
+                f"recomputed during backward: {exc}. It ran in the forward pass: make the stage a "
+                f"pure function of its inputs, parameters and RNG"
+            ) from exc
+        finally:
+            _local.replaying = False
+
+    def _record(self, k, x):
+        """Fall(k): recompute stage k recording, collect what autograd saves."""
+        call = self.calls[k]
+        saved = []
+
+        def pack(t):
+            saved.append(t.detach() if t.requires_grad else t)
+            return None
+
+        inp = x.detach().requires_grad_(call.input_requires_grad)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
+            out = self._forward(call, inp, grad=True)
+        _check(call, saved)
+        anchor = self._anchor(k)
+        if anchor is None:
+            return
+        anchor.saved = saved
+        self._give(k + 1, out.detach())
+
+
+class _Replay:
+    """Context: RNG streams, autocast state and in-place state of one stage (remat/replay.py)."""
+
+    __slots__ = ("call", "autocast", "_stack")
+
+    def __init__(self, call, autocast):
+        self.call = call
+        self.autocast = autocast
+
+    def __enter__(self):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self.call.rng is not None:
+            stack.enter_context(self.call.rng.replayed())
+        if self.autocast is not None:
+            stack.enter_context(self.autocast.context())
+        if self.call.state:
+            live = [t for t in (r() for r in self.call.state) if t is not None]
+            stack.enter_context(restore_tensors(live))
+        self._stack = stack.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+
+def _check(call, saved):
+    """The determinism guard (Note [The life of a saved tensor], 5)."""
+    meta = call.meta
+    if meta is None:
+        return
+    if len(saved) != len(meta):
+        raise RecomputeMismatchError(
+            f"remat: stage {call.index} ({call.name}) saved {len(meta)} tensors in its forward but "
+            f"{len(saved)} when recomputed. The stage must take the same path each time it runs: "
+            f"make control flow depend only on its inputs' shapes, not on values or global state"
+        )
+    for j, (t, (shape, dtype, device)) in enumerate(zip(saved, meta)):
+        if t.shape != shape or t.dtype != dtype or t.device != device:
+            raise RecomputeMismatchError(
+                f"remat: stage {call.index} ({call.name}) saved tensor {j} as "
+                f"{tuple(shape)} {dtype} on {device} in its forward but as {tuple(t.shape)} "
+                f"{t.dtype} on {t.device} when recomputed; the stage must compute the same "
+                f"thing each time it runs"
+            )
