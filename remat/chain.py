@@ -361,13 +361,13 @@ class _Active:
         mode = self.plan[1][k]
         if mode == FALL:
             run.add_whole(call)
-            return call.fn(*call.args, **call.kwargs)
+            return call.invoke(x)
         if entry.uses_rng[k - 1]:
             call.rng = capture_rng(cuda_devices([x]))
         keep = mode == FCK or (k > 1 and run.whole[k - 1])
         anchor, pack, count = run.new_anchor(call, keep, x)
         with run.hooks(pack):
-            out = call.fn(*call.args, **call.kwargs)
+            out = call.invoke(x)
         run.settle(anchor, count[0])
         return out
 
@@ -404,7 +404,7 @@ class _Active:
             return _Saved(anchor, i)
 
         with run.hooks(pack):
-            out = call.fn(*call.args, **call.kwargs)
+            out = call.invoke(x)
         anchor.saved = kept
         run.settle(anchor, len(kept))
         if k == 1:
@@ -500,10 +500,12 @@ def _instrumented(call, ident, x, cuda, rng0):
                         torch.cuda.reset_peak_memory_stats()
                         base_b = torch.cuda.memory_allocated()
                     else:
-                        base_b = inst.reset_peak()
+                        inst.open_window()
                     grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-                    peak_b = torch.cuda.max_memory_allocated() if cuda else inst.peak
-                    bwd_delta = peak_b - base_b
+                    if cuda:
+                        bwd_delta = torch.cuda.max_memory_allocated() - base_b
+                    else:
+                        bwd_delta = inst.window_peak
                     in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
                     del grads, grad_out
             del out

@@ -56,18 +56,26 @@ class Instrument(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.window = set()
+        self.window_live = 0
+        self.window_peak = 0
         self.created = {}
         self.mutated = {}
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
 
-    def reset_peak(self):
-        """Start a new peak window at the current live bytes; return them."""
-        self.peak = self.live
-        return self.live
+    def open_window(self):
+        """From now on also meter storages allocated after this call on their own
+        (``window_peak``): what a region adds, however much older memory it frees."""
+        self.window = set()
+        self.window_live = 0
+        self.window_peak = 0
 
     def _free(self, key, nbytes):
         if self.created.pop(key, None) is not None:
             self.live -= nbytes
+            if key in self.window:
+                self.window.discard(key)
+                self.window_live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -101,6 +109,9 @@ class Instrument(TorchDispatchMode):
                 self.created[key] = nbytes
                 self.live += nbytes
                 self.peak = max(self.peak, self.live)
+                self.window.add(key)
+                self.window_live += nbytes
+                self.window_peak = max(self.window_peak, self.window_live)
                 weakref.finalize(st, self._free, key, nbytes)
         return out
 

@@ -59,6 +59,12 @@ class StageCall:
         self.index = index
         self.name = name
         self.fn = fn
+        # never hold the activation itself: only its side inputs
+        if in_kw is not None:
+            kwargs = dict(kwargs)
+            kwargs[in_kw] = None
+        else:
+            args = args[:pos] + (None,) + args[pos + 1:]
         self.args = args
         self.kwargs = kwargs
         self.pos = pos
@@ -70,15 +76,21 @@ class StageCall:
 
     def call(self, x):
         """Run the stage on activation ``x`` with its side inputs; return the activation out."""
+        return first(self.invoke(x))
+
+    def invoke(self, x):
+        """Run the stage on activation ``x``; return what it returns."""
         if self.in_kw is not None:
             kwargs = dict(self.kwargs)
             kwargs[self.in_kw] = x
-            out = self.fn(*self.args, **kwargs)
-        else:
-            args = list(self.args)
-            args[self.pos] = x
-            out = self.fn(*args, **self.kwargs)
-        return out[0] if isinstance(out, tuple) else out
+            return self.fn(*self.args, **kwargs)
+        args = self.args
+        return self.fn(*args[:self.pos], x, *args[self.pos + 1:], **self.kwargs)
+
+
+def first(out):
+    """The activation of what a stage returned."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 class _Anchor:

@@ -1,0 +1,22 @@
+"""What every model of ``remat.models`` shares: opening its chain."""
+
+import contextlib
+
+__all__ = ["open_chain"]
+
+
+def open_chain(budget):
+    """The context a model's forward runs its stages in.
+
+    With ``budget=None`` the stages run as plain PyTorch (no chain). The
+    chain module is imported only when a budget is given, so building and
+    running a model without one never touches the runtime.
+
+    Call it directly in a ``with`` statement in the model's forward: the chain
+    is keyed by the line of that ``with`` (see Note [Chain keys] in
+    remat/chain.py).
+    """
+    if budget is None:
+        return contextlib.nullcontext()
+    from ..chain import chain
+    return chain(budget=budget)

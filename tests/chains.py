@@ -1,0 +1,168 @@
+"""Random chains of small stages, and the plain-PyTorch reference to hold them to (tests only)."""
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remat
+
+SEQ_KINDS = ("linear", "mlp", "ln", "dropout", "gelu", "relu", "bn", "attn", "tied")
+IMG_KINDS = ("conv", "bn2d", "relu", "gelu", "dropout", "convblock")
+
+
+class Attention(nn.Module):
+    """A small causal self-attention block; the mask is a side input."""
+
+    def __init__(self, d, p):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) + mask
+        return x + self.proj(self.drop(att.softmax(-1)) @ v)
+
+
+class Stage(nn.Module):
+    """One stage wrapping ``body``; ``takes_mask`` stages get the mask side input."""
+
+    def __init__(self, kind, body, takes_mask=False):
+        super().__init__()
+        self.kind = kind
+        self.body = body
+        self.takes_mask = takes_mask
+
+    @remat.stage
+    def forward(self, x, mask=None):
+        if self.takes_mask:
+            return self.body(x, mask)
+        if self.kind == "bn":
+            return self.body(x.transpose(1, 2)).transpose(1, 2)
+        return self.body(x)
+
+
+class TiedLinear(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.shared = [shared]   # not registered twice: the owner registers it
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.shared[0].weight, self.shared[0].bias))
+
+
+def make_stage(kind, d, p, shared):
+    if kind == "linear":
+        return Stage(kind, nn.Linear(d, d))
+    if kind == "mlp":
+        return Stage(kind, nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(p), nn.Linear(2 * d, d)))
+    if kind == "ln":
+        return Stage(kind, nn.LayerNorm(d))
+    if kind == "dropout":
+        return Stage(kind, nn.Dropout(p))
+    if kind == "gelu":
+        return Stage(kind, nn.GELU())
+    if kind == "relu":
+        return Stage(kind, nn.ReLU())
+    if kind == "bn":
+        return Stage(kind, nn.BatchNorm1d(d))
+    if kind == "attn":
+        return Stage(kind, Attention(d, p), takes_mask=True)
+    if kind == "tied":
+        return Stage(kind, TiedLinear(shared))
+    if kind == "conv":
+        return Stage(kind, nn.Conv2d(d, d, 3, padding=1))
+    if kind == "bn2d":
+        return Stage(kind, nn.BatchNorm2d(d))
+    if kind == "convblock":
+        return Stage(kind, nn.Sequential(nn.Conv2d(d, d, 3, padding=1), nn.BatchNorm2d(d), nn.ReLU()))
+    raise ValueError(kind)
+
+
+class Net(nn.Module):
+    """A chain of stages; ``budget=None`` runs them plainly."""
+
+    def __init__(self, kinds, d=8, p=0.25, image=False):
+        super().__init__()
+        self.shared = nn.Linear(d, d)
+        self.stages = nn.ModuleList(make_stage(k, d, p, self.shared) for k in kinds)
+        self.image = image
+        self.d = d
+        self.budget = None
+        self.algorithm = "optimal"
+
+    def forward(self, x, mask):
+        if self.budget is None:
+            for s in self.stages:
+                x = s(x, mask)
+            return x
+        with remat.chain(budget=self.budget, algorithm=self.algorithm):
+            for s in self.stages:
+                x = s(x, mask)
+        return x
+
+
+def make_input(net, batch=4, length=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if net.image:
+        x = torch.randn(batch, net.d, length, length, generator=g)
+    else:
+        x = torch.randn(batch, length, net.d, generator=g)
+    mask = torch.full((length, length), float("-inf")).triu(1)
+    return x.requires_grad_(), mask
+
+
+def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6):
+    """Run ``steps`` training steps; return everything a comparison needs."""
+    torch.manual_seed(seed)
+    params = list(net.parameters())
+    optim = torch.optim.SGD(params, lr=0.1) if opt == "sgd" else torch.optim.Adam(params, lr=0.01)
+    record = []
+    for step in range(steps):
+        x, mask = make_input(net, batch, length, seed=seed + step)
+        target = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 100 + step))
+        y = net(x, mask)
+        loss = (y * target).sum()
+        optim.zero_grad()
+        loss.backward()
+        record.append((loss.detach(), x.grad.clone(), [None if p.grad is None else p.grad.clone() for p in params]))
+        optim.step()
+    return {
+        "steps": record,
+        "buffers": [b.clone() for b in net.buffers()],
+        "params": [p.detach().clone() for p in params],
+    }
+
+
+def assert_same(ref, got, exact=True):
+    """Every loss, gradient, buffer and parameter equal: bitwise if ``exact``."""
+    def check(a, b, what):
+        if a is None or b is None:
+            assert a is None and b is None, what
+        elif exact:
+            assert torch.equal(a, b), f"{what} differs: max abs {(a - b).abs().max().item()}"
+        else:
+            torch.testing.assert_close(a, b, msg=what)
+
+    for i, ((la, xa, ga), (lb, xb, gb)) in enumerate(zip(ref["steps"], got["steps"])):
+        check(la, lb, f"loss of step {i}")
+        check(xa, xb, f"input grad of step {i}")
+        for j, (a, b) in enumerate(zip(ga, gb)):
+            check(a, b, f"grad of parameter {j} at step {i}")
+    for j, (a, b) in enumerate(zip(ref["buffers"], got["buffers"])):
+        check(a, b, f"buffer {j}")
+    for j, (a, b) in enumerate(zip(ref["params"], got["params"])):
+        check(a, b, f"parameter {j} after the steps")
+
+
+def measured_costs(net, batch=4, length=6):
+    """Measure ``net``'s chain once (on a copy) and return its Costs."""
+    probe = copy.deepcopy(net)
+    probe.budget, probe.algorithm = 2**50, "store_all"
+    x, mask = make_input(probe, batch, length)
+    probe(x, mask).sum().backward()
+    return remat.explain().costs
