@@ -120,7 +120,7 @@ def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6):
     """Run ``steps`` training steps; return everything a comparison needs."""
     torch.manual_seed(seed)
     params = list(net.parameters())
-    optim = torch.optim.SGD(params, lr=0.1) if opt == "sgd" else torch.optim.Adam(params, lr=0.01)
+    optim = torch.optim.SGD(params, lr=0.01) if opt == "sgd" else torch.optim.Adam(params, lr=0.01)
     record = []
     for step in range(steps):
         x, mask = make_input(net, batch, length, seed=seed + step)
@@ -144,7 +144,7 @@ def assert_same(ref, got, exact=True):
         if a is None or b is None:
             assert a is None and b is None, what
         elif exact:
-            assert torch.equal(a, b), f"{what} differs: max abs {(a - b).abs().max().item()}"
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
         else:
             torch.testing.assert_close(a, b, msg=what)
 

