@@ -5,10 +5,12 @@ import contextlib
 __all__ = ["open_chain"]
 
 
-def open_chain(budget):
-    """The context a model's forward runs its stages in.
+def open_chain(model):
+    """The context ``model``'s forward runs its stages in.
 
-    With ``budget=None`` the stages run as plain PyTorch (no chain). The
+    The chain gets ``model.budget`` and ``model.algorithm`` (see
+    ``remat.chain``); with ``model.budget`` None the stages run as plain
+    PyTorch (no chain). The
     chain module is imported only when a budget is given, so building and
     running a model without one never touches the runtime.
 
@@ -16,7 +18,7 @@ def open_chain(budget):
     is keyed by the line of that ``with`` (see Note [Chain keys] in
     remat/chain.py).
     """
-    if budget is None:
+    if model.budget is None:
         return contextlib.nullcontext()
     from ..chain import chain
-    return chain(budget=budget)
+    return chain(budget=model.budget, algorithm=model.algorithm)

@@ -85,7 +85,8 @@ class DenseNet(nn.Module):
         drop_rate: dropout after each dense layer.
         num_classes: outputs of the classifier.
         budget: activation memory for the chain (see ``remat.chain``), or
-            None to run as plain PyTorch.
+            None to run as plain PyTorch. ``model.budget`` and
+            ``model.algorithm`` (default "optimal") may be changed later.
 
     Example:
         >>> import torch
@@ -99,6 +100,7 @@ class DenseNet(nn.Module):
                  drop_rate=0.0, num_classes=1000, budget=None):
         super().__init__()
         self.budget = budget
+        self.algorithm = "optimal"
         self.features = nn.Sequential(OrderedDict([
             ("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)),
             ("norm0", nn.BatchNorm2d(num_init_features)),
@@ -140,7 +142,7 @@ class DenseNet(nn.Module):
         return out
 
     def forward(self, x):
-        with open_chain(self.budget):
+        with open_chain(self):
             for s in self.stages():
                 x = s(x)
         x = F.relu(self.features.norm5(x))

@@ -93,7 +93,8 @@ class GPT(nn.Module):
         dropout: dropout on embeddings, attention weights and residual branches.
         tied: share the head's weight with the token embedding.
         budget: activation memory for the chain (see ``remat.chain``), or
-            None to run as plain PyTorch.
+            None to run as plain PyTorch. ``model.budget`` and
+            ``model.algorithm`` (default "optimal") may be changed later.
 
     Example:
         >>> import torch
@@ -107,6 +108,7 @@ class GPT(nn.Module):
                  tied=True, budget=None):
         super().__init__()
         self.budget = budget
+        self.algorithm = "optimal"
         self.block_size = block_size
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab_size, n_embd),
@@ -150,7 +152,7 @@ class GPT(nn.Module):
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         mask = None if attention_mask is None else _attention_mask(attention_mask, t)
-        with open_chain(self.budget):
+        with open_chain(self):
             for block in self.stages():
                 x = block(x, mask)
         logits = self.lm_head(self.transformer.ln_f(x))

@@ -82,8 +82,8 @@ class ResNet(nn.Module):
         layers: number of blocks in each of the four groups.
         num_classes: outputs of the final linear layer.
         budget: activation memory for the chain (see ``remat.chain``), or
-            None to run as plain PyTorch. May be changed later through
-            ``model.budget``.
+            None to run as plain PyTorch. ``model.budget`` and
+            ``model.algorithm`` (default "optimal") may be changed later.
 
     Example:
         >>> import torch
@@ -95,6 +95,7 @@ class ResNet(nn.Module):
     def __init__(self, block, layers, num_classes=1000, budget=None):
         super().__init__()
         self.budget = budget
+        self.algorithm = "optimal"
         self.inplanes = 64
         self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
@@ -135,7 +136,7 @@ class ResNet(nn.Module):
                                for blk in layer]
 
     def forward(self, x):
-        with open_chain(self.budget):
+        with open_chain(self):
             for s in self.stages():
                 x = s(x)
         return self.fc(torch.flatten(self.avgpool(x), 1))

@@ -63,7 +63,8 @@ class VGG(nn.Module):
         num_classes: outputs of the final linear layer.
         dropout: dropout probability in the classifier.
         budget: activation memory for the chain (see ``remat.chain``), or
-            None to run as plain PyTorch.
+            None to run as plain PyTorch. ``model.budget`` and
+            ``model.algorithm`` (default "optimal") may be changed later.
 
     Example:
         >>> import torch
@@ -77,6 +78,7 @@ class VGG(nn.Module):
         if depth not in _CONFIGS:
             raise ValueError(f"remat: VGG depth must be one of {sorted(_CONFIGS)}, got {depth!r}")
         self.budget = budget
+        self.algorithm = "optimal"
         cfg = _CONFIGS[depth]
         # flat: index of each conv and bn in the flat layout -> (stage, name),
         # for loading state dicts in that layout (see the module docstring).
@@ -121,7 +123,7 @@ class VGG(nn.Module):
         return list(self.features)
 
     def forward(self, x):
-        with open_chain(self.budget):
+        with open_chain(self):
             for s in self.stages():
                 x = s(x)
         return self.classifier(torch.flatten(self.avgpool(x), 1))
