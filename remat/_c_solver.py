@@ -1,0 +1,138 @@
+"""Python face of the C solver (src_c/solver.c, bound by cffi as ``remat._solver``).
+
+Arguments are checked here first; any status the C side still returns
+becomes a typed exception: ``Infeasible`` when no schedule fits, and
+``SolverError`` for everything else (invalid input, tables too large, no
+memory).
+"""
+
+import math
+
+from .errors import RematError, SolverError
+from .schedule import op_from_code
+
+try:
+    from ._solver import ffi, lib
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "remat: the C solver (remat._solver) is not built; run `pip install -e .` "
+        f"in the remat source tree to compile it ({exc})"
+    ) from exc
+
+__all__ = ["Infeasible", "optimal", "least_memory", "MAX_TABLE_BYTES"]
+
+# The solver refuses tables larger than this (remat/solve.py uses the same).
+MAX_TABLE_BYTES = 2 * 2**30
+_MAX_BYTES = 2**62
+# First guess at the op count; the C side says the exact need if it is short.
+_FIRST_CAPACITY = 1 << 16
+
+
+class Infeasible(RematError):
+    """No persistent schedule fits the budget at this slot size."""
+
+
+def _check_costs(costs):
+    n = costs.length
+    if n < 1:
+        raise SolverError("remat: the chain has no stages; the solver needs at least one")
+    for name in ("fwd_time", "fwd_nograd_time", "bwd_time"):
+        for i, v in enumerate(getattr(costs, name)):
+            if not (math.isfinite(v) and 0 <= v <= 1e18):
+                raise SolverError(
+                    f"remat: Costs.{name}[{i}] (stage {i + 1}) is {v}; the solver needs finite, "
+                    f"non-negative times below 1e18 seconds"
+                )
+    for name in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp"):
+        for i, v in enumerate(getattr(costs, name)):
+            if not 0 <= v < _MAX_BYTES:
+                raise SolverError(
+                    f"remat: Costs.{name}[{i}] (stage {i + 1}) is {v}; the solver needs sizes in 0..2^62"
+                )
+    if not 0 <= costs.input_bytes < _MAX_BYTES:
+        raise SolverError(f"remat: Costs.input_bytes is {costs.input_bytes}; the solver needs 0..2^62")
+
+
+def _chain(costs):
+    """A remat_chain for ``costs``, with the arrays it points to kept alive."""
+    keep = [
+        ffi.new("double[]", list(costs.fwd_time)),
+        ffi.new("double[]", list(costs.fwd_nograd_time)),
+        ffi.new("double[]", list(costs.bwd_time)),
+        ffi.new("long long[]", list(costs.out_bytes)),
+        ffi.new("long long[]", list(costs.saved_bytes)),
+        ffi.new("long long[]", list(costs.fwd_tmp)),
+        ffi.new("long long[]", list(costs.bwd_tmp)),
+    ]
+    chain = ffi.new("remat_chain *")
+    chain.length = costs.length
+    (chain.fwd_time, chain.fwd_nograd_time, chain.bwd_time, chain.out_bytes,
+     chain.saved_bytes, chain.fwd_tmp, chain.bwd_tmp) = keep
+    chain.input_bytes = costs.input_bytes
+    return chain, keep
+
+
+def _run(costs, budget, slots, mode, max_table_bytes):
+    chain, keep = _chain(costs)
+    n = costs.length
+    capacity = min(_FIRST_CAPACITY, n * (n + 1) // 2 + 2 * n + 1)
+    for _ in range(2):
+        codes = ffi.new("int[]", capacity)
+        stages = ffi.new("int[]", capacity)
+        plan = ffi.new("remat_plan *")
+        plan.capacity, plan.codes, plan.stages = capacity, codes, stages
+        status = lib.remat_solve(chain, budget, slots, mode, max_table_bytes, plan)
+        if status != lib.REMAT_E_CAPACITY:
+            break
+        capacity = plan.n_ops
+    del keep
+    if status == lib.REMAT_INFEASIBLE:
+        raise Infeasible(f"remat: no persistent schedule fits {budget} bytes with {slots} slots")
+    if status != lib.REMAT_OK:
+        raise SolverError(_message(status, plan))
+    ops = tuple(op_from_code(codes[i], stages[i]) for i in range(plan.n_ops))
+    return ops, plan
+
+
+def _message(status, plan):
+    text = ffi.string(lib.remat_strerror(status)).decode()
+    where = ""
+    if status in (lib.REMAT_E_TIME, lib.REMAT_E_SIZE) and plan.bad_stage >= 0:
+        where = " (input_bytes)" if plan.bad_stage == 0 else f" (stage {plan.bad_stage})"
+    return f"remat: the C solver failed: {text}{where} [status {status}]"
+
+
+def optimal(costs, budget, slots, max_table_bytes=MAX_TABLE_BYTES):
+    """Least-time persistent schedule of ``costs`` within ``budget`` bytes.
+
+    Sizes are rounded up to slots of ``ceil(budget / slots)`` bytes and the
+    budget down (remat/solve.py Note [The recurrence]).
+
+    Returns:
+        (ops, dp_time, slot_bytes).
+
+    Raises:
+        Infeasible: no persistent schedule fits at this slot size.
+        SolverError: invalid input, or the tables would be too large.
+    """
+    _check_costs(costs)
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= _MAX_BYTES:
+        raise SolverError(f"remat: the solver's budget must be an int of bytes in 0..2^62, got {budget!r}")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise SolverError(f"remat: slots must be a positive int, got {slots!r}")
+    ops, plan = _run(costs, budget, slots, lib.REMAT_MIN_TIME, max_table_bytes)
+    return ops, plan.time, plan.slot_bytes
+
+
+def least_memory(costs, max_table_bytes=MAX_TABLE_BYTES):
+    """The persistent schedule of ``costs`` that needs the least memory, exactly in bytes.
+
+    Returns:
+        (ops, min_budget_bytes).
+
+    Raises:
+        SolverError: invalid input, or the table would be too large.
+    """
+    _check_costs(costs)
+    ops, plan = _run(costs, 0, 1, lib.REMAT_MIN_MEMORY, max_table_bytes)
+    return ops, plan.min_budget

@@ -1,0 +1,79 @@
+/* remat solver: from a chain's costs and a memory budget to a schedule.
+ *
+ * Plain C99, no Python headers, no globals; the caller owns all memory.
+ * The recurrence is remat/solve.py Note [The recurrence]; the memory
+ * accounting is remat/schedule.py Note [Accounting]. Every failure is a
+ * status code, and remat_strerror(status) says what went wrong.
+ *
+ * The block between "cdef begin" and "cdef end" is read by src_c/build.py
+ * as the cffi declarations: keep it free of preprocessor lines.
+ */
+#ifndef REMAT_SOLVER_H
+#define REMAT_SOLVER_H
+
+/* cdef begin */
+enum {
+    REMAT_OK = 0,
+    REMAT_INFEASIBLE = 1,    /* no persistent schedule fits the budget */
+    REMAT_E_NULL = 2,        /* a required pointer is NULL */
+    REMAT_E_LENGTH = 3,      /* the chain length is not in 1..REMAT_MAX_LENGTH */
+    REMAT_E_TIME = 4,        /* a time is NaN, infinite, negative or absurd */
+    REMAT_E_SIZE = 5,        /* a size is negative or not below 2^62 */
+    REMAT_E_BUDGET = 6,      /* the budget is not in 0..2^62 */
+    REMAT_E_SLOTS = 7,       /* slots is not positive */
+    REMAT_E_MODE = 8,        /* unknown mode */
+    REMAT_E_LIMIT = 9,       /* max_table_bytes is negative */
+    REMAT_E_CAPACITY = 10,   /* the plan's arrays are too small: n_ops says how many are needed */
+    REMAT_E_TOO_LARGE = 11,  /* the tables would exceed max_table_bytes */
+    REMAT_E_NOMEM = 12,      /* an allocation failed */
+    REMAT_E_OVERFLOW = 13,   /* the least memory exceeds 2^62 bytes */
+    REMAT_E_INTERNAL = 14    /* an impossibility: a bug */
+};
+
+enum {
+    REMAT_MIN_TIME = 0,        /* least time within a budget, sizes in slots */
+    REMAT_MIN_MEMORY = 1,      /* least memory, exact in bytes */
+    REMAT_MIN_TIME_NAIVE = 2   /* MIN_TIME by the plain O(L^3 slots) table (benchmarks) */
+};
+
+enum {
+    REMAT_OP_FN = 0,
+    REMAT_OP_FCK = 1,
+    REMAT_OP_FALL = 2,
+    REMAT_OP_B = 3,
+    REMAT_OP_LOSS = 4
+};
+
+typedef struct {
+    long long length;                 /* L */
+    const double *fwd_time;           /* L entries each, stage 1 first */
+    const double *fwd_nograd_time;
+    const double *bwd_time;
+    const long long *out_bytes;
+    const long long *saved_bytes;
+    const long long *fwd_tmp;
+    const long long *bwd_tmp;
+    long long input_bytes;
+} remat_chain;
+
+typedef struct {
+    long long capacity;   /* in: entries in codes and stages */
+    int *codes;           /* out: op codes (REMAT_OP_*) */
+    int *stages;          /* out: 1-based stage of each op (0 for Loss) */
+    long long n_ops;      /* out: ops written; with REMAT_E_CAPACITY, the capacity needed */
+    double time;          /* out: predicted time of the schedule */
+    long long slot_bytes; /* out: bytes per slot (MIN_TIME), 1 for MIN_MEMORY */
+    long long min_budget; /* out: MIN_MEMORY: the least budget in bytes */
+    long long bad_stage;  /* out: for E_TIME/E_SIZE, the 1-based stage at fault (0: input_bytes) */
+} remat_plan;
+
+int remat_solve(const remat_chain *chain, long long budget, long long slots, int mode,
+                long long max_table_bytes, remat_plan *out);
+const char *remat_strerror(int status);
+/* cdef end */
+
+#define REMAT_MAX_BYTES (1LL << 62)
+#define REMAT_MAX_LENGTH 10000000LL
+#define REMAT_MAX_TIME 1e18
+
+#endif
