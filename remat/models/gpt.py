@@ -59,14 +59,7 @@ class _MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: attention and MLP, each residual. One stage.
-
-    Args of forward:
-        x: activations (batch, time, n_embd).
-        mask: None for plain causal attention, or a boolean (batch, 1, time,
-            time) mask where True means "may attend" (a side input of the
-            stage; see ``GPT.forward``).
-    """
+    """Pre-LayerNorm transformer block: attention and MLP, each residual. One stage."""
 
     def __init__(self, n_embd, n_head, dropout):
         super().__init__()
@@ -77,6 +70,11 @@ class Block(nn.Module):
 
     @stage
     def forward(self, x, mask=None):
+        """Args:
+            x: activations (batch, time, n_embd); the stage's activation.
+            mask: None for causal attention, or a boolean (batch, 1, time,
+                time) mask, True where a position may attend (a side input).
+        """
         x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 

@@ -96,7 +96,7 @@ class ResNet(nn.Module):
         super().__init__()
         self.budget = budget
         self.algorithm = "optimal"
-        self.inplanes = 64
+        self._inplanes = 64
         self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
@@ -116,14 +116,14 @@ class ResNet(nn.Module):
 
     def _make_layer(self, block, planes, blocks, stride=1):
         downsample = None
-        if stride != 1 or self.inplanes != planes * block.expansion:
+        if stride != 1 or self._inplanes != planes * block.expansion:
             downsample = nn.Sequential(
-                _conv1x1(self.inplanes, planes * block.expansion, stride),
+                _conv1x1(self._inplanes, planes * block.expansion, stride),
                 nn.BatchNorm2d(planes * block.expansion),
             )
-        layers = [block(self.inplanes, planes, stride, downsample)]
-        self.inplanes = planes * block.expansion
-        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        layers = [block(self._inplanes, planes, stride, downsample)]
+        self._inplanes = planes * block.expansion
+        layers += [block(self._inplanes, planes) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     @stage
