@@ -285,25 +285,7 @@ class _Active:
             raise
         finally:
             self.in_stage = False
-        act = out[0] if isinstance(out, tuple) else out
-        if not isinstance(act, torch.Tensor):
-            raise StageError(
-                f"remat: stage {k} ({name}) returned {type(act).__name__}; a stage must return its "
-                f"output activation as a tensor, or a tuple whose first item is that tensor"
-            )
-        if isinstance(out, tuple):
-            for item in out[1:]:
-                if isinstance(item, torch.Tensor) and item.requires_grad:
-                    raise StageError(
-                        f"remat: stage {k} ({name}) returned a tuple whose item {out.index(item)} "
-                        f"requires grad; only the first item may carry gradient (detach the others)"
-                    )
-        if x._version != version:
-            raise StageError(
-                f"remat: stage {k} ({name}) modified its input in place (e.g. a ReLU(inplace=True) "
-                f"as its first op); remat needs the input unchanged to recompute the stage. Make "
-                f"that op out of place or move it to the end of stage {k - 1}"
-            )
+        act = _check_output(call, out, x, version)
         self.prev = act
         self.prev_version = act._version
         self.prev_name = name
@@ -467,7 +449,11 @@ def _instrumented(call, ident, x, cuda, rng0):
         saved.append(t)
         return t
 
-    xin = x.detach().requires_grad_(x.requires_grad)
+    # a non-leaf copy, so that a stage modifying its input in place is caught
+    # by the version check below rather than by autograd's leaf check
+    leaf = x.detach().requires_grad_(x.requires_grad)
+    xin = leaf.clone() if x.requires_grad else leaf
+    version = xin._version
     stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
     row = {}
     with rng0.replayed():
@@ -477,7 +463,9 @@ def _instrumented(call, ident, x, cuda, rng0):
             base = torch.cuda.memory_allocated()
         with inst, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = call.call(xin)
+                out = call.invoke(xin)
+            _check_output(call, out, xin, version)
+            out = out[0] if isinstance(out, tuple) else out
             fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
             out_bytes = out.untyped_storage().nbytes()
             keys = {}
@@ -491,7 +479,7 @@ def _instrumented(call, ident, x, cuda, rng0):
             in_grad = 0
             if out.requires_grad:
                 leaves = [xin] if xin.requires_grad else []
-                leaves += [v for v in stage_leaves(out, stop) if v is not xin]
+                leaves += [v for v in stage_leaves(out, stop | {xin.grad_fn}) if v is not leaf]
                 if leaves:
                     grad_out = torch.ones_like(out)
                     del saved[:]
@@ -519,6 +507,31 @@ def _instrumented(call, ident, x, cuda, rng0):
     row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
     row["bwd_tmp"] = max(0, bwd_delta - in_grad)
     return row, meta, originals, uses_rng
+
+
+def _check_output(call, out, x, version):
+    """What a stage returned is an activation (or a tuple led by one, the rest needing
+    no grad) and its input was not modified in place; returns the activation."""
+    act = out[0] if isinstance(out, tuple) else out
+    if not isinstance(act, torch.Tensor):
+        raise StageError(
+            f"remat: stage {call.index} ({call.name}) returned {type(act).__name__}; a stage must return "
+            f"its output activation as a tensor, or a tuple whose first item is that tensor"
+        )
+    if isinstance(out, tuple):
+        for j, item in enumerate(out[1:], 1):
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                raise StageError(
+                    f"remat: stage {call.index} ({call.name}) returned a tuple whose item {j} requires "
+                    f"grad; only the first item may carry gradient (detach the others)"
+                )
+    if x._version != version:
+        raise StageError(
+            f"remat: stage {call.index} ({call.name}) modified its input in place (e.g. a "
+            f"ReLU(inplace=True) as its first op); remat needs the input unchanged to recompute the "
+            f"stage. Make that op out of place or move it to the end of stage {call.index - 1}"
+        )
+    return act
 
 
 def _timed_step(call, x, cuda, rng0, state):

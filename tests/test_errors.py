@@ -1,0 +1,247 @@
+"""Misuse gets a clear error that names the problem and the fix, and leaves the
+model, RNG and remat's cache usable for the next call."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat
+from chains import Net, assert_same, make_input, measured_costs, train
+from remat.solve import minimum_budget
+
+
+class Toggle(nn.Module):
+    """A stage whose behaviour tests switch from outside."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.mode = "ok"
+        self.calls = 0
+
+    @remat.stage
+    def forward(self, x, mask=None):
+        self.calls += 1
+        if self.mode == "inplace":
+            x.mul_(2)
+        if self.mode == "raise":
+            raise ValueError("boom")
+        if self.mode == "raise_on_recompute" and self.calls % 2 == 0:
+            raise ValueError("boom on recompute")
+        if self.mode == "dict":
+            return {"x": self.lin(x)}
+        if self.mode == "tuple_grad":
+            y = self.lin(x)
+            return y, y * 2
+        if self.mode == "unstable" and self.calls % 2 == 0:
+            return torch.tanh(self.lin(x).exp())
+        return torch.tanh(self.lin(x))
+
+
+class Chain(nn.Module):
+    def __init__(self, n=4, budget=None, between=None):
+        super().__init__()
+        self.stages = nn.ModuleList(Toggle() for _ in range(n))
+        self.budget = budget
+        self.between = between
+
+    def forward(self, x):
+        with remat.chain(budget=self.budget if self.budget is not None else 2**40,
+                         algorithm="optimal" if self.budget is not None else "min_memory"):
+            for i, s in enumerate(self.stages):
+                x = s(x)
+                if self.between is not None and i == 1:
+                    x = self.between(x)
+        return x
+
+
+def _input(seed=0):
+    return torch.randn(3, 8, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+
+
+def _grads(net, seed=0):
+    x = _input(seed)
+    net(x).square().sum().backward()
+    out = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+    net.zero_grad()
+    return out
+
+
+def _assert_exact_next_call(net):
+    """The next call gives plain PyTorch's gradients."""
+    plain = copy.deepcopy(net)
+    for s in plain.stages:
+        s.mode = "ok"
+    for s in net.stages:
+        s.mode = "ok"
+    net.zero_grad()
+    ref = []
+    x = _input(5)
+    y = x
+    for s in plain.stages:
+        y = s(y)
+    y.square().sum().backward()
+    ref = [p.grad.clone() for p in plain.stages.parameters()] + [x.grad.clone()]
+    got = _grads(net, 5)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("budget", ["abc", "12 parsecs", -1, 0, 1.5, None, [1], "0MB", "-5GiB"])
+def test_malformed_budget_is_rejected_at_once(budget):
+    """A budget that is not a positive size is a BudgetError naming what to write."""
+    with pytest.raises(remat.BudgetError, match="budget"):
+        remat.chain(budget=budget)
+
+
+@pytest.mark.parametrize("text,expected", [("900MB", 900 * 10**6), ("1.5GiB", 3 * 2**29), ("512 KiB", 2**19),
+                                           ("4096", 4096), (123, 123), ("2e3", 2000)])
+def test_budget_units(text, expected):
+    """Budgets with units parse to bytes."""
+    from remat.budget import parse_budget
+
+    assert parse_budget(text) == expected
+
+
+def test_budget_below_minimum_names_the_minimum_and_leaves_state():
+    """A budget under the chain's minimum raises BudgetError giving the minimum in human
+    units; RNG and BatchNorm statistics are as before the call; a larger budget then
+    re-solves from the cached costs and is exact."""
+    torch.manual_seed(0)
+    base = Net(["mlp", "bn", "dropout", "attn", "bn"])
+    costs = measured_costs(base)
+    low = minimum_budget(costs)
+    net = copy.deepcopy(base)
+    net.budget = low - 1
+    x, mask = make_input(net)
+    rng = torch.get_rng_state()
+    buffers = [b.clone() for b in net.buffers()]
+    with pytest.raises(remat.BudgetError, match=r"minimum of [0-9.]+ (KiB|B|MiB)") as info:
+        net(x, mask)
+    assert str(low) in str(info.value)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
+    measured = remat.explain().costs
+    net.budget = low
+    ref = copy.deepcopy(base)
+    assert_same(train(ref), train(net))
+    assert remat.explain().costs is measured
+
+
+def test_budget_equal_to_minimum_runs():
+    """A budget exactly at the minimum runs and stays under it."""
+    torch.manual_seed(0)
+    base = Net(["mlp", "attn", "mlp", "ln", "mlp"])
+    net = copy.deepcopy(base)
+    net.budget = minimum_budget(measured_costs(base))
+    assert_same(train(copy.deepcopy(base)), train(net))
+    assert remat.explain().schedule.peak <= net.budget
+
+
+def test_code_between_stages_is_named():
+    """Transforming the activation between stages names both stages and the fix."""
+    net = Chain(between=lambda x: x * 2)
+    with pytest.raises(remat.StageError, match=r"stage 3 .*stage 2 .*Move that code"):
+        _grads(net)
+    net.between = None
+    _assert_exact_next_call(net)
+
+
+def test_in_place_between_stages_is_named():
+    """Modifying the activation in place between stages is an error naming the stages."""
+    net = Chain(between=lambda x: x.add_(1))
+    with pytest.raises(remat.StageError, match="modified in place before"):
+        _grads(net)
+    net.between = None
+    _assert_exact_next_call(net)
+
+
+def test_in_place_first_op_on_stage_input():
+    """A stage that modifies its input in place is caught through the version counter."""
+    net = Chain()
+    net.stages[2].mode = "inplace"
+    with pytest.raises(remat.StageError, match="modified its input in place"):
+        _grads(net)
+    _assert_exact_next_call(net)
+
+
+def test_stage_returning_a_non_tensor():
+    """A stage must return a tensor or a tuple starting with one."""
+    net = Chain()
+    net.stages[1].mode = "dict"
+    with pytest.raises(remat.StageError, match="returned dict"):
+        _grads(net)
+    _assert_exact_next_call(net)
+
+
+def test_tuple_extra_that_requires_grad():
+    """Only a stage's first output may carry gradient."""
+    net = Chain()
+    net.stages[1].mode = "tuple_grad"
+    with pytest.raises(remat.StageError, match="requires grad"):
+        _grads(net)
+    _assert_exact_next_call(net)
+
+
+def test_exception_in_stage_forward_propagates_and_recovers():
+    """A stage's own exception reaches the caller with the stage named; the next call is exact."""
+    net = Chain()
+    net.stages[2].mode = "raise"
+    with pytest.raises(ValueError, match="boom") as info:
+        _grads(net)
+    assert any("remat stage 3" in note for note in getattr(info.value, "__notes__", []))
+    _assert_exact_next_call(net)
+
+
+def test_exception_during_recomputation():
+    """An exception while recomputing in backward is a StageError naming the stage."""
+    net = Chain()
+    _grads(net)   # measuring call
+    for s in net.stages:
+        s.calls = 0
+    net.stages[1].mode = "raise_on_recompute"
+    with pytest.raises(remat.StageError, match=r"stage 2 .*recomputed during backward"):
+        _grads(net)
+    _assert_exact_next_call(net)
+
+
+def test_recompute_mismatch_is_detected():
+    """A stage that saves different tensors when recomputed raises RecomputeMismatchError."""
+    net = Chain()
+    _grads(net)
+    for s in net.stages:
+        s.calls = 0
+    net.stages[1].mode = "unstable"
+    with pytest.raises(remat.RecomputeMismatchError, match="stage 2"):
+        _grads(net)
+    _assert_exact_next_call(net)
+
+
+def test_nested_chains_are_refused():
+    """A chain opened inside another one is a clear error."""
+    with remat.chain(budget="1GiB"):
+        with pytest.raises(remat.StageError, match="nested"):
+            with remat.chain(budget="1GiB"):
+                pass
+
+
+def test_stage_without_tensor_argument():
+    """A stage called with no tensor inside a chain says what the activation is."""
+    @remat.stage
+    def f(n):
+        return n
+
+    with remat.chain(budget="1GiB"):
+        with pytest.raises(remat.StageError, match="no tensor argument"):
+            f(3)
+
+
+def test_stage_outside_chain_is_plain():
+    """Outside a chain a stage is the undecorated code."""
+    lin = nn.Linear(4, 4)
+    staged = remat.stage(copy.deepcopy(lin))
+    x = torch.randn(2, 4)
+    assert torch.equal(lin(x), staged(x))
+    assert list(lin.state_dict()) == list(staged.state_dict())
