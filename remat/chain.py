@@ -26,18 +26,16 @@ import torch
 
 from .budget import parse_budget, resolve_budget
 from .costs import Costs
-from .errors import BudgetError, RematError, StageError
-from .profile import Instrument, Timer, stage_leaves, storage_key
+from .errors import RematError, StageError
+from .profile import Timer, instrumented_run, storage_key, timed_step
+from .recording import Explanation, Recording, _last, explain
 from .replay import capture_autocast, capture_rng, cuda_devices, restore_tensors
-from .runtime import BWD, FALL, FCK, FN, Run, StageCall, replaying
-from .schedule import Schedule, B, Fall, Fck, Fn, Loss
-from .solve import DEFAULT_SLOTS, _parse_algorithm, solve
-from .units import format_bytes
+from .runtime import FALL, FCK, Run, StageCall, replaying
+from .solve import DEFAULT_SLOTS, _parse_algorithm
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 
 CACHE_SIZE = 64
-_CODES = {Fn: FN, Fck: FCK, Fall: FALL, B: BWD}
 _local = threading.local()
 _cache = collections.OrderedDict()
 _cache_lock = threading.Lock()
@@ -49,78 +47,14 @@ def clear_cache():
         _cache.clear()
 
 
+def _publish(explanation):
+    _last[0] = explanation
+    chain.last = explanation
+
+
 def active():
     """The chain being recorded or run on this thread, or None."""
     return getattr(_local, "active", None)
-
-
-class Explanation:
-    """What remat knows about one chain: costs, budget, schedule."""
-
-    def __init__(self, costs, schedule, budget, names):
-        self.costs = costs
-        self.schedule = schedule
-        self.budget = budget
-        self.names = names
-
-    def table(self):
-        """Per-stage costs and the op each stage gets in the forward phase."""
-        modes = self.schedule.forward_modes() if self.schedule is not None else []
-        lines = self.costs.table().splitlines()
-        out = [lines[0] + "  forward   name", lines[1]]
-        for i, line in enumerate(lines[2:]):
-            mode = modes[i].__name__ if i < len(modes) else "-"
-            out.append(f"{line}  {mode:<8}  {self.names[i] if i < len(self.names) else ''}")
-        return "\n".join(out)
-
-    def __str__(self):
-        head = f"remat chain of {self.costs.length} stages, budget {format_bytes(self.budget)}"
-        if self.schedule is None:
-            return head + "\n" + self.table()
-        return f"{head}\n{self.schedule.summary()}\n{self.table()}\nschedule:\n{self.schedule}"
-
-
-def explain():
-    """The ``Explanation`` of the latest chain call, or None before any.
-
-    Example:
-        >>> import remat
-        >>> remat.explain() is None or hasattr(remat.explain(), "schedule")
-        True
-    """
-    return chain.last
-
-
-class _Recording:
-    """What the measuring call of one key learned, and the plans solved from it."""
-
-    def __init__(self):
-        self.idents = []      # weak references to each stage's object
-        self.names = []
-        self.in_sigs = []     # (shape, dtype) of each stage input
-        self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
-        self.uses_rng = []
-        self.state = []       # per stage: weak references to tensors it writes in place
-        self.rows = []        # per stage: dict of cost fields
-        self.input_bytes = 0
-        self.costs = None
-        self.plans = {}
-
-    def plan(self, budget, algorithm, slots):
-        key = (budget, algorithm, slots)
-        plan = self.plans.get(key)
-        if plan is None:
-            schedule = solve(self.costs, budget, algorithm, slots)
-            ops = schedule.ops
-            split = ops.index(Loss)
-            modes = [None] + [_CODES[type(op)] for op in ops[:split]]
-            back = tuple((_CODES[type(op)], op.stage) for op in ops[split + 1:])
-            fall_at = {i: j for j, (code, i) in enumerate(back) if code == FALL}
-            plan = (schedule, modes, back, fall_at)
-            if len(self.plans) > 16:
-                self.plans.clear()
-            self.plans[key] = plan
-        return plan
 
 
 class chain:
@@ -314,7 +248,7 @@ class _Active:
             self.run = Run(back, fall_at, autocast)
         else:
             self.mode = "measure"
-            self.new = _Recording()
+            self.new = Recording()
             self.run = Run(None, {}, autocast)
             self.rng_start = capture_rng(cuda_devices([x]))
 
@@ -327,7 +261,7 @@ class _Active:
     def _diverge(self, k):
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
-        new = _Recording()
+        new = Recording()
         for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "state", "rows"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.input_bytes = old.input_bytes
@@ -360,14 +294,14 @@ class _Active:
         cuda = x.is_cuda
         devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
         rng0 = capture_rng(devices)
-        row, meta, originals, uses_rng = _instrumented(call, ident, x, cuda, rng0)
+        row, meta, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output)
         state = [t for t, _ in originals]
         for t, old in originals:
             self.originals.setdefault(storage_key(t), (t, old))
         with rng0.replayed(), restore_tensors(state), torch.no_grad(), Timer(cuda) as timer:
             call.call(x)
         row["fwd_nograd_time"] = timer.seconds
-        row["fwd_time"], row["bwd_time"] = _timed_step(call, x, cuda, rng0, state)
+        row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
         # the forward that counts: checkpoint the input, keep the saved tensors
         # until the next stage starts so the last stage needs no recomputation
         prev_anchor = run._anchor(k - 1) if k > 1 else None
@@ -410,7 +344,7 @@ class _Active:
                 self.run.ops = None
                 with _cache_lock:
                     _cache.pop(self.key, None)
-            chain.last = Explanation(self.entry.costs, self.plan[0], self.budget, self.entry.names)
+            _publish(Explanation(self.entry.costs, self.plan[0], self.budget, self.entry.names))
             return
         new = self.new
         fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
@@ -424,9 +358,9 @@ class _Active:
             schedule = new.plan(self.budget, self.spec.algorithm, self.spec.slots)[0]
         except RematError:
             self._undo()
-            chain.last = Explanation(new.costs, None, self.budget, new.names)
+            _publish(Explanation(new.costs, None, self.budget, new.names))
             raise
-        chain.last = Explanation(new.costs, schedule, self.budget, new.names)
+        _publish(Explanation(new.costs, schedule, self.budget, new.names))
 
     def _undo(self):
         """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""
@@ -437,76 +371,6 @@ class _Active:
         with torch.no_grad():
             for t, old in self.originals.values():
                 t.copy_(old)
-
-
-def _instrumented(call, ident, x, cuda, rng0):
-    """Run 1 of Note [Measuring a stage]: sizes, peaks, saved metadata, state."""
-    inst = Instrument(exclude=[x])
-    buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    # a non-leaf copy, so that a stage modifying its input in place is caught
-    # by the version check below rather than by autograd's leaf check
-    leaf = x.detach().requires_grad_(x.requires_grad)
-    xin = leaf.clone() if x.requires_grad else leaf
-    version = xin._version
-    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-    row = {}
-    with rng0.replayed():
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        with inst, torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = call.invoke(xin)
-            _check_output(call, out, xin, version)
-            out = out[0] if isinstance(out, tuple) else out
-            fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
-            out_bytes = out.untyped_storage().nbytes()
-            keys = {}
-            for t in saved + [out]:
-                key = storage_key(t)
-                if key in inst.created:
-                    keys[key] = inst.created[key]
-            saved_bytes = max(sum(keys.values()), out_bytes)
-            meta = tuple((t.shape, t.dtype, t.device) for t in saved)
-            bwd_delta = 0
-            in_grad = 0
-            if out.requires_grad:
-                leaves = [xin] if xin.requires_grad else []
-                leaves += [v for v in stage_leaves(out, stop | {xin.grad_fn}) if v is not leaf]
-                if leaves:
-                    grad_out = torch.ones_like(out)
-                    del saved[:]
-                    if cuda:
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                        base_b = torch.cuda.memory_allocated()
-                    else:
-                        inst.open_window()
-                    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-                    if cuda:
-                        bwd_delta = torch.cuda.max_memory_allocated() - base_b
-                    else:
-                        bwd_delta = inst.window_peak
-                    in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
-                    del grads, grad_out
-            del out
-        uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu) or any(
-            not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in rng0.cuda)
-    inst.note_changed(buffers)
-    originals = list(inst.mutated.values())
-    inst.restore()
-    row["out_bytes"] = out_bytes
-    row["saved_bytes"] = saved_bytes
-    row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
-    row["bwd_tmp"] = max(0, bwd_delta - in_grad)
-    return row, meta, originals, uses_rng
 
 
 def _check_output(call, out, x, version):
@@ -534,19 +398,3 @@ def _check_output(call, out, x, version):
     return act
 
 
-def _timed_step(call, x, cuda, rng0, state):
-    """Run 3 of Note [Measuring a stage]: forward and backward times on a detached copy."""
-    xin = x.detach().requires_grad_(x.requires_grad)
-    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-    with rng0.replayed(), restore_tensors(state), torch.enable_grad():
-        with Timer(cuda) as tf:
-            out = call.call(xin)
-        tb = 0.0
-        if out.requires_grad:
-            leaves = ([xin] if xin.requires_grad else []) + [v for v in stage_leaves(out, stop) if v is not xin]
-            if leaves:
-                grad_out = torch.ones_like(out)
-                with Timer(cuda) as timer:
-                    torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-                tb = timer.seconds
-    return tf.seconds, tb

@@ -32,7 +32,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Instrument", "Timer", "stage_leaves", "storage_key"]
+from .replay import restore_tensors
+
+__all__ = ["Instrument", "Timer", "instrumented_run", "timed_step", "stage_leaves", "storage_key"]
 
 
 # Ops that write some arguments in place although their schema does not say
@@ -174,3 +176,91 @@ def stage_leaves(out, stop):
             continue
         todo.extend(n for n, _ in node.next_functions)
     return found
+
+
+def instrumented_run(call, ident, x, cuda, rng0, check):
+    """Run 1 of Note [Measuring a stage]: sizes, peaks, saved metadata, state."""
+    inst = Instrument(exclude=[x])
+    buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    # a non-leaf copy, so that a stage modifying its input in place is caught
+    # by the version check below rather than by autograd's leaf check
+    leaf = x.detach().requires_grad_(x.requires_grad)
+    xin = leaf.clone() if x.requires_grad else leaf
+    version = xin._version
+    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    row = {}
+    with rng0.replayed():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        with inst, torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = call.invoke(xin)
+            check(call, out, xin, version)
+            out = out[0] if isinstance(out, tuple) else out
+            fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
+            out_bytes = out.untyped_storage().nbytes()
+            keys = {}
+            for t in saved + [out]:
+                key = storage_key(t)
+                if key in inst.created:
+                    keys[key] = inst.created[key]
+            saved_bytes = max(sum(keys.values()), out_bytes)
+            meta = tuple((t.shape, t.dtype, t.device) for t in saved)
+            bwd_delta = 0
+            in_grad = 0
+            if out.requires_grad:
+                leaves = [xin] if xin.requires_grad else []
+                leaves += [v for v in stage_leaves(out, stop | {xin.grad_fn}) if v is not leaf]
+                if leaves:
+                    grad_out = torch.ones_like(out)
+                    del saved[:]
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base_b = torch.cuda.memory_allocated()
+                    else:
+                        inst.open_window()
+                    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+                    if cuda:
+                        bwd_delta = torch.cuda.max_memory_allocated() - base_b
+                    else:
+                        bwd_delta = inst.window_peak
+                    in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
+                    del grads, grad_out
+            del out
+        uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu) or any(
+            not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in rng0.cuda)
+    inst.note_changed(buffers)
+    originals = list(inst.mutated.values())
+    inst.restore()
+    row["out_bytes"] = out_bytes
+    row["saved_bytes"] = saved_bytes
+    row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
+    row["bwd_tmp"] = max(0, bwd_delta - in_grad)
+    return row, meta, originals, uses_rng
+
+
+def timed_step(call, x, cuda, rng0, state):
+    """Run 3 of Note [Measuring a stage]: forward and backward times on a detached copy."""
+    xin = x.detach().requires_grad_(x.requires_grad)
+    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    with rng0.replayed(), restore_tensors(state), torch.enable_grad():
+        with Timer(cuda) as tf:
+            out = call.call(xin)
+        tb = 0.0
+        if out.requires_grad:
+            leaves = ([xin] if xin.requires_grad else []) + [v for v in stage_leaves(out, stop) if v is not xin]
+            if leaves:
+                grad_out = torch.ones_like(out)
+                with Timer(cuda) as timer:
+                    torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+                tb = timer.seconds
+    return tf.seconds, tb

@@ -32,7 +32,7 @@ import re
 
 from .costs import Costs
 from .errors import BudgetError, RematError, SolverError
-from .schedule import B, Fall, Fck, Fn, Loss, Schedule, op_from_code, simulate
+from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from .units import format_bytes
 
 __all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget"]

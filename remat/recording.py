@@ -1,0 +1,81 @@
+"""What the measuring call of a chain learned (``Recording``), the plans
+solved from it, and ``explain()`` to show them to a person."""
+
+from .runtime import BWD, FALL, FCK, FN
+from .schedule import B, Fall, Fck, Fn, Loss
+from .solve import solve
+from .units import format_bytes
+
+__all__ = ["Recording", "Explanation", "explain"]
+
+_CODES = {Fn: FN, Fck: FCK, Fall: FALL, B: BWD}
+_last = [None]
+
+
+class Explanation:
+    """What remat knows about one chain: costs, budget, schedule."""
+
+    def __init__(self, costs, schedule, budget, names):
+        self.costs = costs
+        self.schedule = schedule
+        self.budget = budget
+        self.names = names
+
+    def table(self):
+        """Per-stage costs and the op each stage gets in the forward phase."""
+        modes = self.schedule.forward_modes() if self.schedule is not None else []
+        lines = self.costs.table().splitlines()
+        out = [lines[0] + "  forward   name", lines[1]]
+        for i, line in enumerate(lines[2:]):
+            mode = modes[i].__name__ if i < len(modes) else "-"
+            out.append(f"{line}  {mode:<8}  {self.names[i] if i < len(self.names) else ''}")
+        return "\n".join(out)
+
+    def __str__(self):
+        head = f"remat chain of {self.costs.length} stages, budget {format_bytes(self.budget)}"
+        if self.schedule is None:
+            return head + "\n" + self.table()
+        return f"{head}\n{self.schedule.summary()}\n{self.table()}\nschedule:\n{self.schedule}"
+
+
+def explain():
+    """The ``Explanation`` of the latest chain call, or None before any.
+
+    Example:
+        >>> import remat
+        >>> remat.explain() is None or hasattr(remat.explain(), "schedule")
+        True
+    """
+    return _last[0]
+
+
+class Recording:
+    """What the measuring call of one key learned, and the plans solved from it."""
+
+    def __init__(self):
+        self.idents = []      # weak references to each stage's object
+        self.names = []
+        self.in_sigs = []     # (shape, dtype) of each stage input
+        self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
+        self.uses_rng = []
+        self.state = []       # per stage: weak references to tensors it writes in place
+        self.rows = []        # per stage: dict of cost fields
+        self.input_bytes = 0
+        self.costs = None
+        self.plans = {}
+
+    def plan(self, budget, algorithm, slots):
+        key = (budget, algorithm, slots)
+        plan = self.plans.get(key)
+        if plan is None:
+            schedule = solve(self.costs, budget, algorithm, slots)
+            ops = schedule.ops
+            split = ops.index(Loss)
+            modes = [None] + [_CODES[type(op)] for op in ops[:split]]
+            back = tuple((_CODES[type(op)], op.stage) for op in ops[split + 1:])
+            fall_at = {i: j for j, (code, i) in enumerate(back) if code == FALL}
+            plan = (schedule, modes, back, fall_at)
+            if len(self.plans) > 16:
+                self.plans.clear()
+            self.plans[key] = plan
+        return plan
