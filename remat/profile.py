@@ -217,24 +217,28 @@ def instrumented_run(call, ident, x, cuda, rng0, check):
             bwd_delta = 0
             in_grad = 0
             if out.requires_grad:
-                leaves = [xin] if xin.requires_grad else []
-                leaves += [v for v in stage_leaves(out, stop | {xin.grad_fn}) if v is not leaf]
-                if leaves:
+                params = [v for v in stage_leaves(out, stop | {xin.grad_fn}) if v is not leaf]
+                # the leaf, not its clone: AccumulateGrad then keeps the very tensor
+                # the engine made, as a real step hands it on without a copy
+                inputs = [leaf] if leaf.requires_grad else []
+                if inputs or params:
                     grad_out = torch.ones_like(out)
                     del saved[:]
-                    if cuda:
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                        base_b = torch.cuda.memory_allocated()
-                    else:
-                        inst.open_window()
-                    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-                    if cuda:
-                        bwd_delta = torch.cuda.max_memory_allocated() - base_b
-                    else:
-                        bwd_delta = inst.window_peak
+                    with _step_grads(params):
+                        if cuda:
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            base_b = torch.cuda.memory_allocated()
+                        else:
+                            inst.open_window()
+                        torch.autograd.backward(out, grad_out, inputs=inputs + params)
+                        if cuda:
+                            bwd_delta = torch.cuda.max_memory_allocated() - base_b
+                        else:
+                            bwd_delta = inst.window_peak
                     in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
-                    del grads, grad_out
+                    leaf.grad = None
+                    del grad_out
             del out
         uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu) or any(
             not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in rng0.cuda)
@@ -248,6 +252,25 @@ def instrumented_run(call, ident, x, cuda, rng0, check):
     return row, meta, originals, uses_rng
 
 
+class _step_grads:
+    """Backward of one stage as a training step runs it: each parameter gradient is
+    added into an existing ``.grad`` (and freed), and the stage's parameters get
+    their own ``.grad`` back afterwards, untouched."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def __enter__(self):
+        self.old = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.old):
+            p.grad = g
+        return False
+
+
 def timed_step(call, x, cuda, rng0, state):
     """Run 3 of Note [Measuring a stage]: forward and backward times on a detached copy."""
     xin = x.detach().requires_grad_(x.requires_grad)
@@ -257,10 +280,11 @@ def timed_step(call, x, cuda, rng0, state):
             out = call.call(xin)
         tb = 0.0
         if out.requires_grad:
-            leaves = ([xin] if xin.requires_grad else []) + [v for v in stage_leaves(out, stop) if v is not xin]
-            if leaves:
+            params = [v for v in stage_leaves(out, stop) if v is not xin]
+            inputs = [xin] if xin.requires_grad else []
+            if inputs or params:
                 grad_out = torch.ones_like(out)
-                with Timer(cuda) as timer:
-                    torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+                with _step_grads(params), Timer(cuda) as timer:
+                    torch.autograd.backward(out, grad_out, inputs=inputs + params)
                 tb = timer.seconds
     return tf.seconds, tb

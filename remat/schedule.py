@@ -165,12 +165,14 @@ class Schedule:
         )
 
 
-def simulate(costs, schedule):
+def simulate(costs, schedule, trace=None):
     """Predicted time and peak memory of ``schedule`` on ``costs`` (Note [Accounting]).
 
     Args:
         costs: a ``remat.Costs``.
         schedule: a ``Schedule`` or a sequence of ops.
+        trace: an optional list; (op, peak during the op, bytes held after it)
+            is appended for every op (the memory timeline).
 
     Returns:
         Simulation(time, peak).
@@ -194,6 +196,7 @@ def simulate(costs, schedule):
     alone[0] = True
     mem = x[0]
     peak = mem
+    during = mem
     time = 0.0
     forward = True
     next_fwd = 1
@@ -203,6 +206,9 @@ def simulate(costs, schedule):
         raise InvalidScheduleError(f"remat: op {pos} ({op}) of the schedule is invalid: {why}")
 
     for pos, op in enumerate(ops):
+        if trace is not None and pos:
+            trace.append((ops[pos - 1], during, mem))
+        during = mem
         code = getattr(op, "code", None)
         if code is None:
             bad(pos, op, "not an op (use Fn, Fck, Fall, B or Loss)")
@@ -215,6 +221,7 @@ def simulate(costs, schedule):
             forward = False
             grad = n
             mem += x[n]
+            during = mem
             peak = max(peak, mem)
             continue
         if not isinstance(i, int) or not 1 <= i <= n:
@@ -229,7 +236,8 @@ def simulate(costs, schedule):
                 bad(pos, op, f"a-bar^{i} is not held (run Fall({i}) first)")
             if not (alone[i - 1] or whole[i - 1]):
                 bad(pos, op, f"a^{i - 1} is not held")
-            peak = max(peak, mem + x[i - 1] + bt[i - 1])
+            during = mem + x[i - 1] + bt[i - 1]
+            peak = max(peak, during)
             time += tb[i - 1]
             whole[i] = False
             alone[i] = False
@@ -253,12 +261,14 @@ def simulate(costs, schedule):
         if alone[i] or whole[i]:
             bad(pos, op, f"a^{i} is computed while already held")
         if code == 2:
-            peak = max(peak, mem + max(s[i - 1], x[i] + ft[i - 1]))
+            during = mem + max(s[i - 1], x[i] + ft[i - 1])
+            peak = max(peak, during)
             time += tf[i - 1]
             whole[i] = True
             mem += s[i - 1]
         else:
-            peak = max(peak, mem + x[i] + ft[i - 1])
+            during = mem + x[i] + ft[i - 1]
+            peak = max(peak, during)
             time += tf[i - 1] if forward else tn[i - 1]
             alone[i] = True
             mem += x[i]
@@ -266,6 +276,8 @@ def simulate(costs, schedule):
                 alone[i - 1] = False
                 if not whole[i - 1]:
                     mem -= x[i - 1]
+    if trace is not None and ops:
+        trace.append((ops[-1], during, mem))
     if forward:
         raise InvalidScheduleError("remat: the schedule has no Loss op")
     if grad != 0:

@@ -91,6 +91,7 @@ def test_measured_peak_close_to_prediction(kinds, fraction):
     peak = _physical_peak(net, 8, 16)
     predicted = remat.explain().schedule.peak
     assert peak <= net.budget
+    print("RATIO", kinds[0], fraction, peak / predicted)
     assert peak >= 0.8 * predicted, (peak, predicted)
 
 
