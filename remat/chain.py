@@ -18,6 +18,7 @@ used first out).
 
 import collections
 import functools
+import os
 import sys
 import threading
 import weakref
@@ -26,11 +27,11 @@ import torch
 
 from .budget import parse_budget, resolve_budget
 from .costs import Costs
-from .errors import RematError, StageError
-from .profile import Timer, instrumented_run, storage_key, timed_step
+from .errors import CostsError, RematError, StageError
+from .profile import Instrument, Timer, instrumented_run, storage_key, timed_step
 from .recording import Explanation, Recording, _last, explain
 from .replay import capture_autocast, capture_rng, cuda_devices, restore_tensors
-from .runtime import FALL, FCK, Run, StageCall, replaying
+from .runtime import FALL, FCK, Run, StageCall, _Saved, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
@@ -70,6 +71,11 @@ class chain:
         algorithm: "optimal" (default), "store_all", "min_memory", "sqrt"
             or "periodic(k)".
         slots: memory resolution of the optimal solver.
+        costs: path of a JSON file of measured costs. If it exists, the first
+            call uses those costs instead of timing the stages (it still runs
+            each stage once to learn what to replay); if not, the measured
+            costs are written there. Under torch.distributed every rank uses
+            rank 0's costs, so all ranks run the same schedule.
 
     Raises:
         BudgetError: malformed budget (at once), or a budget below the
@@ -90,8 +96,11 @@ class chain:
 
     last = None
 
-    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS):
+    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
         self.budget = parse_budget(budget)
+        if costs is not None and not isinstance(costs, (str, os.PathLike)):
+            raise TypeError(f"remat: costs must be a path to a JSON file, got {type(costs).__name__}")
+        self.costs_path = costs
         _parse_algorithm(algorithm, 1)
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"remat: slots must be a positive int, got {slots!r}")
@@ -176,6 +185,7 @@ class _Active:
         self.diverged = 0
         self.rng_start = None
         self.originals = {}
+        self.given = None
 
     # stage calls ---------------------------------------------------------
 
@@ -251,6 +261,9 @@ class _Active:
             self.new = Recording()
             self.run = Run(None, {}, autocast)
             self.rng_start = capture_rng(cuda_devices([x]))
+            path = self.spec.costs_path
+            if path is not None and os.path.exists(path):
+                self.given = Costs.load(path)
 
     def _matches(self, k, ident, x):
         entry = self.entry
@@ -262,8 +275,10 @@ class _Active:
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "state", "rows"):
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "state"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
+        fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+        new.rows = [{f: getattr(old.costs, f)[i] for f in fields} for i in range(k - 1)]
         new.input_bytes = old.input_bytes
         self.new = new
         self.mode = "measure"
@@ -294,33 +309,53 @@ class _Active:
         cuda = x.is_cuda
         devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
         rng0 = capture_rng(devices)
-        row, meta, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output)
-        state = [t for t, _ in originals]
-        for t, old in originals:
-            self.originals.setdefault(storage_key(t), (t, old))
-        with rng0.replayed(), restore_tensors(state), torch.no_grad(), Timer(cuda) as timer:
-            call.call(x)
-        row["fwd_nograd_time"] = timer.seconds
-        row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
+        row = None
+        if self.given is None:
+            row, meta, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output)
+            state = [t for t, _ in originals]
+            for t, old in originals:
+                self.originals.setdefault(storage_key(t), (t, old))
+            with rng0.replayed(), restore_tensors(state), torch.no_grad(), Timer(cuda) as timer:
+                call.call(x)
+            row["fwd_nograd_time"] = timer.seconds
+            row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
         # the forward that counts: checkpoint the input, keep the saved tensors
         # until the next stage starts so the last stage needs no recomputation
         prev_anchor = run._anchor(k - 1) if k > 1 else None
         if prev_anchor is not None:
             prev_anchor.saved = None
-        call.meta = meta
-        call.state = [weakref.ref(t) for t in state]
-        call.rng = rng0 if uses_rng else None
         anchor, _, count = run.new_anchor(call, True, x)
         kept = []
 
         def pack(t):
             i = len(kept)
             kept.append(t.detach())
-            from .runtime import _Saved
             return _Saved(anchor, i)
 
-        with run.hooks(pack):
-            out = call.invoke(x)
+        if self.given is None:
+            call.meta = meta
+            call.state = [weakref.ref(t) for t in state]
+            call.rng = rng0 if uses_rng else None
+            with run.hooks(pack):
+                out = call.invoke(x)
+        else:
+            # costs come from a file: learn only what replay needs, from this forward
+            detector = Instrument(exclude=[x])
+            buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
+            with detector, run.hooks(pack):
+                out = call.invoke(x)
+            detector.note_changed(buffers)
+            state = detector.state_tensors()
+            for key, pair in detector.mutated.items():
+                self.originals.setdefault(key, pair)
+            uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu)
+            meta = tuple((t.shape, t.dtype, t.device) for t in kept)
+            call.meta = meta
+            call.state = [weakref.ref(t) for t in state]
+            call.rng = rng0 if uses_rng else None
+            act = out[0] if isinstance(out, tuple) else out
+            if isinstance(act, torch.Tensor):
+                row = {"out_bytes": act.untyped_storage().nbytes()}
         anchor.saved = kept
         run.settle(anchor, len(kept))
         if k == 1:
@@ -347,8 +382,11 @@ class _Active:
             _publish(Explanation(self.entry.costs, self.plan[0], self.budget, self.entry.names))
             return
         new = self.new
-        fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
-        new.costs = Costs(**{f: [row[f] for row in new.rows] for f in fields}, input_bytes=new.input_bytes)
+        try:
+            new.costs = self._costs()
+        except RematError:
+            self._undo()
+            raise
         with _cache_lock:
             _cache[self.key] = new
             _cache.move_to_end(self.key)
@@ -362,6 +400,25 @@ class _Active:
             raise
         _publish(Explanation(new.costs, schedule, self.budget, new.names))
 
+    def _costs(self):
+        """The costs of a measuring call: measured, read from a file, or rank 0's."""
+        new, path = self.new, self.spec.costs_path
+        if self.given is not None:
+            _check_given(self.given, new, path)
+            return self.given
+        fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+        costs = Costs(**{f: [row[f] for row in new.rows] for f in fields}, input_bytes=new.input_bytes)
+        rank = 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            box = [costs.to_dict()]
+            torch.distributed.broadcast_object_list(box, src=0)
+            costs = Costs.from_dict(box[0])
+            rank = torch.distributed.get_rank()
+        if path is not None and rank == 0:
+            costs.save(path)
+        return costs
+
     def _undo(self):
         """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""
         if self.rng_start is not None:
@@ -371,6 +428,17 @@ class _Active:
         with torch.no_grad():
             for t, old in self.originals.values():
                 t.copy_(old)
+
+
+def _check_given(costs, new, path):
+    """Costs read from ``path`` must describe this chain."""
+    sizes = [row["out_bytes"] for row in new.rows]
+    if costs.length != len(sizes) or costs.input_bytes != new.input_bytes or list(costs.out_bytes) != sizes:
+        raise CostsError(
+            f"remat: the costs in {path} describe another chain ({costs.length} stages, input "
+            f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {new.input_bytes} "
+            f"bytes, or other output sizes); delete the file to measure again"
+        )
 
 
 def _check_output(call, out, x, version):
