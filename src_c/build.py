@@ -1,4 +1,4 @@
-"""cffi build script: compiles src_c/solver.c into ``remat._solver``
+"""cffi build script: compiles src_c/solver.c and mintime.c into ``remat._solver``
 (out-of-line API mode; named by setup.py's ``cffi_modules``)."""
 
 import os
@@ -24,7 +24,7 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "remat._solver",
     '#include "solver.h"',
-    sources=[os.path.relpath(os.path.join(HERE, "solver.c"))],
+    sources=[os.path.relpath(os.path.join(HERE, name)) for name in ("solver.c", "mintime.c")],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=["-O3", "-std=c99"],
 )

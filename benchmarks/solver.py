@@ -1,0 +1,194 @@
+"""Time the C solver (MIN_TIME) on random heterogeneous chains, fast vs naive.
+
+Each case runs in its own subprocess that loads only the compiled cffi
+module (not torch), so its peak RSS (ru_maxrss) is the solver's memory plus
+a small Python baseline, both reported. Writes benchmarks/results/solver.json
+and benchmarks/results/solver.md.
+
+    python benchmarks/solver.py                 # the full table
+    python benchmarks/solver.py --quick         # L <= 200 only
+"""
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+LENGTHS = (20, 50, 100, 200, 500, 1000)
+SLOTS = (500, 1000)
+# The naive table is O(L^3 slots) time and L^2 slots doubles: run it only below this.
+NAIVE_MAX_WORK = 3e10
+REPEATS = 3
+MIB = 2**20
+
+
+def _load():
+    """The compiled module alone, without importing remat (and torch)."""
+    import importlib.util
+
+    paths = glob.glob(os.path.join(ROOT, "remat", "_solver*.so"))
+    if not paths:
+        sys.exit("benchmarks/solver.py: remat/_solver is not built; run `pip install -e .`")
+    spec = importlib.util.spec_from_file_location("_solver", paths[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ffi, module.lib
+
+
+def make_chain(length, seed=0):
+    """Times and sizes drawn log-uniformly over a 10x range per stage, fixed seed."""
+    rng = random.Random(1000 * seed + length)
+    logu = lambda lo, hi: math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    fwd = [logu(1e-3, 1e-2) for _ in range(length)]
+    return {
+        "fwd_time": fwd,
+        "fwd_nograd_time": [f * rng.uniform(0.8, 1.0) for f in fwd],
+        "bwd_time": [2 * f * rng.uniform(0.8, 1.2) for f in fwd],
+        "out_bytes": [int(logu(1, 10) * MIB) for _ in range(length)],
+        "saved_bytes": [int(logu(2, 20) * MIB) for _ in range(length)],
+        "fwd_tmp": [int(logu(0.1, 1) * MIB) for _ in range(length)],
+        "bwd_tmp": [int(logu(0.2, 2) * MIB) for _ in range(length)],
+        "input_bytes": int(logu(1, 10) * MIB),
+    }
+
+
+def _solve(ffi, lib, c, budget, slots, mode):
+    n = len(c["fwd_time"])
+    keep = [ffi.new("double[]", c[k]) for k in ("fwd_time", "fwd_nograd_time", "bwd_time")]
+    keep += [ffi.new("long long[]", c[k]) for k in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")]
+    chain = ffi.new("remat_chain *")
+    chain.length = n
+    (chain.fwd_time, chain.fwd_nograd_time, chain.bwd_time, chain.out_bytes,
+     chain.saved_bytes, chain.fwd_tmp, chain.bwd_tmp) = keep
+    chain.input_bytes = c["input_bytes"]
+    cap = n * (n + 1) // 2 + 2 * n + 1
+    plan = ffi.new("remat_plan *")
+    codes, stages = ffi.new("int[]", cap), ffi.new("int[]", cap)
+    plan.capacity, plan.codes, plan.stages = cap, codes, stages
+    status = lib.remat_solve(chain, budget, slots, mode, 2**62, plan)
+    return status, plan
+
+
+def _store_all_peak(c):
+    """simulate's peak of store_all, inlined (Note [Accounting])."""
+    x = [c["input_bytes"]] + c["out_bytes"]
+    mem = peak = x[0]
+    for i in range(len(c["out_bytes"])):
+        peak = max(peak, mem + max(c["saved_bytes"][i], x[i + 1] + c["fwd_tmp"][i]))
+        mem += c["saved_bytes"][i]
+    n = len(c["out_bytes"])
+    mem += x[n]
+    peak = max(peak, mem)
+    for i in range(n, 0, -1):
+        peak = max(peak, mem + x[i - 1] + c["bwd_tmp"][i - 1])
+        mem += x[i - 1] - c["saved_bytes"][i - 1] - x[i] - (x[i - 1] if i > 1 else x[0])
+    return peak
+
+
+def budget_of(ffi, lib, c):
+    """Halfway (geometric mean) between the chain's minimum and its store-all peak."""
+    status, plan = _solve(ffi, lib, c, 0, 1, lib.REMAT_MIN_MEMORY)
+    assert status == 0, status
+    least, peak = plan.min_budget, _store_all_peak(c)
+    return int(math.sqrt(least * peak)), least, peak
+
+
+def run_case(length, slots, mode_name):
+    """In this process: REPEATS solves of one case; prints one JSON line."""
+    ffi, lib = _load()
+    mode = {"fast": lib.REMAT_MIN_TIME, "naive": lib.REMAT_MIN_TIME_NAIVE}[mode_name]
+    c = make_chain(length)
+    budget, least, peak = budget_of(ffi, lib, c)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        status, plan = _solve(ffi, lib, c, budget, slots, mode)
+        times.append(time.perf_counter() - t0)
+        assert status == 0, ffi.string(lib.remat_strerror(status))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({
+        "length": length, "slots": slots, "solver": mode_name, "seconds": statistics.median(times),
+        "all_seconds": times, "peak_rss_bytes": rss, "solver_bytes": rss - base,
+        "dp_time": plan.time, "n_ops": plan.n_ops, "budget": budget, "min_budget": least,
+        "store_all_peak": peak,
+    }))
+
+
+def _spawn(length, slots, mode):
+    out = subprocess.run([sys.executable, __file__, "--case", str(length), str(slots), mode],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", nargs=3, metavar=("L", "SLOTS", "SOLVER"))
+    parser.add_argument("--quick", action="store_true", help="only L <= 200")
+    args = parser.parse_args()
+    if args.case:
+        run_case(int(args.case[0]), int(args.case[1]), args.case[2])
+        return
+    rows = []
+    for length in LENGTHS:
+        if args.quick and length > 200:
+            continue
+        for slots in SLOTS:
+            fast = _spawn(length, slots, "fast")
+            naive = _spawn(length, slots, "naive") if length**3 / 6 * slots <= NAIVE_MAX_WORK else None
+            if naive is not None and abs(naive["dp_time"] - fast["dp_time"]) > 1e-9 * naive["dp_time"]:
+                print(f"warning: L={length} slots={slots}: fast {fast['dp_time']} != naive {naive['dp_time']}")
+            row = {"fast": fast, "naive": naive}
+            rows.append(row)
+            print(_line(row), flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "solver.json"), "w") as fh:
+        json.dump({"machine": _machine(), "repeats": REPEATS, "cases": rows}, fh, indent=1)
+    with open(os.path.join(RESULTS, "solver.md"), "w") as fh:
+        fh.write(_table(rows))
+    print(_table(rows))
+
+
+def _line(row):
+    f, n = row["fast"], row["naive"]
+    extra = f", naive {n['seconds']:.3f} s ({n['seconds'] / f['seconds']:.1f}x)" if n else ""
+    return f"L={f['length']} slots={f['slots']}: fast {f['seconds']:.3f} s, {f['solver_bytes'] / MIB:.0f} MiB{extra}"
+
+
+def _machine():
+    import platform
+
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _table(rows):
+    out = [
+        "# C solver (MIN_TIME), random heterogeneous chains",
+        "",
+        f"Median of {REPEATS} runs; budget = geometric mean of the chain's minimum and its store-all "
+        f"peak; memory = peak RSS growth of a process that only loads the solver "
+        f"(Python baseline excluded). Naive = the plain O(L^3 slots) double table, run only where "
+        f"L^3/6 * slots <= {NAIVE_MAX_WORK:.0e}. Machine: {os.cpu_count()} CPUs.",
+        "",
+        "| L | slots | fast (s) | fast memory (MiB) | naive (s) | naive memory (MiB) | speed-up |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        f, n = row["fast"], row["naive"]
+        naive = (f"{n['seconds']:.3f} | {n['solver_bytes'] / MIB:.0f} | {n['seconds'] / f['seconds']:.1f}x"
+                 if n else "- | - | -")
+        out.append(f"| {f['length']} | {f['slots']} | {f['seconds']:.3f} | {f['solver_bytes'] / MIB:.0f} | {naive} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+/* Shared between solver.c (entry point, schedule writer, least memory) and
+ * mintime.c (the least-time tables). Not part of the interface. */
+#ifndef REMAT_INTERNAL_H
+#define REMAT_INTERNAL_H
+
+#include <limits.h>
+#include <math.h>
+
+#include "solver.h"
+
+#define INF HUGE_VAL
+
+typedef long long ll;
+
+/* Sums of sizes saturate (solver.c Note [Overflow]). Arguments are >= 0. */
+static inline ll sadd(ll a, ll b) { return (b > LLONG_MAX - a) ? LLONG_MAX : a + b; }
+static inline ll smax(ll a, ll b) { return a > b ? a : b; }
+static inline ll smin(ll a, ll b) { return a < b ? a : b; }
+/* Index of the pair (a, t), 1 <= a <= t, in triangular tables. */
+static inline ll pidx(ll a, ll t) { return t * (t - 1) / 2 + (a - 1); }
+
+/* The chain, 1-based, sizes in units (slots, or bytes for MIN_MEMORY). */
+typedef struct {
+    ll n;
+    ll *x;      /* x[0..n] */
+    ll *s, *ft, *bt;
+    ll *fa;     /* x[k] + ft[k]: what Fn/Fck(k) need */
+    ll *cond;   /* x[k-1] + x[k] + ft[k]: Fn(k) after Fck/Fn(k-1) */
+    ll *fneed;  /* max(s[k], x[k] + ft[k]): Fall(k) */
+    ll *bneed;  /* s[k] + x[k] + x[k-1] + bt[k]: B(k), before the gradient credit */
+    double *tf, *tn, *tb;
+    void *mem;
+} problem;
+
+int remat_problem_init(problem *p, const remat_chain *c, ll slot);
+
+/* The gradient of a^t held by the caller of P(a, t): none at the top. */
+static inline ll grad(const problem *p, ll t) { return t < p->n ? p->x[t] : 0; }
+
+/* Least headroom for the Fall branch's own conditions at (a, t). */
+static inline ll fall_need(const problem *p, ll a, ll t)
+{
+    return smax(p->fneed[a], p->bneed[a] - grad(p, t));
+}
+
+/* Picks the branch at (a, t, m): 0 for Fall, 1 for a split at *j, -1 if none fits. */
+typedef int (*remat_chooser)(const void *ctx, ll a, ll t, ll m, ll *j);
+
+/* Writes the schedule of P(1, n, m0) into out (headrooms capped at mcap). */
+int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, ll mcap, remat_plan *out);
+
+/* MIN_TIME and MIN_TIME_NAIVE (mintime.c). */
+int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll max_bytes, remat_plan *out);
+
+#endif

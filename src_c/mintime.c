@@ -1,0 +1,495 @@
+/* MIN_TIME: the least-time tables of the persistent dynamic program.
+ *
+ * Note [Tables]
+ * -------------
+ * P(a, t, m) is the least time to backpropagate stages a..t with headroom m
+ * (sizes in slots, remat/solve.py Note [The recurrence]). For one pair it is
+ * a non-increasing step function of m: infinite below lo(a, t) and constant
+ * from hi(a, t) on, hi being the headroom that recording every stage of a..t
+ * needs (nothing beats that: every stage is recorded and backwarded once in
+ * any schedule). So a pair stores only m in [lb, top], lb = x[a] + fwd_tmp[a]
+ * (both branches need it) and top = min(hi, M); a read above top returns the
+ * value at top.
+ *
+ * Order and layout: sweeps a = n..1, each over t = a..n. P(a, t) reads
+ * P(a+1, t) and P(j, t), j > a (earlier sweeps), and P(a, j-1), j-1 < t
+ * (this sweep). The pool is column-major (column t holds rows (1, t) ..
+ * (t, t) in order), so the rows P(j, t) a split loop reads are one stream;
+ * this sweep's rows are also copied, as doubles, to a scratch that stays in
+ * cache.
+ *
+ * Inside a pair, the Fall branch and each split point j are shifted min-plus
+ * vector operations over m. A split j is skipped where its lower bound
+ * fsum + min P(j, t) + min P(a, j-1) cannot beat the current best: the best
+ * is non-increasing in m, so that is a prefix of m, found by bisection; and
+ * the loop over j stops once fsum + (time of recording a..t) cannot beat it
+ * anywhere a later j applies. Values are summed in the order of
+ * tests/reference_solver.py, and skipped work provably cannot win, so in
+ * double precision the result is the reference's, bit for bit.
+ *
+ * Tables above REMAT_DOUBLE_TABLE_BYTES store float32 values (sums stay
+ * double; float rounding is monotone, so every row stays non-increasing);
+ * the schedule's time is then summed again along the schedule, in double.
+ */
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Above this, tables hold float32 values (Note [Tables]). */
+#define REMAT_DOUBLE_TABLE_BYTES (512LL << 20)
+#if defined(__GNUC__)
+#define PREFETCH(r) __builtin_prefetch(r)
+#else
+#define PREFETCH(r) ((void)0)
+#endif
+/* Relative slack of the whole-chain lower bound: the same positive terms
+ * summed in another order differ by far less than this. */
+#define BOUND_SLACK (1.0 - 1e-7)
+
+typedef struct {
+    ll lb, top;   /* stored headrooms [lb, top]; empty if top < lb */
+    ll lo;        /* first finite headroom, LLONG_MAX if none */
+    ll off;       /* index of headroom lb in the pool */
+    double all;   /* time of recording every stage (the Fall chain) */
+    double least; /* the value at top, the row's least */
+} row;
+
+typedef struct {
+    const problem *p;
+    ll M;
+    row *rows;        /* by pidx(a, t) */
+    void *pool;       /* column-major values, float or double */
+    int use_float;
+    double *scratch;  /* rows (a, a..n) of the current sweep, as doubles */
+    ll *soff;         /* soff[t]: offset of (a, t) in scratch */
+    row *sweep;       /* sweep[t]: a copy of row (a, t), for locality */
+} table;
+
+static double cell(const table *T, const row *r, ll m)
+{
+    ll i;
+    if (m < r->lo)
+        return INF;
+    if (m > r->top)
+        m = r->top;
+    i = r->off + (m - r->lb);
+    return T->use_float ? (double)((const float *)T->pool)[i] : ((const double *)T->pool)[i];
+}
+
+static double value(const table *T, ll a, ll t, ll m)
+{
+    return cell(T, &T->rows[pidx(a, t)], m);
+}
+
+static const void *at(const table *T, const row *r, ll m)
+{
+    ll i = r->off + (m - r->lb);
+    return T->use_float ? (const void *)((const float *)T->pool + i) : (const void *)((const double *)T->pool + i);
+}
+
+/* Row (a, t) of the current sweep in the scratch, from headroom m. */
+static const double *sat(const table *T, const row *r, ll t, ll m)
+{
+    return T->scratch + T->soff[t] + (m - r->lb);
+}
+
+/* Fills the rows' ranges and offsets. Returns the number of stored values,
+ * or -1 past `limit`; *scratch gets the longest sweep's. `full` stores every
+ * m in 0..M (the naive table). */
+static ll layout(table *T, int full, ll limit, ll *scratch)
+{
+    const problem *p = T->p;
+    ll n = p->n, M = T->M, a, t, total = 0, *sweep;
+    sweep = (ll *)calloc((size_t)(n + 1), sizeof(ll));
+    if (!sweep)
+        return -2;
+    for (t = 1; t <= n; t++) {
+        ll hi = 0;
+        double all = 0.0;
+        for (a = t; a >= 1; a--) {
+            row *r = &T->rows[pidx(a, t)];
+            ll h = fall_need(p, a, t);
+            if (a < t) {
+                h = smax(h, sadd(hi, p->s[a]));
+                all = (p->tf[a] + all) + p->tb[a];
+            } else {
+                all = p->tf[a] + p->tb[a];
+            }
+            hi = smin(h, sadd(M, 1));
+            r->all = all;
+            r->lb = full ? 0 : p->fa[a];
+            r->top = full ? M : smin(hi, M);
+            r->lo = LLONG_MAX;
+            r->least = INF;
+        }
+        for (a = 1; a <= t; a++) {
+            row *r = &T->rows[pidx(a, t)];
+            r->off = total;
+            if (r->top >= r->lb) {
+                ll len = r->top - r->lb + 1;
+                if (len > limit - total) {
+                    free(sweep);
+                    return -1;
+                }
+                total += len;
+                sweep[a] += len;
+            }
+        }
+    }
+    *scratch = 1;
+    for (a = 1; a <= n; a++)
+        *scratch = smax(*scratch, sweep[a]);
+    free(sweep);
+    return total;
+}
+
+#define DEFINE_KERNELS(T, SUF)                                                          \
+    static void fall_##SUF(double *b, ll n, double tf, const T *c, double tb)          \
+    {                                                                                   \
+        ll i;                                                                           \
+        for (i = 0; i < n; i++) {                                                       \
+            double v = (tf + (double)c[i]) + tb;                                        \
+            b[i] = v < b[i] ? v : b[i];                                                 \
+        }                                                                               \
+    }                                                                                   \
+    static void split_aa_##SUF(double *b, ll n, double f, const T *c1, const double *c2) \
+    {                                                                                   \
+        ll i;                                                                           \
+        for (i = 0; i < n; i++) {                                                       \
+            double v = (f + (double)c1[i]) + c2[i];                                     \
+            b[i] = v < b[i] ? v : b[i];                                                 \
+        }                                                                               \
+    }                                                                                   \
+    static void split_ac_##SUF(double *b, ll n, double f, const T *c1, double c2)     \
+    {                                                                                   \
+        ll i;                                                                           \
+        for (i = 0; i < n; i++) {                                                       \
+            double v = (f + (double)c1[i]) + c2;                                        \
+            b[i] = v < b[i] ? v : b[i];                                                 \
+        }                                                                               \
+    }
+
+DEFINE_KERNELS(double, d)
+DEFINE_KERNELS(float, f)
+
+static void split_ca(double *b, ll n, double fc1, const double *c2)
+{
+    ll i;
+    for (i = 0; i < n; i++) {
+        double v = fc1 + c2[i];
+        b[i] = v < b[i] ? v : b[i];
+    }
+}
+
+static void const_min(double *b, ll n, double v)
+{
+    ll i;
+    for (i = 0; i < n; i++)
+        b[i] = v < b[i] ? v : b[i];
+}
+
+/* buf[m - lb] = min(buf, (f + P(j, t, m - xj)) + P(a, j-1, m - xj + g)) for m in [ms, me]. */
+static void split_range(const table *T, double *buf, ll lb, ll ms, ll me, double f,
+                        const row *r1, const row *r2, ll j, ll xj, ll g)
+{
+    ll e1 = r1->top + xj, e2 = r2->top + xj - g, cur = ms;
+    double c1 = r1->least, c2 = r2->least;
+    while (cur <= me) {
+        int arr1 = cur <= e1, arr2 = cur <= e2;
+        ll end = me, len;
+        double *b = buf + (cur - lb);
+        if (arr1)
+            end = smin(end, e1);
+        if (arr2)
+            end = smin(end, e2);
+        len = end - cur + 1;
+        if (arr1 && arr2) {
+            const double *q = sat(T, r2, j - 1, cur - xj + g);
+            if (T->use_float)
+                split_aa_f(b, len, f, (const float *)at(T, r1, cur - xj), q);
+            else
+                split_aa_d(b, len, f, (const double *)at(T, r1, cur - xj), q);
+        } else if (arr1) {
+            if (T->use_float)
+                split_ac_f(b, len, f, (const float *)at(T, r1, cur - xj), c2);
+            else
+                split_ac_d(b, len, f, (const double *)at(T, r1, cur - xj), c2);
+        } else if (arr2) {
+            split_ca(b, len, f + c1, sat(T, r2, j - 1, cur - xj + g));
+        } else {
+            const_min(b, len, (f + c1) + c2);
+        }
+        cur = end + 1;
+    }
+}
+
+/* P(a, t, m) for m in [lb, top] into buf (Note [Tables]). */
+static void compute_row(const table *T, ll a, ll t, double *buf)
+{
+    const problem *p = T->p;
+    const row *r = &T->rows[pidx(a, t)];
+    ll lb = r->lb, top = r->top, n = top - lb + 1, g = grad(p, t), j, m, mlow = lb;
+    const double *f = (t == p->n) ? p->tf : p->tn;
+    double fsum = 0.0;
+
+    for (m = 0; m < n; m++)
+        buf[m] = INF;
+    /* Fall branch: Fall(a), P(a+1, t, m - s[a]), B(a) */
+    {
+        ll ms = smax(lb, fall_need(p, a, t));
+        if (a == t) {
+            if (ms <= top)
+                const_min(buf + (ms - lb), top - ms + 1, p->tf[a] + p->tb[a]);
+        } else {
+            const row *c = &T->rows[pidx(a + 1, t)];
+            if (c->lo != LLONG_MAX) {
+                ll e = c->top + p->s[a];   /* the last m read from c's values */
+                ms = smax(ms, sadd(c->lo, p->s[a]));
+                if (ms <= top && ms <= e) {
+                    ll end = smin(top, e);
+                    if (T->use_float)
+                        fall_f(buf + (ms - lb), end - ms + 1, p->tf[a], (const float *)at(T, c, ms - p->s[a]), p->tb[a]);
+                    else
+                        fall_d(buf + (ms - lb), end - ms + 1, p->tf[a], (const double *)at(T, c, ms - p->s[a]), p->tb[a]);
+                }
+                ms = smax(ms, e + 1);
+                if (ms <= top)
+                    const_min(buf + (ms - lb), top - ms + 1, (p->tf[a] + c->least) + p->tb[a]);
+            }
+        }
+    }
+    /* Split branch: Fck(a), Fn(a+1..j-1), P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]) */
+    for (j = a + 1; j <= t; j++) {
+        ll k = j - 1, xj = p->x[j - 1], ms, lo_, hi_;
+        const row *r1, *r2;
+        double bound;
+        if (k > a)
+            mlow = smax(mlow, p->cond[k]);
+        if (mlow > top)
+            break;
+        fsum += f[k];
+        if (buf[mlow - lb] <= (fsum + r->all) * BOUND_SLACK)
+            break;
+        r1 = &T->rows[pidx(j, t)];
+        r2 = &T->sweep[j - 1];
+        if (r1->lo == LLONG_MAX || r2->lo == LLONG_MAX)
+            continue;
+        PREFETCH(r1 + 1);
+        ms = smax(mlow, smax(sadd(r1->lo, xj), sadd(r2->lo, xj) - g));
+        if (ms > top)
+            continue;
+        bound = (fsum + r1->least) + r2->least;
+        lo_ = ms;          /* the first m with buf[m] <= bound */
+        hi_ = top + 1;
+        while (lo_ < hi_) {
+            ll mid = lo_ + (hi_ - lo_) / 2;
+            if (buf[mid - lb] <= bound)
+                hi_ = mid;
+            else
+                lo_ = mid + 1;
+        }
+        if (lo_ > ms)
+            split_range(T, buf, lb, ms, lo_ - 1, fsum, r1, r2, j, xj, g);
+    }
+}
+
+/* The plain table: every m in 0..M, every split, scalar (the benchmarks' baseline). */
+static void compute_row_naive(const table *T, ll a, ll t, double *buf)
+{
+    const problem *p = T->p;
+    ll m, j, g = grad(p, t), M = T->M;
+    const double *f = (t == p->n) ? p->tf : p->tn;
+    for (m = 0; m <= M; m++) {
+        double best = INF, fsum = 0.0;
+        if (m >= fall_need(p, a, t)) {
+            if (a == t) {
+                best = p->tf[a] + p->tb[a];
+            } else {
+                double c = value(T, a + 1, t, m - p->s[a]);
+                if (c < INF)
+                    best = (p->tf[a] + c) + p->tb[a];
+            }
+        }
+        if (a < t && p->fa[a] <= m) {
+            for (j = a + 1; j <= t; j++) {
+                ll k = j - 1, xj = p->x[j - 1];
+                double c1, c2;
+                if (k > a && p->cond[k] > m)
+                    break;
+                fsum += f[k];
+                c1 = value(T, j, t, m - xj);
+                if (c1 == INF)
+                    continue;
+                c2 = value(T, a, j - 1, smin(m - xj + g, M));
+                if (c2 == INF)
+                    continue;
+                if ((fsum + c1) + c2 < best)
+                    best = (fsum + c1) + c2;
+            }
+        }
+        buf[m] = best;
+    }
+}
+
+/* remat_emit's chooser: the first branch of least value, as the DP found it. */
+static int choose_time(const void *ctx, ll a, ll t, ll m, ll *jout)
+{
+    const table *T = (const table *)ctx;
+    const problem *p = T->p;
+    ll g = grad(p, t), j;
+    const double *f = (t == p->n) ? p->tf : p->tn;
+    double best = INF, fsum = 0.0;
+    int choice = -1;
+    if (m < 0)
+        return -1;
+    if (m >= fall_need(p, a, t)) {
+        double v = p->tf[a] + p->tb[a];
+        if (a < t)
+            v = (p->tf[a] + value(T, a + 1, t, m - p->s[a])) + p->tb[a];
+        if (v < best) {
+            best = v;
+            choice = 0;
+        }
+    }
+    if (a < t && p->fa[a] <= m) {
+        for (j = a + 1; j <= t; j++) {
+            ll k = j - 1, xj = p->x[j - 1];
+            double v;
+            if (k > a && p->cond[k] > m)
+                break;
+            fsum += f[k];
+            v = (fsum + value(T, j, t, m - xj)) + value(T, a, j - 1, smin(m - xj + g, T->M));
+            if (v < best) {
+                best = v;
+                choice = 1;
+                *jout = j;
+            }
+        }
+    }
+    return best < INF ? choice : -1;
+}
+
+/* Computes every row, sweep by sweep (Note [Tables]). */
+static void fill(table *T, int naive, double *buf)
+{
+    const problem *p = T->p;
+    ll n = p->n, a, t, m;
+    for (a = n; a >= 1; a--) {
+        ll off = 0;
+        for (t = a; t <= n; t++) {
+            const row *r = &T->rows[pidx(a, t)];
+            T->soff[t] = off;
+            if (r->top >= r->lb)
+                off += r->top - r->lb + 1;
+        }
+        for (t = a; t <= n; t++) {
+            row *r = &T->rows[pidx(a, t)];
+            ll len = r->top - r->lb + 1;
+            T->sweep[t] = *r;
+            if (len <= 0)
+                continue;
+            if (naive)
+                compute_row_naive(T, a, t, buf);
+            else
+                compute_row(T, a, t, buf);
+            if (T->use_float) {
+                float *dst = (float *)T->pool + r->off;
+                for (m = 0; m < len; m++) {
+                    dst[m] = (float)buf[m];
+                    buf[m] = (double)dst[m];   /* the scratch holds the stored values */
+                }
+            } else {
+                memcpy((double *)T->pool + r->off, buf, (size_t)len * sizeof(double));
+            }
+            memcpy(T->scratch + T->soff[t], buf, (size_t)len * sizeof(double));
+            for (m = 0; m < len && buf[m] == INF; m++)
+                ;
+            r->lo = m < len ? r->lb + m : LLONG_MAX;
+            r->least = buf[len - 1];
+            T->sweep[t] = *r;
+        }
+    }
+}
+
+int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll max_bytes, remat_plan *out)
+{
+    problem p;
+    table T;
+    ll slot = budget / slots + (budget % slots != 0), M, total, meta, scratch = 0, i;
+    double *buf = NULL;
+    int st;
+    if (slot < 1)
+        slot = 1;
+    out->slot_bytes = slot;
+    M = budget / slot;
+    meta = (c->length * (c->length + 1) / 2 + c->length + 1) * (ll)sizeof(row) + (c->length + 1) * (ll)sizeof(ll);
+    if (meta > max_bytes)
+        return REMAT_E_TOO_LARGE;
+    st = remat_problem_init(&p, c, slot);
+    if (st != REMAT_OK)
+        return st;
+    if (p.x[0] > M) {
+        free(p.mem);
+        return REMAT_INFEASIBLE;
+    }
+    memset(&T, 0, sizeof T);
+    T.p = &p;
+    T.M = M;
+    T.rows = (row *)malloc((size_t)(c->length * (c->length + 1) / 2) * sizeof(row));
+    T.soff = (ll *)malloc((size_t)(c->length + 1) * sizeof(ll));
+    T.sweep = (row *)malloc((size_t)(c->length + 1) * sizeof(row));
+    if (!T.rows || !T.soff || !T.sweep) {
+        st = REMAT_E_NOMEM;
+        goto done;
+    }
+    /* Values and the scratch (one sweep of doubles, at most n (M + 1) + buf)
+     * must fit: double below the threshold, else float32 (never naive). */
+    {
+        ll room = max_bytes - meta, dbl = naive ? room : smin(room, REMAT_DOUBLE_TABLE_BYTES - meta);
+        total = layout(&T, naive, dbl / 8, &scratch);
+        if (total >= 0 && scratch > dbl / 8 - total)
+            total = -1;
+        if (total == -1 && !naive) {
+            T.use_float = 1;
+            total = layout(&T, naive, room / 4, &scratch);
+            if (total >= 0 && scratch > (room - 4 * total) / 8)
+                total = -1;
+        }
+    }
+    if (total < 0) {
+        st = total == -2 ? REMAT_E_NOMEM : REMAT_E_TOO_LARGE;
+        goto done;
+    }
+    T.pool = malloc((size_t)(total > 0 ? total : 1) * (T.use_float ? sizeof(float) : sizeof(double)));
+    T.scratch = (double *)malloc((size_t)scratch * sizeof(double));
+    buf = (double *)malloc((size_t)(smin(M, scratch) + 1) * sizeof(double));
+    if (!T.pool || !T.scratch || !buf) {
+        st = REMAT_E_NOMEM;
+        goto done;
+    }
+    for (i = 0; i <= p.n; i++)
+        T.soff[i] = 0;
+    fill(&T, naive, buf);
+    {
+        ll m0 = M - p.x[0];
+        double best = value(&T, 1, p.n, m0);
+        if (best == INF) {
+            st = REMAT_INFEASIBLE;
+            goto done;
+        }
+        st = remat_emit(&p, choose_time, &T, m0, M, out);
+        if (!T.use_float && (st == REMAT_OK || st == REMAT_E_CAPACITY))
+            out->time = best;
+    }
+done:
+    free(buf);
+    free(T.scratch);
+    free(T.pool);
+    free(T.soff);
+    free(T.sweep);
+    free(T.rows);
+    free(p.mem);
+    return st;
+}
