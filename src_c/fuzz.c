@@ -1,0 +1,190 @@
+/* Fuzz driver for remat_solve: hostile inputs from a seeded PRNG.
+ *
+ *     fuzz [iterations [seconds [seed]]]     (0 means no limit; default 2000 0 1)
+ *
+ * Built by .ci/fuzz.sh with AddressSanitizer and UBSan, which turn any out of
+ * bounds access, leak or undefined behaviour into a non-zero exit. This file
+ * checks the rest: every call returns a defined status, and a schedule that
+ * comes back is well formed (codes, stages, one Loss, every B once, in order).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "solver.h"
+
+static unsigned long long state;
+
+static unsigned long long next(void)
+{
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+}
+
+static long long below(long long n) { return n > 0 ? (long long)(next() % (unsigned long long)n) : 0; }
+
+static double hostile_time(void)
+{
+    switch (below(12)) {
+    case 0: return NAN;
+    case 1: return INFINITY;
+    case 2: return -1.0;
+    case 3: return 1e300;
+    case 4: return 0.0;
+    case 5: return 1e18;
+    case 6: return 5e-324;
+    default: return (double)below(1000) / 100.0;
+    }
+}
+
+static long long hostile_size(long long scale)
+{
+    switch (below(14)) {
+    case 0: return -1;
+    case 1: return LLONG_MIN;
+    case 2: return (1LL << 62) - 1;
+    case 3: return 1LL << 62;
+    case 4: return LLONG_MAX;
+    case 5: return 0;
+    case 6: return (1LL << 62) - below(1000) - 1;
+    default: return below(scale + 1);
+    }
+}
+
+static void fail(unsigned long long iter, const char *why)
+{
+    fprintf(stderr, "fuzz: iteration %llu: %s\n", iter, why);
+    exit(1);
+}
+
+/* The schedule is well formed: a forward phase 1..n, Loss, then B(n)..B(1). */
+static void check_plan(unsigned long long iter, const remat_plan *p, long long n)
+{
+    long long i, losses = 0, next_b = n, next_f = 1;
+    if (p->n_ops < 2 * n + 1 || p->n_ops > p->capacity)
+        fail(iter, "n_ops out of range");
+    for (i = 0; i < p->n_ops; i++) {
+        int c = p->codes[i], s = p->stages[i];
+        if (c < 0 || c > 4)
+            fail(iter, "op code out of range");
+        if (c == REMAT_OP_LOSS) {
+            if (losses++ || next_f != n + 1)
+                fail(iter, "Loss misplaced");
+            continue;
+        }
+        if (s < 1 || s > n)
+            fail(iter, "stage out of range");
+        if (c == REMAT_OP_B) {
+            if (!losses || s != next_b--)
+                fail(iter, "backward out of order");
+        } else if (!losses) {
+            if (s != next_f++)
+                fail(iter, "forward phase out of order");
+        } else if (s > next_b) {
+            fail(iter, "recomputation after the stage's backward");
+        }
+    }
+    if (losses != 1 || next_b != 0)
+        fail(iter, "schedule incomplete");
+}
+
+int main(int argc, char **argv)
+{
+    unsigned long long iters = argc > 1 ? strtoull(argv[1], NULL, 10) : 2000, iter;
+    double seconds = argc > 2 ? atof(argv[2]) : 0.0;
+    time_t start = time(NULL);
+    unsigned long long counts[16] = {0};
+    state = (argc > 3 ? strtoull(argv[3], NULL, 10) : 1) * 2654435761ULL + 88172645463325252ULL;
+    for (iter = 0; iters == 0 || iter < iters; iter++) {
+        long long n, alloc, k, scale, budget, slots, cap, limit;
+        int mode, status, nulls;
+        double *tf, *tn, *tb;
+        long long *x, *s, *ft, *bt;
+        int *codes, *stages;
+        remat_chain chain;
+        remat_plan plan;
+        if (seconds > 0 && difftime(time(NULL), start) >= seconds)
+            break;
+        switch (below(10)) {
+        case 0: n = -below(5); break;
+        case 1: n = 10000 + below(3); break;
+        case 2: n = 40 + below(60); break;
+        default: n = 1 + below(12);
+        }
+        alloc = n > 0 ? n : 1;
+        scale = below(4) ? 1 + below(64) : (1LL << 40);
+        tf = malloc(alloc * sizeof *tf);
+        tn = malloc(alloc * sizeof *tn);
+        tb = malloc(alloc * sizeof *tb);
+        x = malloc(alloc * sizeof *x);
+        s = malloc(alloc * sizeof *s);
+        ft = malloc(alloc * sizeof *ft);
+        bt = malloc(alloc * sizeof *bt);
+        if (!tf || !tn || !tb || !x || !s || !ft || !bt)
+            fail(iter, "the driver's own malloc failed");
+        nulls = below(8) == 0;
+        for (k = 0; k < alloc; k++) {
+            int hostile = below(200 * alloc) == 0;
+            tf[k] = hostile ? hostile_time() : (double)below(100) / 10.0;
+            tn[k] = hostile ? hostile_time() : (double)below(100) / 10.0;
+            tb[k] = hostile ? hostile_time() : (double)below(100) / 10.0;
+            x[k] = hostile ? hostile_size(scale) : below(scale + 1);
+            s[k] = hostile ? hostile_size(scale) : x[k] + below(scale + 1);
+            ft[k] = hostile ? hostile_size(scale) : below(scale / 2 + 1);
+            bt[k] = hostile ? hostile_size(scale) : below(scale / 2 + 1);
+        }
+        chain.length = n;
+        chain.fwd_time = nulls && below(2) ? NULL : tf;
+        chain.fwd_nograd_time = nulls && below(2) ? NULL : tn;
+        chain.bwd_time = tb;
+        chain.out_bytes = x;
+        chain.saved_bytes = nulls && below(2) ? NULL : s;
+        chain.fwd_tmp = ft;
+        chain.bwd_tmp = nulls && below(2) ? NULL : bt;
+        chain.input_bytes = below(20) ? below(scale + 1) : hostile_size(scale);
+        switch (below(8)) {
+        case 0: budget = -below(3); break;
+        case 1: budget = 1LL << 62; break;
+        case 2: budget = LLONG_MAX; break;
+        case 3: budget = 0; break;
+        default: budget = below(scale * (n > 0 ? n : 1) * 3 + 1);
+        }
+        switch (below(8)) {
+        case 0: slots = -below(3); break;
+        case 1: slots = LLONG_MAX; break;
+        case 2: slots = 1; break;
+        default: slots = 1 + below(300);
+        }
+        mode = below(12) == 0 ? (int)below(7) - 3 : (int)below(3);
+        limit = below(10) == 0 ? -1 : (below(3) ? (1LL << 26) : below(1 << 16));
+        cap = below(6) == 0 ? below(4) : (n > 0 && n < 1000 ? n * (n + 1) / 2 + 2 * n + 1 : 64);
+        codes = malloc((cap > 0 ? cap : 1) * sizeof *codes);
+        stages = malloc((cap > 0 ? cap : 1) * sizeof *stages);
+        if (!codes || !stages)
+            fail(iter, "the driver's own malloc failed");
+        plan.capacity = cap;
+        plan.codes = below(20) ? codes : NULL;
+        plan.stages = stages;
+        status = remat_solve(below(40) ? &chain : NULL, budget, slots, mode, limit, below(40) ? &plan : NULL);
+        if (status < REMAT_OK || status > REMAT_E_INTERNAL || !remat_strerror(status))
+            fail(iter, "undefined status");
+        if (status == REMAT_E_INTERNAL)
+            fail(iter, "internal error");
+        if (status == REMAT_OK)
+            check_plan(iter, &plan, n);
+        counts[status]++;
+        free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt);
+        free(codes); free(stages);
+    }
+    printf("fuzz: %llu calls;", iter);
+    for (iter = 0; iter <= REMAT_E_INTERNAL; iter++)
+        if (counts[iter])
+            printf(" status %llu: %llu;", iter, counts[iter]);
+    printf("\n");
+    return 0;
+}
