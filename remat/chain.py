@@ -275,7 +275,7 @@ class _Active:
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "state"):
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
         new.rows = [{f: getattr(old.costs, f)[i] for f in fields} for i in range(k - 1)]
@@ -289,6 +289,7 @@ class _Active:
         entry, run, k = self.entry, self.run, call.index
         call.meta = entry.meta[k - 1]
         call.state = entry.state[k - 1]
+        call.grad_replay = entry.grad_replay[k - 1]
         mode = self.plan[1][k]
         if mode == FALL:
             run.add_whole(call)
@@ -316,7 +317,7 @@ class _Active:
             for t, old in originals:
                 self.originals.setdefault(storage_key(t), (t, old))
             with rng0.replayed(), restore_tensors(state), torch.no_grad(), Timer(cuda) as timer:
-                call.call(x)
+                nograd_out = call.call(x)
             row["fwd_nograd_time"] = timer.seconds
             row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
         # the forward that counts: checkpoint the input, keep the saved tensors
@@ -356,8 +357,17 @@ class _Active:
             act = out[0] if isinstance(out, tuple) else out
             if isinstance(act, torch.Tensor):
                 row = {"out_bytes": act.untyped_storage().nbytes()}
+            with rng0.replayed(), restore_tensors(state), torch.no_grad():
+                nograd_out = call.call(x)
         anchor.saved = kept
         run.settle(anchor, len(kept))
+        # Note [Replaying a stage] 4: a stage whose forward without recording
+        # differs from the recorded one is recomputed with grad mode on
+        act = out[0] if isinstance(out, tuple) else out
+        call.grad_replay = not (isinstance(act, torch.Tensor) and _bitwise_equal(nograd_out, act))
+        if call.grad_replay and self.given is None:
+            row["fwd_nograd_time"] = row["fwd_time"]
+        del nograd_out
         if k == 1:
             new.input_bytes = x.untyped_storage().nbytes()
         new.idents.append(weakref.ref(ident))
@@ -365,6 +375,7 @@ class _Active:
         new.in_sigs.append((tuple(x.shape), x.dtype))
         new.meta.append(meta)
         new.uses_rng.append(uses_rng)
+        new.grad_replay.append(call.grad_replay)
         new.state.append(call.state)
         new.rows.append(row)
         return out
@@ -428,6 +439,14 @@ class _Active:
         with torch.no_grad():
             for t, old in self.originals.values():
                 t.copy_(old)
+
+
+def _bitwise_equal(a, b):
+    """Same shape, dtype and bits (NaNs included)."""
+    return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and torch.equal(a.reshape(-1).view(torch.uint8) if a.is_contiguous() and b.is_contiguous()
+                            else a.contiguous().reshape(-1).view(torch.uint8),
+                            b.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def _check_given(costs, new, path):

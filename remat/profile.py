@@ -58,12 +58,19 @@ class Instrument(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.gate = True   # peaks are taken only while the gate is open
         self.window = set()
         self.window_live = 0
         self.window_peak = 0
         self.created = {}
         self.mutated = {}
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+
+    def set_gate(self, open_):
+        """Take peaks only while ``open_`` (e.g. only inside a chain); opening counts what is live now."""
+        self.gate = open_
+        if open_:
+            self.peak = max(self.peak, self.live)
 
     def open_window(self):
         """From now on also meter storages allocated after this call on their own
@@ -110,7 +117,8 @@ class Instrument(TorchDispatchMode):
                 nbytes = st.nbytes()
                 self.created[key] = nbytes
                 self.live += nbytes
-                self.peak = max(self.peak, self.live)
+                if self.gate:
+                    self.peak = max(self.peak, self.live)
                 self.window.add(key)
                 self.window_live += nbytes
                 self.window_peak = max(self.window_peak, self.window_live)

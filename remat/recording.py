@@ -58,6 +58,7 @@ class Recording:
         self.in_sigs = []     # (shape, dtype) of each stage input
         self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
         self.uses_rng = []
+        self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
         self.state = []       # per stage: weak references to tensors it writes in place
         self.rows = []        # per stage: dict of cost fields
         self.input_bytes = 0

@@ -18,6 +18,13 @@ leave no trace:
    ``running_mean``, ``running_var``, ``num_batches_tracked``, any EMA
    buffer). A recomputation snapshots those tensors and restores them after,
    so one step updates them exactly once, as plain PyTorch does.
+4. Grad mode: a recomputation that only rebuilds an activation runs without
+   recording, which is cheaper, unless the stage computes something else
+   that way: some kernels are chosen by grad mode (scaled_dot_product_attention
+   on CPU draws its dropout differently with and without grad). Measuring
+   compares the stage's output with and without recording, bit for bit; a
+   stage that differs is recomputed with grad mode on, its saved tensors
+   dropped as they are made.
 """
 
 import contextlib

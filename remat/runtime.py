@@ -53,7 +53,7 @@ class StageCall:
     """One stage's call in one run: what it needs to run again."""
 
     __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "meta",
-                 "input_requires_grad")
+                 "input_requires_grad", "grad_replay")
 
     def __init__(self, index, name, fn, args, kwargs, pos, in_kw, input_requires_grad):
         self.index = index
@@ -72,6 +72,7 @@ class StageCall:
         self.rng = None
         self.state = ()
         self.meta = None
+        self.grad_replay = False
         self.input_requires_grad = input_requires_grad
 
     def call(self, x):
@@ -118,6 +119,10 @@ def _unpack(handle):
         anchor.run.materialize(anchor.stage)
         saved = anchor.saved
     return saved[handle.index]
+
+
+def _drop(_tensor):
+    return None
 
 
 def _never(_):
@@ -244,6 +249,9 @@ class Run:
             with _Replay(call, self.autocast):
                 if grad:
                     return call.call(x)
+                if call.grad_replay:
+                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never):
+                        return call.call(x).detach()
                 with torch.no_grad():
                     return call.call(x).detach()
         except (StageError, RecomputeMismatchError):

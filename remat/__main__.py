@@ -1,0 +1,31 @@
+"""Command line: ``python -m remat demo | explain | bench``."""
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m remat", description="remat: optimal activation recomputation")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a model under a budget; compare with plain PyTorch and checkpoint_sequential")
+    demo.add_argument("--model", default="gpt", help="gpt (default), gpt-tiny or gpt-medium")
+    demo.add_argument("--budget", default="40%", help="a size (6MiB) or a share of storing everything (40%%)")
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument("--steps", type=int, default=12)
+    demo.add_argument("--no-progress", action="store_true")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import MODELS, run_demo
+
+        if args.model not in MODELS:
+            parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+        if args.steps < 2:
+            parser.error("--steps must be at least 2 (the first step is a warm-up)")
+        run_demo(args.model, args.budget, args.device, args.steps, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
