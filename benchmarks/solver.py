@@ -26,7 +26,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 LENGTHS = (20, 50, 100, 200, 500, 1000)
 SLOTS = (500, 1000)
 # The naive table is O(L^3 slots) time and L^2 slots doubles: run it only below this.
-NAIVE_MAX_WORK = 3e10
+NAIVE_MAX_WORK = 1e10
 REPEATS = 3
 MIB = 2**20
 
@@ -78,36 +78,22 @@ def _solve(ffi, lib, c, budget, slots, mode):
     return status, plan
 
 
-def _store_all_peak(c):
-    """simulate's peak of store_all, inlined (Note [Accounting])."""
-    x = [c["input_bytes"]] + c["out_bytes"]
-    mem = peak = x[0]
-    for i in range(len(c["out_bytes"])):
-        peak = max(peak, mem + max(c["saved_bytes"][i], x[i + 1] + c["fwd_tmp"][i]))
-        mem += c["saved_bytes"][i]
-    n = len(c["out_bytes"])
-    mem += x[n]
-    peak = max(peak, mem)
-    for i in range(n, 0, -1):
-        peak = max(peak, mem + x[i - 1] + c["bwd_tmp"][i - 1])
-        mem += x[i - 1] - c["saved_bytes"][i - 1] - x[i] - (x[i - 1] if i > 1 else x[0])
-    return peak
-
-
-def budget_of(ffi, lib, c):
+def budget_of(length):
     """Halfway (geometric mean) between the chain's minimum and its store-all peak."""
-    status, plan = _solve(ffi, lib, c, 0, 1, lib.REMAT_MIN_MEMORY)
-    assert status == 0, status
-    least, peak = plan.min_budget, _store_all_peak(c)
+    from remat.costs import Costs
+    from remat.schedule import simulate
+    from remat.solve import minimum_budget, store_all
+
+    costs = Costs(**make_chain(length))
+    least, peak = minimum_budget(costs), simulate(costs, store_all(length)).peak
     return int(math.sqrt(least * peak)), least, peak
 
 
-def run_case(length, slots, mode_name):
+def run_case(length, slots, mode_name, budget):
     """In this process: REPEATS solves of one case; prints one JSON line."""
     ffi, lib = _load()
     mode = {"fast": lib.REMAT_MIN_TIME, "naive": lib.REMAT_MIN_TIME_NAIVE}[mode_name]
     c = make_chain(length)
-    budget, least, peak = budget_of(ffi, lib, c)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times = []
     for _ in range(REPEATS):
@@ -119,35 +105,36 @@ def run_case(length, slots, mode_name):
     print(json.dumps({
         "length": length, "slots": slots, "solver": mode_name, "seconds": statistics.median(times),
         "all_seconds": times, "peak_rss_bytes": rss, "solver_bytes": rss - base,
-        "dp_time": plan.time, "n_ops": plan.n_ops, "budget": budget, "min_budget": least,
-        "store_all_peak": peak,
+        "dp_time": plan.time, "n_ops": plan.n_ops, "budget": budget,
     }))
 
 
-def _spawn(length, slots, mode):
-    out = subprocess.run([sys.executable, __file__, "--case", str(length), str(slots), mode],
+def _spawn(length, slots, mode, budget):
+    out = subprocess.run([sys.executable, __file__, "--case", str(length), str(slots), mode, str(budget)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", nargs=3, metavar=("L", "SLOTS", "SOLVER"))
+    parser.add_argument("--case", nargs=4, metavar=("L", "SLOTS", "SOLVER", "BUDGET"))
     parser.add_argument("--quick", action="store_true", help="only L <= 200")
     args = parser.parse_args()
     if args.case:
-        run_case(int(args.case[0]), int(args.case[1]), args.case[2])
+        run_case(int(args.case[0]), int(args.case[1]), args.case[2], int(args.case[3]))
         return
+    sys.path.insert(0, ROOT)
     rows = []
     for length in LENGTHS:
         if args.quick and length > 200:
             continue
+        budget, least, peak = budget_of(length)
         for slots in SLOTS:
-            fast = _spawn(length, slots, "fast")
-            naive = _spawn(length, slots, "naive") if length**3 / 6 * slots <= NAIVE_MAX_WORK else None
+            fast = _spawn(length, slots, "fast", budget)
+            naive = _spawn(length, slots, "naive", budget) if length**3 / 6 * slots <= NAIVE_MAX_WORK else None
             if naive is not None and abs(naive["dp_time"] - fast["dp_time"]) > 1e-9 * naive["dp_time"]:
                 print(f"warning: L={length} slots={slots}: fast {fast['dp_time']} != naive {naive['dp_time']}")
-            row = {"fast": fast, "naive": naive}
+            row = {"fast": fast, "naive": naive, "min_budget": least, "store_all_peak": peak}
             rows.append(row)
             print(_line(row), flush=True)
     os.makedirs(RESULTS, exist_ok=True)

@@ -3,6 +3,11 @@
 
 import os
 import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
 
 from cffi import FFI
 
@@ -19,6 +24,27 @@ def _cdef():
     return match.group(1)
 
 
+def _openmp_flags():
+    """["-fopenmp"] if the C compiler builds and links an OpenMP program, else [].
+
+    The solver runs without OpenMP too (one thread); REMAT_NO_OPENMP=1 forces that.
+    """
+    if os.environ.get("REMAT_NO_OPENMP") or sys.platform == "win32":
+        return []
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "omp.c")
+        with open(src, "w") as fh:
+            fh.write("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+        try:
+            done = subprocess.run(shlex.split(cc) + ["-fopenmp", src, "-o", os.path.join(tmp, "omp")],
+                                  capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return []
+    return ["-fopenmp"] if done.returncode == 0 else []
+
+
+OPENMP = _openmp_flags()
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
@@ -26,7 +52,8 @@ ffibuilder.set_source(
     '#include "solver.h"',
     sources=[os.path.relpath(os.path.join(HERE, name)) for name in ("solver.c", "mintime.c")],
     include_dirs=[os.path.relpath(HERE)],
-    extra_compile_args=["-O3", "-std=c99"],
+    extra_compile_args=["-O3", "-std=c99"] + OPENMP,
+    extra_link_args=OPENMP,
 )
 
 if __name__ == "__main__":

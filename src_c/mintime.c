@@ -11,7 +11,7 @@
  * (both branches need it) and top = min(hi, M); a read above top returns the
  * value at top.
  *
- * Order and layout: sweeps a = n..1, each over t = a..n. P(a, t) reads
+ * Order and layout: sweeps a = n..1, each over t = a..n (Note [Threads]). P(a, t) reads
  * P(a+1, t) and P(j, t), j > a (earlier sweeps), and P(a, j-1), j-1 < t
  * (this sweep). The pool is column-major (column t holds rows (1, t) ..
  * (t, t) in order), so the rows P(j, t) a split loop reads are one stream;
@@ -30,12 +30,26 @@
  * Tables above REMAT_DOUBLE_TABLE_BYTES store float32 values (sums stay
  * double; float rounding is monotone, so every row stays non-increasing);
  * the schedule's time is then summed again along the schedule, in double.
+ *
+ * Note [Threads]
+ * --------------
+ * fill takes sweeps LANES at a time (a block) and runs them interleaved by
+ * t, so the column rows P(j, t) that one pair streams in are still in cache
+ * for the next pair of the block. Built with OpenMP, threads take blocks in
+ * order; a block computes column t only once the block above it (larger a)
+ * has finished column t, which is all P(a, t) needs from other blocks. Each
+ * thread has its own lanes and buffer. Without OpenMP the same code runs
+ * the blocks one after another.
  */
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* Above this, tables hold float32 values (Note [Tables]). */
 #define REMAT_DOUBLE_TABLE_BYTES (512LL << 20)
@@ -47,6 +61,11 @@
 /* Relative slack of the whole-chain lower bound: the same positive terms
  * summed in another order differ by far less than this. */
 #define BOUND_SLACK (1.0 - 1e-7)
+/* Sweeps interleaved by fill (Note [Threads]). */
+#define LANES 8
+#define REMAT_MAX_THREADS 8
+/* Least L^3/6 * (M + 1) for which fill uses threads. */
+#define REMAT_THREADS_FROM 2e9
 
 typedef struct {
     ll lb, top;   /* stored headrooms [lb, top]; empty if top < lb */
@@ -62,10 +81,14 @@ typedef struct {
     row *rows;        /* by pidx(a, t) */
     void *pool;       /* column-major values, float or double */
     int use_float;
-    double *scratch;  /* rows (a, a..n) of the current sweep, as doubles */
-    ll *soff;         /* soff[t]: offset of (a, t) in scratch */
-    row *sweep;       /* sweep[t]: a copy of row (a, t), for locality */
 } table;
+
+/* One sweep's rows (a, a..n), kept close while the sweep runs. */
+typedef struct {
+    double *scratch;  /* their values, as doubles */
+    ll *soff;         /* soff[t]: offset of (a, t) in scratch */
+    row *sweep;       /* sweep[t]: a copy of row (a, t) */
+} lane;
 
 static double cell(const table *T, const row *r, ll m)
 {
@@ -89,10 +112,10 @@ static const void *at(const table *T, const row *r, ll m)
     return T->use_float ? (const void *)((const float *)T->pool + i) : (const void *)((const double *)T->pool + i);
 }
 
-/* Row (a, t) of the current sweep in the scratch, from headroom m. */
-static const double *sat(const table *T, const row *r, ll t, ll m)
+/* Row (a, t) of a sweep in its scratch, from headroom m. */
+static const double *sat(const lane *L, const row *r, ll t, ll m)
 {
-    return T->scratch + T->soff[t] + (m - r->lb);
+    return L->scratch + L->soff[t] + (m - r->lb);
 }
 
 /* Fills the rows' ranges and offsets. Returns the number of stored values,
@@ -191,7 +214,7 @@ static void const_min(double *b, ll n, double v)
 }
 
 /* buf[m - lb] = min(buf, (f + P(j, t, m - xj)) + P(a, j-1, m - xj + g)) for m in [ms, me]. */
-static void split_range(const table *T, double *buf, ll lb, ll ms, ll me, double f,
+static void split_range(const table *T, const lane *ln, double *buf, ll lb, ll ms, ll me, double f,
                         const row *r1, const row *r2, ll j, ll xj, ll g)
 {
     ll e1 = r1->top + xj, e2 = r2->top + xj - g, cur = ms;
@@ -206,7 +229,7 @@ static void split_range(const table *T, double *buf, ll lb, ll ms, ll me, double
             end = smin(end, e2);
         len = end - cur + 1;
         if (arr1 && arr2) {
-            const double *q = sat(T, r2, j - 1, cur - xj + g);
+            const double *q = sat(ln, r2, j - 1, cur - xj + g);
             if (T->use_float)
                 split_aa_f(b, len, f, (const float *)at(T, r1, cur - xj), q);
             else
@@ -217,7 +240,7 @@ static void split_range(const table *T, double *buf, ll lb, ll ms, ll me, double
             else
                 split_ac_d(b, len, f, (const double *)at(T, r1, cur - xj), c2);
         } else if (arr2) {
-            split_ca(b, len, f + c1, sat(T, r2, j - 1, cur - xj + g));
+            split_ca(b, len, f + c1, sat(ln, r2, j - 1, cur - xj + g));
         } else {
             const_min(b, len, (f + c1) + c2);
         }
@@ -226,7 +249,7 @@ static void split_range(const table *T, double *buf, ll lb, ll ms, ll me, double
 }
 
 /* P(a, t, m) for m in [lb, top] into buf (Note [Tables]). */
-static void compute_row(const table *T, ll a, ll t, double *buf)
+static void compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
 {
     const problem *p = T->p;
     const row *r = &T->rows[pidx(a, t)];
@@ -273,7 +296,7 @@ static void compute_row(const table *T, ll a, ll t, double *buf)
         if (buf[mlow - lb] <= (fsum + r->all) * BOUND_SLACK)
             break;
         r1 = &T->rows[pidx(j, t)];
-        r2 = &T->sweep[j - 1];
+        r2 = &ln->sweep[j - 1];
         if (r1->lo == LLONG_MAX || r2->lo == LLONG_MAX)
             continue;
         PREFETCH(r1 + 1);
@@ -291,7 +314,7 @@ static void compute_row(const table *T, ll a, ll t, double *buf)
                 lo_ = mid + 1;
         }
         if (lo_ > ms)
-            split_range(T, buf, lb, ms, lo_ - 1, fsum, r1, r2, j, xj, g);
+            split_range(T, ln, buf, lb, ms, lo_ - 1, fsum, r1, r2, j, xj, g);
     }
 }
 
@@ -371,44 +394,92 @@ static int choose_time(const void *ctx, ll a, ll t, ll m, ll *jout)
     return best < INF ? choice : -1;
 }
 
-/* Computes every row, sweep by sweep (Note [Tables]). */
-static void fill(table *T, int naive, double *buf)
+/* Computes row (a, t) and stores it in the pool and the sweep's lane. */
+static void finish_row(table *T, lane *ln, int naive, ll a, ll t, double *buf)
+{
+    row *r = &T->rows[pidx(a, t)];
+    ll len = r->top - r->lb + 1, m;
+    ln->sweep[t] = *r;
+    if (len <= 0)
+        return;
+    if (naive)
+        compute_row_naive(T, a, t, buf);
+    else
+        compute_row(T, ln, a, t, buf);
+    if (T->use_float) {
+        float *dst = (float *)T->pool + r->off;
+        for (m = 0; m < len; m++) {
+            dst[m] = (float)buf[m];
+            buf[m] = (double)dst[m];   /* the scratch holds the stored values */
+        }
+    } else {
+        memcpy((double *)T->pool + r->off, buf, (size_t)len * sizeof(double));
+    }
+    memcpy(ln->scratch + ln->soff[t], buf, (size_t)len * sizeof(double));
+    for (m = 0; m < len && buf[m] == INF; m++)
+        ;
+    r->lo = m < len ? r->lb + m : LLONG_MAX;
+    r->least = buf[len - 1];
+    ln->sweep[t] = *r;
+}
+
+/* Computes every row (Note [Tables], Note [Threads]). */
+static void fill(table *T, lane *all_lanes, int naive, double *bufs, ll buflen, int threads, ll *progress)
 {
     const problem *p = T->p;
-    ll n = p->n, a, t, m;
-    for (a = n; a >= 1; a--) {
-        ll off = 0;
-        for (t = a; t <= n; t++) {
-            const row *r = &T->rows[pidx(a, t)];
-            T->soff[t] = off;
-            if (r->top >= r->lb)
-                off += r->top - r->lb + 1;
-        }
-        for (t = a; t <= n; t++) {
-            row *r = &T->rows[pidx(a, t)];
-            ll len = r->top - r->lb + 1;
-            T->sweep[t] = *r;
-            if (len <= 0)
-                continue;
-            if (naive)
-                compute_row_naive(T, a, t, buf);
-            else
-                compute_row(T, a, t, buf);
-            if (T->use_float) {
-                float *dst = (float *)T->pool + r->off;
-                for (m = 0; m < len; m++) {
-                    dst[m] = (float)buf[m];
-                    buf[m] = (double)dst[m];   /* the scratch holds the stored values */
+    ll n = p->n, blocks = (n + LANES - 1) / LANES, next = 0, b;
+    for (b = 0; b < blocks; b++)
+        progress[b] = smax(1, n - b * LANES - LANES + 1) - 1;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        int id = 0;
+        lane *lanes;
+        double *buf;
+#ifdef _OPENMP
+        id = omp_get_thread_num();
+#endif
+        lanes = all_lanes + (ll)id * LANES;
+        buf = bufs + (ll)id * buflen;
+        for (;;) {
+            ll mine, hi, lo, a, t;
+#ifdef _OPENMP
+#pragma omp atomic capture
+#endif
+            mine = next++;
+            if (mine >= blocks)
+                break;
+            hi = n - mine * LANES;
+            lo = smax(1, hi - LANES + 1);
+            for (a = lo; a <= hi; a++) {
+                lane *ln = &lanes[a - lo];
+                ll off = 0;
+                for (t = a; t <= n; t++) {
+                    const row *r = &T->rows[pidx(a, t)];
+                    ln->soff[t] = off;
+                    if (r->top >= r->lb)
+                        off += r->top - r->lb + 1;
                 }
-            } else {
-                memcpy((double *)T->pool + r->off, buf, (size_t)len * sizeof(double));
             }
-            memcpy(T->scratch + T->soff[t], buf, (size_t)len * sizeof(double));
-            for (m = 0; m < len && buf[m] == INF; m++)
-                ;
-            r->lo = m < len ? r->lb + m : LLONG_MAX;
-            r->least = buf[len - 1];
-            T->sweep[t] = *r;
+            for (t = lo; t <= n; t++) {
+                if (mine > 0) {   /* wait for the block above to finish column t */
+                    ll done;
+                    do {
+#ifdef _OPENMP
+#pragma omp atomic read seq_cst
+#endif
+                        done = progress[mine - 1];
+                    } while (done < t);
+                }
+                for (a = smin(hi, t); a >= lo; a--)
+                    finish_row(T, &lanes[a - lo], naive, a, t, buf);
+#ifdef _OPENMP
+#pragma omp atomic write seq_cst
+#endif
+                progress[mine] = t;
+            }
         }
     }
 }
@@ -417,14 +488,26 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
 {
     problem p;
     table T;
-    ll slot = budget / slots + (budget % slots != 0), M, total, meta, scratch = 0, i;
-    double *buf = NULL;
-    int st;
+    ll slot = budget / slots + (budget % slots != 0), M, total = -1, meta, scratch = 0, buflen, i, n = c->length;
+    ll per_thread, blocks = (n + LANES - 1) / LANES;
+    double *bufs = NULL, *scratch_mem = NULL;
+    void *lanes_mem = NULL;
+    ll *progress = NULL;
+    lane *lanes = NULL;
+    int st, threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
     if (slot < 1)
         slot = 1;
     out->slot_bytes = slot;
     M = budget / slot;
-    meta = (c->length * (c->length + 1) / 2 + c->length + 1) * (ll)sizeof(row) + (c->length + 1) * (ll)sizeof(ll);
+    /* Threads only pay off (and spin-waiting only costs nothing) on big tables. */
+    if ((double)n * n * n / 6.0 * ((double)M + 1.0) < REMAT_THREADS_FROM)
+        threads = 1;
+    threads = (int)smax(1, smin(smin(threads, REMAT_MAX_THREADS), blocks));
+    per_thread = LANES * ((n + 1) * (ll)(sizeof(ll) + sizeof(row)) + (ll)sizeof(lane));
+    meta = (n * (n + 1) / 2) * (ll)sizeof(row) + threads * per_thread + blocks * (ll)sizeof(ll);
     if (meta > max_bytes)
         return REMAT_E_TOO_LARGE;
     st = remat_problem_init(&p, c, slot);
@@ -437,41 +520,52 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     memset(&T, 0, sizeof T);
     T.p = &p;
     T.M = M;
-    T.rows = (row *)malloc((size_t)(c->length * (c->length + 1) / 2) * sizeof(row));
-    T.soff = (ll *)malloc((size_t)(c->length + 1) * sizeof(ll));
-    T.sweep = (row *)malloc((size_t)(c->length + 1) * sizeof(row));
-    if (!T.rows || !T.soff || !T.sweep) {
+    T.rows = (row *)malloc((size_t)(n * (n + 1) / 2) * sizeof(row));
+    lanes_mem = malloc((size_t)(threads * per_thread));
+    progress = (ll *)malloc((size_t)blocks * sizeof(ll));
+    if (!T.rows || !lanes_mem || !progress) {
         st = REMAT_E_NOMEM;
         goto done;
     }
-    /* Values and the scratch (one sweep of doubles, at most n (M + 1) + buf)
-     * must fit: double below the threshold, else float32 (never naive). */
+    /* Values, plus per thread LANES scratches of one sweep and a buffer of
+     * one row (all doubles): double below the threshold, else float32
+     * (never for the naive table). */
     {
-        ll room = max_bytes - meta, dbl = naive ? room : smin(room, REMAT_DOUBLE_TABLE_BYTES - meta);
-        total = layout(&T, naive, dbl / 8, &scratch);
-        if (total >= 0 && scratch > dbl / 8 - total)
-            total = -1;
-        if (total == -1 && !naive) {
-            T.use_float = 1;
-            total = layout(&T, naive, room / 4, &scratch);
-            if (total >= 0 && scratch > (room - 4 * total) / 8)
+        ll room = max_bytes - meta, dbl = naive ? room : smin(room, REMAT_DOUBLE_TABLE_BYTES - meta), k;
+        for (k = 0; k < 2 && total < 0; k++) {
+            ll width = k ? 4 : 8, limit = k ? room : dbl;
+            if (k && naive)
+                break;
+            T.use_float = (int)k;
+            total = layout(&T, naive, limit / width, &scratch);
+            if (total == -2) {
+                st = REMAT_E_NOMEM;
+                goto done;
+            }
+            if (total >= 0 && scratch > (limit - width * total) / 8 / (threads * (LANES + 1)))
                 total = -1;
         }
     }
     if (total < 0) {
-        st = total == -2 ? REMAT_E_NOMEM : REMAT_E_TOO_LARGE;
+        st = REMAT_E_TOO_LARGE;
         goto done;
     }
+    buflen = smin(M, scratch) + 1;
     T.pool = malloc((size_t)(total > 0 ? total : 1) * (T.use_float ? sizeof(float) : sizeof(double)));
-    T.scratch = (double *)malloc((size_t)scratch * sizeof(double));
-    buf = (double *)malloc((size_t)(smin(M, scratch) + 1) * sizeof(double));
-    if (!T.pool || !T.scratch || !buf) {
+    scratch_mem = (double *)malloc((size_t)(threads * LANES) * (size_t)scratch * sizeof(double));
+    bufs = (double *)malloc((size_t)threads * (size_t)buflen * sizeof(double));
+    if (!T.pool || !scratch_mem || !bufs) {
         st = REMAT_E_NOMEM;
         goto done;
     }
-    for (i = 0; i <= p.n; i++)
-        T.soff[i] = 0;
-    fill(&T, naive, buf);
+    lanes = (lane *)lanes_mem;
+    for (i = 0; i < threads * LANES; i++) {
+        char *base = (char *)lanes_mem + threads * LANES * (ll)sizeof(lane);
+        lanes[i].scratch = scratch_mem + i * scratch;
+        lanes[i].soff = (ll *)(void *)(base + i * (n + 1) * (ll)(sizeof(ll) + sizeof(row)));
+        lanes[i].sweep = (row *)(void *)(lanes[i].soff + (n + 1));
+    }
+    fill(&T, lanes, naive, bufs, buflen, threads, progress);
     {
         ll m0 = M - p.x[0];
         double best = value(&T, 1, p.n, m0);
@@ -484,11 +578,11 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
             out->time = best;
     }
 done:
-    free(buf);
-    free(T.scratch);
+    free(bufs);
+    free(scratch_mem);
     free(T.pool);
-    free(T.soff);
-    free(T.sweep);
+    free(progress);
+    free(lanes_mem);
     free(T.rows);
     free(p.mem);
     return st;
