@@ -15,7 +15,20 @@ def main(argv=None):
     demo.add_argument("--steps", type=int, default=12)
     demo.add_argument("--no-progress", action="store_true")
 
+    exp = sub.add_parser("explain", help="measure a model, print per-stage costs and the schedule, plot them")
+    exp.add_argument("--model", default="gpt", help="gpt (default), gpt-tiny or gpt-medium")
+    exp.add_argument("--budget", default="40%", help="a size (6MiB) or a share of storing everything (40%%)")
+    exp.add_argument("--device", default="cpu")
+    exp.add_argument("--plot", metavar="DIR", help="save timeline.png and tradeoff.png there (needs matplotlib)")
+
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        from .demo import MODELS, explain_model
+
+        if args.model not in MODELS:
+            parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+        explain_model(args.model, args.budget, args.device, args.plot)
+        return 0
     if args.command == "demo":
         from .demo import MODELS, run_demo
 

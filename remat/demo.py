@@ -26,7 +26,7 @@ from .schedule import simulate
 from .solve import minimum_budget, store_all
 from .units import format_bytes, parse_bytes
 
-__all__ = ["run_demo", "MODELS"]
+__all__ = ["run_demo", "explain_model", "MODELS"]
 
 MODELS = {
     # name: (constructor kwargs, batch, sequence length)
@@ -235,3 +235,30 @@ def _row(name, result, schedule):
         "final_loss": losses[-1],
         "predicted_peak": None if schedule is None else schedule.peak,
     }
+
+
+def explain_model(model="gpt", budget="40%", device="cpu", plot_dir=None, out=print):
+    """Measure ``model``'s chain, solve for ``budget``, print ``remat.explain()``
+    and, with ``plot_dir``, save its memory timeline and time-memory curve."""
+    from .models import GPT
+
+    kwargs, batch, length = MODELS[model]
+    device = torch.device(device)
+    torch.manual_seed(0)
+    net = GPT(**kwargs).to(device)
+    data = _data(kwargs["vocab_size"], batch, length, 2, device)
+    _loss(net, *data[0], ("remat", (2**50, "store_all"))).backward()
+    budget_bytes = resolve_demo_budget(budget, explain().costs)
+    _loss(net, *data[1], ("remat", (budget_bytes, "optimal"))).backward()
+    info = explain()
+    out(str(info))
+    if plot_dir is not None:
+        import os
+
+        from . import plot
+
+        os.makedirs(plot_dir, exist_ok=True)
+        paths = [plot.timeline(info.costs, info.schedule, os.path.join(plot_dir, "timeline.png")),
+                 plot.tradeoff(info.costs, os.path.join(plot_dir, "tradeoff.png"))]
+        out("saved " + " and ".join(paths))
+    return info

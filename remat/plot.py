@@ -1,0 +1,93 @@
+"""Pictures of a schedule (needs matplotlib: ``pip install remat[plot]``).
+
+``timeline``: the memory a schedule holds, op by op, against the budget.
+``tradeoff``: predicted step time against budget, for the optimal schedule and
+for periodic checkpointing (what ``checkpoint_sequential`` does).
+"""
+
+from .schedule import B, Fall, Fck, Fn, Loss, simulate
+from .solve import minimum_budget, periodic, solve, store_all
+from .units import format_bytes
+
+__all__ = ["timeline", "tradeoff"]
+
+_COLOURS = {Fn: "#9ecae1", Fck: "#3182bd", Fall: "#31a354", B: "#e6550d"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("remat: plots need matplotlib; install it with `pip install remat[plot]`") from None
+    return plt
+
+
+def _mib(n):
+    return n / 2**20
+
+
+def timeline(costs, schedule, path, budget=None, title=None):
+    """Save the memory timeline of ``schedule`` on ``costs`` to ``path`` (PNG).
+
+    Each op is a bar up to its peak; the line is what is held after it.
+    """
+    plt = _pyplot()
+    trace = []
+    simulate(costs, schedule, trace)
+    fig, ax = plt.subplots(figsize=(max(6.0, min(18.0, len(trace) * 0.12)), 4.0))
+    xs = range(len(trace))
+    ax.bar(xs, [_mib(d) for _, d, _ in trace], width=0.9,
+           color=[_COLOURS.get(type(op), "#999999") for op, _, _ in trace])
+    ax.step(xs, [_mib(m) for _, _, m in trace], where="mid", color="black", linewidth=1, label="held after the op")
+    if budget is None:
+        budget = schedule.budget
+    if budget is not None:
+        ax.axhline(_mib(budget), color="red", linestyle="--", label=f"budget {format_bytes(budget)}")
+    loss = next(i for i, (op, _, _) in enumerate(trace) if op is Loss)
+    ax.axvline(loss, color="grey", linewidth=0.8)
+    ax.text(loss, ax.get_ylim()[1] * 0.97, " backward", va="top", fontsize=8, color="grey")
+    ax.text(loss, ax.get_ylim()[1] * 0.97, "forward ", va="top", ha="right", fontsize=8, color="grey")
+    for kind, colour in _COLOURS.items():
+        ax.bar([0], [0], color=colour, label=kind.__name__)
+    ax.set_xlabel("op")
+    ax.set_ylabel("MiB")
+    ax.set_title(title or f"{schedule.algorithm} schedule: peak {format_bytes(schedule.peak)}, "
+                 f"{schedule.recomputations()} recomputations")
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tradeoff(costs, path, points=40, title=None):
+    """Save predicted step time against peak memory: optimal for budgets from the
+    minimum to storing everything, and periodic checkpointing for every period."""
+    plt = _pyplot()
+    n = costs.length
+    low = minimum_budget(costs)
+    high = simulate(costs, store_all(n)).peak
+    opt = []
+    for i in range(points + 1):
+        budget = int(low + (high - low) * i / points)
+        s = solve(costs, max(budget, low))
+        opt.append((_mib(s.peak), s.time * 1e3))
+    per = []
+    for k in range(1, n + 1):
+        sim = simulate(costs, periodic(n, k))
+        per.append((_mib(sim.peak), sim.time * 1e3, k))
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    ax.step([p for p, _ in opt], [t for _, t in opt], where="post", label="remat optimal", color="#31a354")
+    ax.scatter([p for p, _, _ in per], [t for _, t, _ in per], label="periodic (checkpoint_sequential)",
+               color="#3182bd", zorder=3, s=14)
+    ax.set_xlabel("peak activation memory (MiB)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(title or f"time against memory, {n} stages")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
