@@ -2,6 +2,10 @@
 
 import argparse
 import sys
+import warnings
+
+# torch warns once if NumPy is absent; remat does not need it
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
 def main(argv=None):
@@ -21,7 +25,21 @@ def main(argv=None):
     exp.add_argument("--device", default="cpu")
     exp.add_argument("--plot", metavar="DIR", help="save timeline.png and tradeoff.png there (needs matplotlib)")
 
+    bench = sub.add_parser("bench", help="remat vs plain PyTorch and checkpoint_sequential, budget by budget")
+    bench.add_argument("--model", default="gpt12", help="gpt12 (default), gpt48, resnet101 or tiny")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--steps", type=int, default=10, help="timed steps per point (after one warm-up)")
+    bench.add_argument("--budgets", type=int, default=8, help="number of remat budgets, minimum to store-all")
+    bench.add_argument("--out", metavar="DIR", help="write <model>-<device>.json, .md and .png there")
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import MODELS, write_bench
+
+        if args.model not in MODELS:
+            parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
+        write_bench(args.model, args.device, args.steps, args.budgets, args.out)
+        return 0
     if args.command == "explain":
         from .demo import MODELS, explain_model
 

@@ -37,13 +37,16 @@ MODELS = {
 
 
 class _ChainMeter:
-    """Peak bytes of live tensors while the gate is open (CPU meter or CUDA allocator)."""
+    """Peak bytes of the chain's tensors: on CPU, storages made while the gate is
+    open (the chain's forward and backward) plus the chain input ``held``; on
+    CUDA, the allocator's peak while the gate is open, everything included."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.inst = None if self.cuda else Instrument()
         self.peak = 0
         self.base = 0
+        self.held = 0
 
     def __enter__(self):
         if self.cuda:
@@ -68,7 +71,7 @@ class _ChainMeter:
     def __exit__(self, *exc):
         if not self.cuda:
             self.inst.__exit__(*exc)
-            self.peak = self.inst.peak
+            self.peak = self.inst.peak + self.held
         return False
 
 
@@ -79,6 +82,7 @@ def _loss(model, idx, targets, method, meter=None):
     x = tr.drop(tr.wte(idx) + tr.wpe(pos))
     if meter is not None:
         x.register_hook(lambda g: meter.gate(False))
+        meter.held = x.untyped_storage().nbytes()
         meter.gate(True)
     kind, arg = method
     if kind == "plain":

@@ -58,7 +58,7 @@ class Instrument(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self.gate = True   # peaks are taken only while the gate is open
+        self.gate = True   # only storages made while the gate is open are metered
         self.window = set()
         self.window_live = 0
         self.window_peak = 0
@@ -67,10 +67,8 @@ class Instrument(TorchDispatchMode):
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
 
     def set_gate(self, open_):
-        """Take peaks only while ``open_`` (e.g. only inside a chain); opening counts what is live now."""
+        """Meter only storages made while ``open_`` (e.g. inside a chain's forward and backward)."""
         self.gate = open_
-        if open_:
-            self.peak = max(self.peak, self.live)
 
     def open_window(self):
         """From now on also meter storages allocated after this call on their own
@@ -114,11 +112,11 @@ class Instrument(TorchDispatchMode):
                     inputs = {storage_key(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
                 if key in inputs:
                     continue
-                nbytes = st.nbytes()
+                # storages made while the gate is shut are not metered at all
+                nbytes = st.nbytes() if self.gate else 0
                 self.created[key] = nbytes
                 self.live += nbytes
-                if self.gate:
-                    self.peak = max(self.peak, self.live)
+                self.peak = max(self.peak, self.live)
                 self.window.add(key)
                 self.window_live += nbytes
                 self.window_peak = max(self.window_peak, self.window_live)
