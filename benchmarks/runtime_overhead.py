@@ -1,0 +1,108 @@
+"""Runtime overhead of remat on CPU, side by side in one process:
+
+(a) with a budget that fits everything, remat's step time against plain
+    PyTorch's (steps interleaved, medians over >= 10 steps);
+(b) at three budgets, the chain's measured time against the schedule's
+    prediction;
+(c) the first (measuring) call against a plain step.
+
+    python benchmarks/runtime_overhead.py [--steps 12]
+
+Writes benchmarks/results/runtime_overhead.json and prints a markdown table.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import remat  # noqa: E402
+from remat.bench import MODELS, _Clock, _step, device_name  # noqa: E402
+from remat.schedule import simulate  # noqa: E402
+from remat.solve import minimum_budget, store_all  # noqa: E402
+
+CASES = {"gpt12": "12-block GPT-style model", "resnet101": "ResNet-101 chain (34 stages)"}
+
+
+def timed(model, spec, method, data, device):
+    clock = _Clock(None, device)
+    t0 = time.perf_counter()
+    _step(model, spec, method, data, clock)
+    return time.perf_counter() - t0, clock.total
+
+
+def run_case(name, steps, device):
+    spec = MODELS[name][0]()
+    torch.manual_seed(0)
+    base = spec[0]().to(device)
+    plain, rem = copy.deepcopy(base), copy.deepcopy(base)
+    data = [spec[1](i, device) for i in range(steps + 2)]
+    # warm up plain, then the first (measuring) remat call
+    timed(plain, spec, ("plain", None), data[0], device)
+    first, _ = timed(rem, spec, ("remat", (2**50, "optimal")), data[0], device)
+    costs = remat.explain().costs
+    # (a) everything fits: interleave plain and remat steps
+    tp, tr = [], []
+    for i in range(1, steps + 1):
+        tp.append(timed(plain, spec, ("plain", None), data[i], device)[0])
+        tr.append(timed(rem, spec, ("remat", (2**50, "optimal")), data[i], device)[0])
+    plain_step, remat_step = statistics.median(tp), statistics.median(tr)
+    # (b) three budgets: measured chain time against the prediction
+    low, high = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    budgets = []
+    for frac in (0.1, 0.4, 0.7):
+        budget = int(low + frac * (high - low))
+        chain_times = []
+        for i in range(steps + 1):
+            _, chain_t = timed(rem, spec, ("remat", (budget, "optimal")), data[i % len(data)], device)
+            if i:
+                chain_times.append(chain_t)
+        s = remat.explain().schedule
+        budgets.append({"budget": budget, "fraction": frac, "predicted_seconds": s.time,
+                        "measured_chain_seconds": statistics.median(chain_times),
+                        "recomputations": s.recomputations()})
+    return {
+        "model": name, "description": CASES[name], "stages": costs.length,
+        "plain_step_seconds": plain_step, "remat_step_seconds": remat_step,
+        "overhead": remat_step / plain_step - 1,
+        "first_call_seconds": first, "first_call_ratio": first / plain_step,
+        "budgets": budgets,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--models", nargs="+", default=list(CASES))
+    args = parser.parse_args()
+    device = torch.device("cpu")
+    out = {"machine": device_name(device), "torch": torch.__version__, "steps": args.steps,
+           "cases": [run_case(m, args.steps, device) for m in args.models]}
+    path = os.path.join(ROOT, "benchmarks", "results", "runtime_overhead.json")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"runtime overhead on {out['machine']} (torch {out['torch']}), medians of {args.steps} steps\n")
+    print("| model | plain step ms | remat step ms (fits) | overhead | first call / plain step |")
+    print("|---|---|---|---|---|")
+    for c in out["cases"]:
+        print(f"| {c['description']} | {c['plain_step_seconds'] * 1e3:.1f} | {c['remat_step_seconds'] * 1e3:.1f} "
+              f"| {c['overhead']:+.1%} | {c['first_call_ratio']:.2f}x |")
+    print("\n| model | budget | recomputations | predicted chain ms | measured chain ms | error |")
+    print("|---|---|---|---|---|---|")
+    for c in out["cases"]:
+        for b in c["budgets"]:
+            err = b["measured_chain_seconds"] / b["predicted_seconds"] - 1
+            print(f"| {c['model']} | {b['fraction']:.0%} of min..store-all | {b['recomputations']} "
+                  f"| {b['predicted_seconds'] * 1e3:.1f} | {b['measured_chain_seconds'] * 1e3:.1f} | {err:+.1%} |")
+
+
+if __name__ == "__main__":
+    main()
