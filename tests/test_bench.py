@@ -1,0 +1,32 @@
+"""Smoke test of the trade-off benchmark (``python -m remat bench``) on a tiny model."""
+
+import json
+
+from remat.bench import write_bench
+
+KEYS = {"model", "device", "machine", "torch", "stages", "steps", "min_budget", "store_all_peak", "costs",
+        "runs", "summary"}
+RUN_KEYS = {"method", "peak_bytes", "step_seconds", "chain_seconds", "losses"}
+
+
+def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
+    """The JSON has its schema, every remat run stays under its budget, and every
+    method computes plain PyTorch's losses."""
+    write_bench("tiny", "cpu", steps=2, budgets=2, out_dir=str(tmp_path), progress=False)
+    result = json.loads((tmp_path / "tiny-cpu.json").read_text())
+    assert KEYS <= set(result)
+    methods = [r["method"] for r in result["runs"]]
+    assert methods[0] == "plain"
+    assert [m for m in methods if m.startswith("checkpoint_sequential")] == [
+        f"checkpoint_sequential({s})" for s in range(1, result["stages"] + 1)]
+    remat_runs = [r for r in result["runs"] if r["method"] == "remat"]
+    assert len([r for r in remat_runs if r["algorithm"] == "optimal"]) == 2
+    for r in result["runs"]:
+        assert RUN_KEYS <= set(r)
+    for r in remat_runs:
+        assert {"budget", "predicted_seconds", "predicted_peak", "algorithm"} <= set(r)
+        assert r["peak_bytes"] <= r["budget"]
+        assert r["predicted_peak"] <= r["budget"]
+    assert result["summary"]["all_under_budget"]
+    assert result["summary"]["losses_equal"]
+    assert (tmp_path / "tiny-cpu.md").read_text().startswith("### tiny")
