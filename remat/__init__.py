@@ -6,13 +6,16 @@ from .costs import Costs
 from .errors import (BudgetError, CostsError, InvalidScheduleError, RecomputeMismatchError, RematError,
                      SolverError, StageError)
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
+from .sequential import Sequential
 from .solve import solve
 from .stage import stage
+from .wrap import unwrap, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "stage", "chain", "explain", "clear_cache", "solve", "simulate", "Costs", "Schedule",
+    "stage", "chain", "Sequential", "wrap", "unwrap",
+    "explain", "clear_cache", "solve", "simulate", "Costs", "Schedule",
     "Fn", "Fck", "Fall", "B", "Loss",
     "RematError", "BudgetError", "CostsError", "InvalidScheduleError", "SolverError", "StageError",
     "RecomputeMismatchError",

@@ -1,0 +1,296 @@
+"""``remat.Sequential``: an ``nn.Sequential`` whose layers run as a remat chain,
+for people coming from rotor's ``Checkpointable`` or memonger's
+``SublinearSequential`` (DESIGN.md section 1).
+
+Note [Stages of a Sequential]
+-----------------------------
+1. Nested ``nn.Sequential`` containers are flattened, depth first, and each
+   leaf layer becomes one stage. The modules stay where they are, so the
+   state dict is the one of the ``nn.Sequential`` with the same layers.
+2. A stage must not modify its input in place (remat keeps that input to
+   recompute the stage). A layer with ``inplace=True`` (``ReLU``,
+   ``Dropout``, ``Hardtanh`` ...) therefore joins the stage before it, where
+   it modifies that stage's own output, as it does in plain PyTorch. In-place
+   layers at the very start run before the chain, on the caller's tensor.
+3. A stage is a ``_Group`` of layers marked with ``remat.stage``; the chain
+   is keyed by the first group's identity, so the groups are made once and
+   kept while the layers (and their ``inplace`` flags) stay the same.
+   ``_Group.training`` gives every layer's training flag, so switching any
+   layer between train and eval makes a new chain key, measured anew.
+4. A group without parameters may save no tensor for backward at all
+   (``Flatten``, padding, eval-mode ``Dropout``). The runtime then holds no
+   handle of that stage, forgets it after a forward without recording, and
+   fails when the schedule recomputes it ("the input of stage k ... is no
+   longer held"). Such a group ends with ``_Keep``, an identity that saves a
+   constant token and reads it in its backward, so the stage is held and
+   recomputed like any other. The last group needs none (the forward phase
+   always records the last stage) and gets none, so the caller may modify
+   the output in place. Remove once remat/runtime.py keeps stages that save
+   nothing.
+"""
+
+import collections
+
+import torch
+from torch import nn
+
+from .budget import parse_budget, resolve_budget
+from .chain import chain, explain
+from .errors import RematError
+from .replay import capture_rng, cuda_devices
+from .solve import DEFAULT_SLOTS, solve as _solve
+from .stage import stage
+
+__all__ = ["Sequential"]
+
+
+class _Keep(torch.autograd.Function):
+    """Identity saving a constant token (Note [Stages of a Sequential], 4)."""
+
+    token = torch.zeros(())
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(_Keep.token)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors    # unpacking lets the runtime recompute this stage when its schedule says
+        return grad
+
+
+class _Group:
+    """Consecutive layers run as one stage (Note [Stages of a Sequential], 3)."""
+
+    def __init__(self, layers, names, everything):
+        self.layers = layers
+        self.keep = not any(True for layer in layers for _ in layer.parameters())
+        self.everything = everything
+        self.__name__ = self.__qualname__ = "+".join(
+            f"{name}:{type(layer).__name__}" for name, layer in zip(names, layers))
+
+    @property
+    def training(self):
+        return tuple(layer.training for layer in self.everything)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        if self.keep and isinstance(x, torch.Tensor) and x.requires_grad:
+            x = _Keep.apply(x)
+        return x
+
+
+def _leaves(module, prefix):
+    """(name, layer) of every non-Sequential layer under ``module``, in call order."""
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        path = f"{prefix}{name}"
+        if isinstance(child, nn.Sequential):
+            yield from _leaves(child, path + ".")
+        else:
+            yield path, child
+
+
+class Sequential(nn.Sequential):
+    """An ``nn.Sequential`` trained under an activation-memory budget.
+
+    Each layer is one stage of a ``remat.chain`` (nested ``nn.Sequential``
+    containers are flattened); in-place layers join the stage before them.
+    Parameters, buffers and state-dict keys are those of ``nn.Sequential``
+    with the same layers, so checkpoints load both ways.
+
+    Args:
+        *layers: modules, or one ``OrderedDict`` of named modules, as for
+            ``nn.Sequential``.
+        budget: activation memory allowed (see ``remat.chain``); None runs
+            the layers plainly.
+        algorithm: "optimal", "store_all", "min_memory", "sqrt" or
+            "periodic(k)".
+        slots: memory resolution of the optimal solver.
+        costs: path of a JSON file of measured costs (see ``remat.chain``).
+
+    The first call with a new input signature measures every layer, then
+    calls run the schedule; ``measure`` and ``solve`` do the same steps
+    explicitly. Forward hooks of nested ``nn.Sequential`` containers do not
+    run under a budget (their layers are called one by one); hooks of the
+    layers do, and run again when a layer is recomputed.
+
+    Example:
+        >>> import torch, remat
+        >>> seq = remat.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True),
+        ...                        torch.nn.Linear(8, 2), budget="1MiB")
+        >>> seq(torch.randn(4, 8)).sum().backward()
+        >>> sorted(seq.state_dict()) == sorted(torch.nn.Sequential(*seq).state_dict())
+        True
+    """
+
+    def __init__(self, *layers, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
+        super().__init__(*layers)
+        self.budget = budget
+        self.algorithm = algorithm
+        self.slots = slots
+        self.costs_path = costs
+        self._spec = self._make_spec()
+        self._layout = None      # (layer ids and inplace flags, leading layers, stages)
+        self._explanation = None
+        self._device = None
+
+    @classmethod
+    def from_module(cls, module, **kwargs):
+        """A ``remat.Sequential`` over the layers of ``module`` (shared, not copied).
+
+        Args:
+            module: an ``nn.Sequential``; its layer names are kept.
+            **kwargs: ``budget``, ``algorithm``, ``slots``, ``costs``.
+
+        Example:
+            >>> import torch, remat
+            >>> plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Tanh()))
+            >>> remat.Sequential.from_module(plain, budget="1MiB")[1][0] is plain[1][0]
+            True
+        """
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"remat.Sequential.from_module needs an nn.Sequential, got {type(module).__name__}")
+        return cls(collections.OrderedDict(module._modules), **kwargs)
+
+    def __getitem__(self, idx):
+        out = super().__getitem__(idx)
+        if isinstance(idx, slice):
+            out.budget, out.algorithm, out.slots = self.budget, self.algorithm, self.slots
+        return out
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_layout"] = None
+        return state
+
+    def extra_repr(self):
+        return f"budget={self.budget!r}, algorithm={self.algorithm!r}"
+
+    def _make_spec(self):
+        if self.budget is None:
+            return None
+        spec = chain(budget=self.budget, algorithm=self.algorithm, slots=self.slots, costs=self.costs_path)
+        spec.settings = (self.budget, self.algorithm, self.slots, self.costs_path)
+        return spec
+
+    def _stages(self):
+        """Leading in-place layers and the stages (Note [Stages of a Sequential])."""
+        leaves = list(_leaves(self, ""))
+        key = tuple((id(layer), bool(getattr(layer, "inplace", False))) for _, layer in leaves)
+        layout = self._layout
+        if layout is not None and layout[0] == key:
+            return layout[1], layout[2]
+        everything = [layer for _, layer in leaves]
+        lead, groups = [], []
+        for name, layer in leaves:
+            if getattr(layer, "inplace", False) and groups:
+                groups[-1][0].append(name)
+                groups[-1][1].append(layer)
+            elif getattr(layer, "inplace", False):
+                lead.append(layer)
+            else:
+                groups.append(([name], [layer]))
+        made = [_Group(layers, names, everything) for names, layers in groups]
+        if made:
+            made[-1].keep = False   # the last stage always records (Fall) and its output may be edited in place
+        stages = [stage(group) for group in made]
+        self._layout = (key, lead, stages)
+        return lead, stages
+
+    def forward(self, x):
+        if self.budget is None or not torch.is_grad_enabled():
+            return super().forward(x)
+        spec = self._spec
+        if spec is None or spec.settings != (self.budget, self.algorithm, self.slots, self.costs_path):
+            spec = self._spec = self._make_spec()
+        return self._run(x, spec)
+
+    def _run(self, x, spec):
+        lead, stages = self._stages()
+        for layer in lead:
+            x = layer(x)
+        if isinstance(x, torch.Tensor):
+            self._device = x.device
+        with spec:    # the one chain site of every Sequential (Note [Chain keys] in remat/chain.py)
+            for s in stages:
+                x = s(x)
+        self._explanation = explain()
+        return x
+
+    def measure(self, sample):
+        """Measure every layer on ``sample`` now, instead of in the first call.
+
+        Runs one measuring forward on a detached copy of ``sample`` and leaves
+        no trace: parameter ``.grad``, buffers (BatchNorm statistics) and the
+        RNG streams are as before. Later calls with inputs like ``sample``
+        (same shape, dtype, device and ``requires_grad``, same train/eval
+        mode) then run the schedule at once.
+
+        Args:
+            sample: an input like the real ones.
+
+        Returns:
+            The measured ``remat.Costs``.
+
+        Example:
+            >>> import torch, remat
+            >>> seq = remat.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), budget="1MiB")
+            >>> seq.measure(torch.randn(4, 8)).length
+            2
+        """
+        x = sample.detach().requires_grad_(sample.requires_grad) if isinstance(sample, torch.Tensor) else sample
+        grads = [(p, p.grad) for p in self.parameters()]
+        buffers = [(b, b.detach().clone()) for b in self.buffers()]
+        tensors = [x] + [p for p, _ in grads] if isinstance(x, torch.Tensor) else [p for p, _ in grads]
+        rng = capture_rng(cuda_devices(tensors))
+        probe = chain(budget=2**61, algorithm="store_all", slots=self.slots, costs=self.costs_path)
+        try:
+            with rng.replayed(), torch.enable_grad():
+                self._run(x, probe)
+        finally:
+            with torch.no_grad():
+                for b, old in buffers:
+                    b.copy_(old)
+            for p, g in grads:
+                p.grad = g
+        return self._explanation.costs
+
+    def solve(self, budget=None):
+        """The schedule for ``budget``, from the costs measured by ``measure`` or
+        by the first call; later calls run it.
+
+        Args:
+            budget: activation memory allowed (see ``remat.chain``); None keeps
+                ``self.budget``. A new budget becomes ``self.budget``.
+
+        Returns:
+            The ``remat.Schedule`` the next calls run.
+
+        Raises:
+            RematError: nothing measured yet.
+            BudgetError: the budget is below the chain's minimum.
+
+        Example:
+            >>> import torch, remat
+            >>> seq = remat.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+            >>> _ = seq.measure(torch.randn(4, 8))
+            >>> seq.solve("1MiB").length
+            3
+        """
+        if self._explanation is None:
+            raise RematError(
+                "remat: this Sequential has measured nothing yet; call seq.measure(sample_input) "
+                "or run one forward with grad enabled first")
+        if budget is None:
+            budget = self.budget
+        if budget is None:
+            raise RematError("remat: no budget to solve for; pass one, e.g. seq.solve('1GiB')")
+        parsed = parse_budget(budget)
+        schedule = _solve(self._explanation.costs, resolve_budget(parsed, self._device or "cpu"),
+                          self.algorithm, self.slots)
+        self.budget = budget
+        return schedule

@@ -1,0 +1,214 @@
+"""``remat.wrap`` / ``remat.unwrap``: run a model you did not write (a Hugging
+Face transformer, a timm network) under remat without editing its source
+(DESIGN.md section 1).
+
+Note [Wrapping a model]
+-----------------------
+1. Each module of ``blocks`` is marked with ``remat.stage(module)`` (an
+   instance ``forward`` attribute); blocks the user had marked already stay
+   marked after ``unwrap``.
+2. The model gets an instance ``forward`` attribute, a ``_WrappedForward``
+   that opens the model's ``remat.chain`` around the original bound forward.
+   The ``with`` is one line of this module for every wrapped model; chains
+   are told apart by their first stage (Note [Chain keys] in
+   remat/chain.py), so each model keeps its own measurements. It carries the
+   original forward's signature, so code that inspects ``model.forward``
+   (Hugging Face's ``generate``) sees the same parameters.
+3. ``use_cache``: with a key/value cache a block appends its keys and values
+   to a cache object (a side input) and, in older versions, returns them,
+   with gradient, as extra outputs. A recomputation would append them a
+   second time, and extra outputs of a stage may not carry gradient. So
+   while grad is enabled a wrapped model whose forward takes ``use_cache``
+   is called with ``use_cache=False``; passing ``use_cache=True`` then is an
+   error. Under ``torch.no_grad()`` (generation) stages run plainly and
+   ``use_cache`` passes through untouched.
+4. ``unwrap`` deletes both kinds of instance attribute, putting back an
+   instance ``forward`` the model had before ``wrap``: the model is then the
+   object it was, with the same state dict.
+"""
+
+import inspect
+
+import torch
+
+from .chain import chain
+from .errors import StageError
+from .solve import DEFAULT_SLOTS
+from .stage import is_stage, stage, unstage
+
+__all__ = ["wrap", "unwrap"]
+
+_MISSING = object()
+
+
+class _WrappedForward:
+    """A wrapped model's forward: the original one inside the model's chain (Note [Wrapping a model], 2)."""
+
+    def __init__(self, original, spec, blocks, marked, previous):
+        self.original = original    # the bound forward wrap found
+        self.spec = spec
+        self.blocks = blocks
+        self.marked = marked        # the blocks wrap marked (unwrap unmarks only these)
+        self.previous = previous    # the model's instance forward before wrap, or _MISSING
+        params = inspect.signature(original).parameters
+        self.cache_at = None        # position of a use_cache parameter, -1 if keyword-only
+        if "use_cache" in params:
+            names = list(params)
+            kind = params["use_cache"].kind
+            positional = kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            self.cache_at = names.index("use_cache") if positional else -1
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self.original)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        if self.cache_at is not None:
+            args, kwargs = self._without_cache(args, kwargs)
+        with self.spec:
+            return self.original(*args, **kwargs)
+
+    def _without_cache(self, args, kwargs):
+        """``use_cache=False``, or an error if the caller asked for a cache (Note [Wrapping a model], 3)."""
+        at = self.cache_at
+        if 0 <= at < len(args):
+            given = args[at]
+            args = args[:at] + (False,) + args[at + 1:]
+        else:
+            given = kwargs.get("use_cache")
+            kwargs["use_cache"] = False
+        if given:
+            raise StageError(
+                "remat: a wrapped model was called with use_cache=True while grad is enabled; a "
+                "recomputed block would write its key/value cache a second time. Pass "
+                "use_cache=False for training (the default under remat.wrap), or generate under "
+                "torch.no_grad(), where the model runs plainly"
+            )
+        return args, kwargs
+
+
+def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
+    """Run ``model`` under remat: each module of ``blocks`` is a stage and the
+    model's forward runs inside a ``remat.chain``. Nothing is copied; the
+    parameters, buffers and state dict stay the model's own.
+
+    Args:
+        model: an ``nn.Module`` whose forward calls the blocks one after the
+            other, each on the previous one's output, with no code changing
+            that output in between (code before the first block and after the
+            last is free).
+        blocks: the modules that form the chain, e.g. ``model.transformer.h``;
+            each must be a submodule of ``model``. A block's first tensor
+            argument is the activation; masks, position ids, rotary tables and
+            flags are side inputs and pass through.
+        budget, algorithm, slots, costs: as for ``remat.chain``.
+
+    Returns:
+        ``model``, wrapped in place; ``remat.unwrap(model)`` undoes it.
+
+    Raises:
+        RematError: ``model`` is wrapped already (unwrap it first).
+        ValueError: ``blocks`` is empty or holds a module outside ``model``.
+        TypeError: ``model`` or a block is not an ``nn.Module``.
+
+    While grad is enabled, a model whose forward takes ``use_cache`` runs
+    with ``use_cache=False`` (a recomputation would write the key/value cache
+    twice; see Note [Wrapping a model], 3). Under ``torch.no_grad()`` the
+    model runs exactly as before. Dropout and BatchNorm behave as in plain
+    PyTorch: recomputations replay RNG and do not update running statistics.
+
+    Example:
+        >>> import torch, remat
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        ...     def forward(self, x):
+        ...         for b in self.blocks:
+        ...             x = b(x)
+        ...         return x.sum()
+        >>> net = Net()
+        >>> _ = remat.wrap(net, net.blocks, budget="1MiB")
+        >>> net(torch.randn(2, 8)).backward()
+        >>> remat.unwrap(net) is net
+        True
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"remat.wrap needs an nn.Module, got {type(model).__name__}")
+    if isinstance(model.__dict__.get("forward"), _WrappedForward):
+        raise StageError(
+            f"remat: this {type(model).__name__} is wrapped already; call remat.unwrap(model) "
+            f"before wrapping it again with other blocks or another budget"
+        )
+    if isinstance(blocks, torch.nn.Module) and not isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
+        raise TypeError(
+            f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
+            f"pass [block] for a single one"
+        )
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
+    inside = {id(m) for m in model.modules()}
+    for i, block in enumerate(blocks):
+        if not isinstance(block, torch.nn.Module):
+            raise TypeError(f"remat.wrap: block {i} is a {type(block).__name__}, not an nn.Module")
+        if id(block) not in inside:
+            raise ValueError(
+                f"remat.wrap: block {i} ({type(block).__name__}) is not a submodule of this "
+                f"{type(model).__name__}; its calls would not be part of the model's chain"
+            )
+        if block is model:
+            raise ValueError("remat.wrap: the model cannot be one of its own blocks")
+        fwd = block.__dict__.get("forward")
+        if fwd is not None and not is_stage(block):
+            raise StageError(
+                f"remat.wrap: block {i} ({type(block).__name__}) already has its own forward "
+                f"attribute (set by another library's hooks, e.g. accelerate); remat.stage would "
+                f"replace it. Remove those hooks, or mark the block's class forward with remat.stage"
+            )
+    spec = chain(budget=budget, algorithm=algorithm, slots=slots, costs=costs)
+    marked, seen = [], set()
+    for block in blocks:
+        if id(block) in seen:
+            continue
+        seen.add(id(block))
+        if not is_stage(block):
+            stage(block)
+            marked.append(block)
+    previous = model.__dict__.get("forward", _MISSING)
+    model.forward = _WrappedForward(model.forward, spec, blocks, marked, previous)
+    return model
+
+
+def unwrap(model):
+    """Undo ``remat.wrap(model, ...)``: the model and its blocks are as before.
+
+    Args:
+        model: a model ``remat.wrap`` returned.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: ``model`` is not wrapped.
+
+    Example:
+        >>> import torch, remat
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> remat.unwrap(remat.wrap(net, [net[0]], budget="1MiB")) is net
+        True
+        >>> "forward" in vars(net)
+        False
+    """
+    wrapped = model.__dict__.get("forward") if isinstance(model, torch.nn.Module) else None
+    if not isinstance(wrapped, _WrappedForward):
+        raise ValueError(f"remat.unwrap: this {type(model).__name__} is not wrapped by remat.wrap")
+    for block in wrapped.marked:
+        unstage(block)
+    if wrapped.previous is _MISSING:
+        del model.__dict__["forward"]
+    else:
+        model.__dict__["forward"] = wrapped.previous
+    return model

@@ -1,0 +1,227 @@
+"""remat.Sequential against plain nn.Sequential: results, state dicts, stages, measure and solve."""
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.schedule import simulate
+from remat.solve import minimum_budget, solve, store_all
+
+
+def make_layers(seed=0):
+    """Conv, BatchNorm, in-place ReLUs, a nested Sequential and dropout: every case a stage split meets."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Dropout(0.25)),
+        nn.Sequential(nn.Sequential(nn.Conv2d(8, 4, 3, padding=1)), nn.GELU()),
+        nn.Flatten(), nn.Linear(4 * 6 * 6, 5),
+    )
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 5, generator=g)
+
+
+def train(model, steps=3, seed=1):
+    """Losses, gradients, buffers and parameters of ``steps`` SGD steps."""
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    record = []
+    for step in range(steps):
+        x, target = batch(step)
+        loss = ((model(x) - target) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        record.append(loss.detach())
+        record.extend(p.grad.clone() for p in model.parameters())
+        opt.step()
+    return record + [t.detach().clone() for t in model.state_dict().values()]
+
+
+def assert_same(ref, got):
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"item {i}: {m}")
+
+
+def costs_of(plain):
+    probe = remat.Sequential.from_module(copy.deepcopy(plain), budget=2**50, algorithm="store_all")
+    return probe.measure(batch(0)[0])
+
+
+def budget_for(costs, algorithm, fraction):
+    low = minimum_budget(costs)
+    high = simulate(costs, store_all(costs.length)).peak
+    budget = int(low + fraction * (high - low))
+    if algorithm != "optimal":
+        budget = max(budget, solve(costs, 2**50, algorithm).peak)
+    return budget
+
+
+@pytest.mark.parametrize("algorithm,fraction", [
+    ("optimal", 0.0), ("optimal", 0.4), ("optimal", 1.0), ("sqrt", 0.0), ("min_memory", 0.0)])
+def test_matches_plain_sequential(algorithm, fraction):
+    """Losses, gradients, BatchNorm statistics and parameters over three steps are bitwise nn.Sequential's."""
+    plain = make_layers()
+    budget = budget_for(costs_of(plain), algorithm, fraction)
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=budget, algorithm=algorithm)
+    assert_same(train(copy.deepcopy(plain)), train(seq))
+    assert remat.explain().schedule.peak <= budget
+
+
+def test_minimum_budget_recomputes():
+    """At the chain's minimum budget the schedule recomputes, so the comparison above tests recomputation."""
+    plain = make_layers()
+    costs = costs_of(plain)
+    seq = remat.Sequential.from_module(plain, budget=minimum_budget(costs))
+    train(seq, steps=1)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_state_dict_keys_are_nn_sequentials():
+    """The state dict has exactly nn.Sequential's keys, including nested and named layers."""
+    plain = make_layers()
+    named = nn.Sequential(collections.OrderedDict(conv=nn.Conv2d(3, 3, 1), act=nn.ReLU(), inner=plain))
+    assert list(remat.Sequential.from_module(named).state_dict()) == list(named.state_dict())
+    assert list(remat.Sequential(*make_layers()).state_dict()) == list(make_layers().state_dict())
+
+
+def test_state_dict_loads_both_ways():
+    """An nn.Sequential checkpoint loads into remat.Sequential and the reverse, strictly."""
+    a, b = make_layers(seed=0), make_layers(seed=1)
+    seq = remat.Sequential(*make_layers(seed=2), budget="1MiB")
+    seq.load_state_dict(a.state_dict())
+    assert_same(list(a.state_dict().values()), list(seq.state_dict().values()))
+    b.load_state_dict(seq.state_dict())
+    assert_same(list(a.state_dict().values()), list(b.state_dict().values()))
+
+
+def test_every_layer_is_a_stage_and_inplace_layers_join_the_previous_one():
+    """Nested containers are flattened, one layer per stage, with each in-place layer fused into the stage before it."""
+    seq = remat.Sequential.from_module(make_layers(), budget=2**30)
+    train(seq, steps=1)
+    assert remat.explain().names == [
+        "0:Conv2d", "1:BatchNorm2d+2:ReLU", "3.0:Conv2d+3.1:ReLU", "3.2:Dropout",
+        "4.0.0:Conv2d", "4.1:GELU", "5:Flatten", "6:Linear"]
+
+
+def test_leading_inplace_layer_runs_before_the_chain():
+    """An in-place layer at the start modifies the caller's tensor as in plain PyTorch, and the rest matches."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget="1MiB")
+    for model in (plain, seq):
+        x0 = torch.randn(3, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        x = x0 * 1.0
+        model(x).sum().backward()
+        model.result = (x.detach().clone(), x0.grad.clone(), [p.grad.clone() for p in model.parameters()])
+    assert_same([plain.result[0], plain.result[1], *plain.result[2]], [seq.result[0], seq.result[1], *seq.result[2]])
+    assert remat.explain().names == ["1:Linear", "2:Tanh", "3:Linear"]
+
+
+def test_budget_none_runs_plainly():
+    """With budget=None no chain is opened and the results are nn.Sequential's."""
+    plain = make_layers()
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=None)
+    before = remat.explain()
+    assert_same(train(copy.deepcopy(plain)), train(seq))
+    assert remat.explain() is before
+
+
+def test_measure_leaves_no_trace():
+    """measure() keeps parameter .grad, BatchNorm statistics and the RNG stream as they were."""
+    seq = remat.Sequential.from_module(make_layers(), budget="1MiB")
+    train(seq, steps=1)
+    remat.clear_cache()
+    grads = [p.grad for p in seq.parameters()]
+    state = [t.clone() for t in seq.state_dict().values()]
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    seq.measure(batch(1)[0])
+    assert torch.equal(torch.rand(3), expected)
+    assert all(p.grad is g for p, g in zip(seq.parameters(), grads))
+    assert_same(state, list(seq.state_dict().values()))
+
+
+def test_measure_then_solve_then_train_matches_plain():
+    """Measuring and solving ahead gives the schedule the calls run, with plain PyTorch's results and no second measurement."""
+    plain = make_layers()
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=None)
+    costs = seq.measure(batch(0)[0])
+    schedule = seq.solve(minimum_budget(costs))
+    assert seq.budget == minimum_budget(costs)
+    assert_same(train(copy.deepcopy(plain)), train(seq))
+    assert remat.explain().costs is costs
+    assert remat.explain().schedule.ops == schedule.ops
+
+
+def test_solve_before_measuring_raises():
+    """solve() without measured costs says what to call first."""
+    with pytest.raises(remat.RematError, match="measure"):
+        remat.Sequential(nn.Linear(2, 2)).solve("1MiB")
+
+
+def test_budget_below_minimum_raises():
+    """A budget below the chain's minimum raises BudgetError naming it."""
+    seq = remat.Sequential.from_module(make_layers(), budget=64)
+    with pytest.raises(remat.BudgetError, match="minimum"):
+        train(seq, steps=1)
+
+
+def test_from_module_shares_layers():
+    """from_module keeps the layers themselves (not copies) and rejects anything but nn.Sequential."""
+    plain = make_layers()
+    seq = remat.Sequential.from_module(plain)
+    assert all(a is b for a, b in zip(plain.modules(), seq.modules()) if not isinstance(a, nn.Sequential))
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        remat.Sequential.from_module(nn.Linear(2, 2))
+
+
+def test_train_eval_switch_matches_plain():
+    """Training, then eval mode with grad, then training again each match nn.Sequential."""
+    plain = make_layers()
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=budget_for(costs_of(plain), "optimal", 0.0))
+    ref = copy.deepcopy(plain)
+    for mode in (True, False, True):
+        assert_same(train(ref.train(mode), steps=2), train(seq.train(mode), steps=2))
+
+
+def test_changed_layers_are_staged_anew():
+    """Appending a layer or turning off an in-place flag changes the stages accordingly."""
+    seq = remat.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), budget="1MiB")
+    x = torch.randn(2, 4)
+    seq(x).sum().backward()
+    assert remat.explain().names == ["0:Linear+1:ReLU"]
+    seq[1].inplace = False
+    seq.append(nn.Linear(4, 1))
+    seq(x).sum().backward()
+    assert remat.explain().names == ["0:Linear", "1:ReLU", "2:Linear"]
+
+
+def test_integer_input_to_an_embedding():
+    """A first layer taking token ids (no grad) works and matches plain PyTorch."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget="1MiB", algorithm="min_memory")
+    ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+    out = []
+    for model in (plain, seq):
+        model(ids).square().sum().backward()
+        out.append([p.grad for p in model.parameters()])
+    assert_same(*out)
+
+
+def test_slice_and_deepcopy_keep_the_budget():
+    """A slice and a deep copy are remat.Sequentials with the same budget and algorithm."""
+    seq = remat.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2), budget="2MiB", algorithm="sqrt")
+    for other in (seq[1:], copy.deepcopy(seq)):
+        assert isinstance(other, remat.Sequential)
+        assert (other.budget, other.algorithm) == ("2MiB", "sqrt")
+    copy.deepcopy(seq)(torch.randn(3, 2)).sum().backward()
