@@ -1,8 +1,8 @@
 """Time the C solver (MIN_TIME) on random heterogeneous chains, fast vs naive.
 
 Each case runs in its own subprocess that loads only the compiled cffi
-module (not torch), so its peak RSS (ru_maxrss) is the solver's memory plus
-a small Python baseline, both reported. Writes benchmarks/results/solver.json
+module (not torch); its peak RSS (VmHWM, which unlike ru_maxrss starts
+afresh at exec) less the RSS before the first solve is the solver's memory. Writes benchmarks/results/solver.json
 and benchmarks/results/solver.md.
 
     python benchmarks/solver.py                 # the full table
@@ -94,19 +94,28 @@ def run_case(length, slots, mode_name, budget):
     ffi, lib = _load()
     mode = {"fast": lib.REMAT_MIN_TIME, "naive": lib.REMAT_MIN_TIME_NAIVE}[mode_name]
     c = make_chain(length)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _rss("VmRSS")
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
         status, plan = _solve(ffi, lib, c, budget, slots, mode)
         times.append(time.perf_counter() - t0)
         assert status == 0, ffi.string(lib.remat_strerror(status))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = _rss("VmHWM")
     print(json.dumps({
         "length": length, "slots": slots, "solver": mode_name, "seconds": statistics.median(times),
         "all_seconds": times, "peak_rss_bytes": rss, "solver_bytes": rss - base,
         "dp_time": plan.time, "n_ops": plan.n_ops, "budget": budget,
     }))
+
+
+def _rss(field):
+    """Bytes of /proc/self/status's ``field`` (VmRSS now, VmHWM the peak)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _spawn(length, slots, mode, budget):
@@ -163,7 +172,7 @@ def _table(rows):
         "",
         f"Median of {REPEATS} runs; budget = geometric mean of the chain's minimum and its store-all "
         f"peak; memory = peak RSS growth of a process that only loads the solver "
-        f"(Python baseline excluded). Naive = the plain O(L^3 slots) double table, run only where "
+        f"(Python baseline excluded; VmHWM). Naive = the plain O(L^3 slots) double table, run only where "
         f"L^3/6 * slots <= {NAIVE_MAX_WORK:.0e}. Machine: {os.cpu_count()} CPUs.",
         "",
         "| L | slots | fast (s) | fast memory (MiB) | naive (s) | naive memory (MiB) | speed-up |",
