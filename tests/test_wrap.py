@@ -1,0 +1,327 @@
+"""remat.wrap and remat.unwrap against plain PyTorch: a small torch model with side inputs,
+and Hugging Face GPT-2 (built from a config with random weights; nothing is downloaded)."""
+
+import copy
+import inspect
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.schedule import simulate
+from remat.solve import minimum_budget, solve, store_all
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def budget_for(costs, algorithm, fraction):
+    """``fraction`` of the way from the chain's minimum to its store-all peak, raised to
+    what a non-optimal ``algorithm`` needs."""
+    low = minimum_budget(costs)
+    budget = int(low + fraction * (simulate(costs, store_all(costs.length)).peak - low))
+    if algorithm != "optimal":
+        budget = max(budget, solve(costs, 2**50, algorithm).peak)
+    return budget
+
+
+def assert_same(ref, got):
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"item {i}: {m}")
+
+
+# A plain torch model ---------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Attention with a mask, rotary-like (cos, sin) tables and a flag, all side inputs."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x, mask, rope, scale=True):
+        cos, sin = rope
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k = q * cos + k * sin, k * cos - q * sin
+        att = q @ k.transpose(-2, -1) / (math.sqrt(q.shape[-1]) if scale else 1.0) + mask
+        return x + self.drop(self.out(att.softmax(-1) @ v))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=5):
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x, mask):
+        t = torch.arange(x.shape[1], dtype=x.dtype)[:, None]
+        rope = (torch.cos(t / 10), torch.sin(t / 10))
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, mask, rope, scale=True)
+        return self.head(h)
+
+
+def net_batch(step, length=6):
+    g = torch.Generator().manual_seed(200 + step)
+    mask = torch.full((length, length), float("-inf")).triu(1)
+    return torch.randn(3, length, 4, generator=g), mask, torch.randn(3, length, 2, generator=g)
+
+
+def train_net(model, steps=3, seed=1, start=0):
+    torch.manual_seed(seed + start)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    record = []
+    for step in range(steps):
+        x, mask, target = net_batch(start + step)
+        loss = ((model(x, mask) - target) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        record.append(loss.detach())
+        record.extend(p.grad.clone() for p in model.parameters())
+        opt.step()
+    return record
+
+
+def net_costs(base):
+    probe = copy.deepcopy(base)
+    remat.wrap(probe, probe.blocks, budget=2**50, algorithm="store_all")
+    train_net(probe, steps=1)
+    return remat.explain().costs
+
+
+@pytest.mark.parametrize("algorithm,fraction", [("optimal", 0.0), ("optimal", 0.5), ("sqrt", 0.0)])
+def test_plain_model_matches_pytorch(algorithm, fraction):
+    """Losses and parameter gradients of three steps are bitwise plain PyTorch's, side inputs passed through."""
+    torch.manual_seed(0)
+    base = Net()
+    budget = budget_for(net_costs(base), algorithm, fraction)
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.blocks, budget=budget, algorithm=algorithm)
+    assert_same(train_net(copy.deepcopy(base)), train_net(model))
+    assert remat.explain().schedule.peak <= budget
+    assert remat.explain().names == ["Block"] * 5
+
+
+def test_two_wrapped_models_keep_their_own_chains():
+    """Two wrapped models of one class with other shapes, trained in turn, each match plain PyTorch."""
+    torch.manual_seed(0)
+    plain = [Net(d=8, n=3), Net(d=16, n=4)]
+    models = [copy.deepcopy(m) for m in plain]
+    for m in models:
+        remat.wrap(m, m.blocks, budget=budget_for(net_costs(m), "optimal", 0.0))
+    ref, got = [[], []], [[], []]
+    for step in range(3):
+        for i in range(2):
+            ref[i].extend(train_net(plain[i], steps=1, start=step))
+            got[i].extend(train_net(models[i], steps=1, start=step))
+    assert_same(ref[0], got[0])
+    assert_same(ref[1], got[1])
+
+
+def test_unwrap_restores_the_model():
+    """unwrap removes every instance attribute wrap added and the model trains as before."""
+    torch.manual_seed(0)
+    base = Net()
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.blocks, budget="1MiB")
+    train_net(model, steps=1)
+    remat.unwrap(model)
+    assert "forward" not in vars(model)
+    assert not any("forward" in vars(b) for b in model.modules())
+    assert list(model.state_dict()) == list(base.state_dict())
+    model.load_state_dict(base.state_dict())
+    before = remat.explain()
+    assert_same(train_net(copy.deepcopy(base)), train_net(model))
+    assert remat.explain() is before
+
+
+def test_unwrap_keeps_blocks_the_user_marked():
+    """A block marked with remat.stage before wrap is still marked after unwrap; the others are not."""
+    model = Net()
+    remat.stage(model.blocks[0])
+    remat.unwrap(remat.wrap(model, model.blocks, budget="1MiB"))
+    assert ["forward" in vars(b) for b in model.blocks] == [True] + [False] * 4
+
+
+def test_wrap_keeps_an_instance_forward_the_model_had():
+    """A model's own instance forward is what the chain runs, and unwrap puts it back."""
+    model = Net().eval()
+    own = model.forward
+    model.forward = lambda x, mask: own(x, mask) * 2
+    patched = model.forward
+    remat.wrap(model, model.blocks, budget="1MiB")
+    x, mask, _ = net_batch(0)
+    assert torch.equal(model(x, mask), 2 * own(x, mask))
+    assert remat.explain().names == ["Block"] * 5
+    remat.unwrap(model)
+    assert model.forward is patched
+
+
+def test_wrap_twice_raises():
+    """Wrapping a wrapped model says to unwrap it first."""
+    model = Net()
+    remat.wrap(model, model.blocks, budget="1MiB")
+    with pytest.raises(remat.RematError, match="unwrap"):
+        remat.wrap(model, model.blocks, budget="2MiB")
+
+
+@pytest.mark.parametrize("blocks,error,match", [
+    (lambda m: [], ValueError, "empty"),
+    (lambda m: [nn.Linear(2, 2)], ValueError, "not a submodule"),
+    (lambda m: m.blocks[0], TypeError, "iterable"),
+    (lambda m: ["block"], TypeError, "not an nn.Module"),
+])
+def test_bad_blocks_raise(blocks, error, match):
+    """Empty blocks, blocks outside the model and non-modules are refused with a clear message."""
+    model = Net()
+    with pytest.raises(error, match=match):
+        remat.wrap(model, blocks(model), budget="1MiB")
+    assert "forward" not in vars(model)
+
+
+def test_unwrap_of_a_plain_model_raises():
+    """unwrap of a model wrap never saw is an error, not a silent no-op."""
+    with pytest.raises(ValueError, match="not wrapped"):
+        remat.unwrap(Net())
+
+
+def test_deepcopy_of_a_wrapped_model_runs_its_own_blocks():
+    """A deep copy of a wrapped model is wrapped around the copy's forward and blocks and matches plain PyTorch."""
+    torch.manual_seed(0)
+    base = Net()
+    wrapped = copy.deepcopy(base)
+    remat.wrap(wrapped, wrapped.blocks, budget=budget_for(net_costs(base), "optimal", 0.0))
+    twin = copy.deepcopy(wrapped)
+    assert twin.forward.original.__self__ is twin
+    assert_same(train_net(copy.deepcopy(base)), train_net(twin))
+    assert all(p.grad is None for p in wrapped.parameters())
+
+
+# Hugging Face GPT-2 ----------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2(attn="sdpa", seed=0):
+    """GPT-2 with 4 layers and dropout on, from a config (no download)."""
+    config = transformers.GPT2Config(
+        n_layer=4, n_head=2, n_embd=32, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation=attn)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def gpt2_batch(step):
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, 100, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0                     # a padded sequence: the mask is a real side input
+    return ids, mask
+
+
+def train_gpt2(model, steps=3, seed=1):
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    record = []
+    for step in range(steps):
+        ids, mask = gpt2_batch(step)
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        record.append(loss.detach())
+        record.extend(p.grad.clone() for p in model.parameters())
+        opt.step()
+    return record
+
+
+@pytest.fixture(scope="module")
+def gpt2_setup():
+    """Per attention implementation: the model, plain PyTorch's record and the chain's costs."""
+    out = {}
+    for attn in ("sdpa", "eager"):
+        base = gpt2(attn)
+        probe = copy.deepcopy(base)
+        remat.wrap(probe, probe.transformer.h, budget=2**50, algorithm="store_all")
+        train_gpt2(probe, steps=1)
+        out[attn] = base, train_gpt2(copy.deepcopy(base)), remat.explain().costs
+    return out
+
+
+@pytest.mark.parametrize("attn,algorithm,fraction", [
+    ("sdpa", "optimal", 0.0), ("sdpa", "optimal", 0.5), ("sdpa", "optimal", 1.0), ("sdpa", "sqrt", 0.0),
+    ("eager", "optimal", 0.0), ("eager", "sqrt", 0.0)])
+def test_gpt2_matches_pytorch(gpt2_setup, attn, algorithm, fraction):
+    """Losses and every parameter gradient of three AdamW steps with dropout and a padding mask are
+    bitwise the unwrapped model's, for sdpa and eager attention (had a kernel drawn dropout
+    differently without grad, remat would have measured it and recomputed that block with grad
+    on: Note [Replaying a stage], 4 in remat/replay.py)."""
+    base, ref, costs = gpt2_setup[attn]
+    budget = budget_for(costs, algorithm, fraction)
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget=budget, algorithm=algorithm)
+    assert_same(ref, train_gpt2(model))
+    assert remat.explain().schedule.peak <= budget
+    assert remat.explain().costs.length == 4
+
+
+def test_gpt2_minimum_budget_recomputes(gpt2_setup):
+    """At the chain's minimum the schedule recomputes blocks, so the comparison above tests recomputation."""
+    base, _, costs = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget=minimum_budget(costs))
+    train_gpt2(model, steps=1)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_gpt2_unwrap_restores_plain_behaviour(gpt2_setup):
+    """After unwrap the model has no remat attributes, the same state dict keys, returns its cache again
+    and trains exactly as the plain model."""
+    base, ref, _ = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    remat.unwrap(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert list(model.state_dict()) == list(base.state_dict())
+    ids, mask = gpt2_batch(0)
+    assert model(ids, attention_mask=mask).past_key_values is not None
+    assert_same(ref, train_gpt2(model))
+
+
+def test_gpt2_use_cache_is_off_while_training(gpt2_setup):
+    """With grad enabled a wrapped GPT-2 runs without a key/value cache, and asking for one is an error."""
+    base, _, _ = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    ids, mask = gpt2_batch(0)
+    assert model(ids, attention_mask=mask).past_key_values is None
+    with pytest.raises(remat.StageError, match="use_cache"):
+        model(ids, attention_mask=mask, use_cache=True)
+
+
+def test_gpt2_generate_under_no_grad_is_unchanged(gpt2_setup):
+    """Under no_grad a wrapped GPT-2 generates (with its cache) exactly what the plain one does."""
+    base, _, _ = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    ids, _ = gpt2_batch(0)
+    with torch.no_grad():
+        got = model.eval().generate(ids[:, :4], max_new_tokens=4, do_sample=False)
+        want = copy.deepcopy(base).eval().generate(ids[:, :4], max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_gpt2_forward_signature_is_kept(gpt2_setup):
+    """The wrapped forward shows the original signature (Hugging Face inspects it)."""
+    base, _, _ = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    assert inspect.signature(model.forward) == inspect.signature(base.forward)
