@@ -14,7 +14,12 @@ import remat
 from remat.schedule import simulate
 from remat.solve import minimum_budget, solve, store_all
 
-os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"      # before transformers is imported: never reach the hub
+try:
+    import transformers
+except ImportError:
+    transformers = None
+needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 
 
 def budget_for(costs, algorithm, fraction):
@@ -208,9 +213,6 @@ def test_deepcopy_of_a_wrapped_model_runs_its_own_blocks():
 
 # Hugging Face GPT-2 ----------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers")
-
-
 def gpt2(attn="sdpa", seed=0):
     """GPT-2 with 4 layers and dropout on, from a config (no download)."""
     config = transformers.GPT2Config(
@@ -256,6 +258,7 @@ def gpt2_setup():
     return out
 
 
+@needs_transformers
 @pytest.mark.parametrize("attn,algorithm,fraction", [
     ("sdpa", "optimal", 0.0), ("sdpa", "optimal", 0.5), ("sdpa", "optimal", 1.0), ("sdpa", "sqrt", 0.0),
     ("eager", "optimal", 0.0), ("eager", "sqrt", 0.0)])
@@ -273,6 +276,7 @@ def test_gpt2_matches_pytorch(gpt2_setup, attn, algorithm, fraction):
     assert remat.explain().costs.length == 4
 
 
+@needs_transformers
 def test_gpt2_minimum_budget_recomputes(gpt2_setup):
     """At the chain's minimum the schedule recomputes blocks, so the comparison above tests recomputation."""
     base, _, costs = gpt2_setup["sdpa"]
@@ -282,6 +286,7 @@ def test_gpt2_minimum_budget_recomputes(gpt2_setup):
     assert remat.explain().schedule.recomputations() > 0
 
 
+@needs_transformers
 def test_gpt2_unwrap_restores_plain_behaviour(gpt2_setup):
     """After unwrap the model has no remat attributes, the same state dict keys, returns its cache again
     and trains exactly as the plain model."""
@@ -296,6 +301,7 @@ def test_gpt2_unwrap_restores_plain_behaviour(gpt2_setup):
     assert_same(ref, train_gpt2(model))
 
 
+@needs_transformers
 def test_gpt2_use_cache_is_off_while_training(gpt2_setup):
     """With grad enabled a wrapped GPT-2 runs without a key/value cache, and asking for one is an error."""
     base, _, _ = gpt2_setup["sdpa"]
@@ -307,6 +313,7 @@ def test_gpt2_use_cache_is_off_while_training(gpt2_setup):
         model(ids, attention_mask=mask, use_cache=True)
 
 
+@needs_transformers
 def test_gpt2_generate_under_no_grad_is_unchanged(gpt2_setup):
     """Under no_grad a wrapped GPT-2 generates (with its cache) exactly what the plain one does."""
     base, _, _ = gpt2_setup["sdpa"]
@@ -319,9 +326,22 @@ def test_gpt2_generate_under_no_grad_is_unchanged(gpt2_setup):
     assert torch.equal(got, want)
 
 
+@needs_transformers
 def test_gpt2_forward_signature_is_kept(gpt2_setup):
     """The wrapped forward shows the original signature (Hugging Face inspects it)."""
     base, _, _ = gpt2_setup["sdpa"]
     model = copy.deepcopy(base)
     remat.wrap(model, model.transformer.h, budget="1MiB")
     assert inspect.signature(model.forward) == inspect.signature(base.forward)
+
+
+@needs_transformers
+@pytest.mark.xfail(strict=True, reason="the measuring call runs each block four times and HF's hooks on "
+                   "the attention modules collect every run; see the report of remat.wrap")
+def test_gpt2_output_attentions_on_the_measuring_call(gpt2_setup):
+    """output_attentions=True gives one attention map per layer on the first (measuring) call too."""
+    base, _, _ = gpt2_setup["eager"]
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    ids, mask = gpt2_batch(0)
+    assert len(model(ids, attention_mask=mask, output_attentions=True).attentions) == 4
