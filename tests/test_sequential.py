@@ -2,6 +2,7 @@
 
 import collections
 import copy
+import json
 
 import pytest
 import torch
@@ -151,7 +152,8 @@ def test_measure_leaves_no_trace():
 
 
 def test_measure_then_solve_then_train_matches_plain():
-    """Measuring and solving ahead gives the schedule the calls run, with plain PyTorch's results and no second measurement."""
+    """Measuring and solving ahead gives the schedule the calls run, with plain PyTorch's results
+    and no second measurement."""
     plain = make_layers()
     seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=None)
     costs = seq.measure(batch(0)[0])
@@ -160,6 +162,32 @@ def test_measure_then_solve_then_train_matches_plain():
     assert_same(train(copy.deepcopy(plain)), train(seq))
     assert remat.explain().costs is costs
     assert remat.explain().schedule.ops == schedule.ops
+
+
+# Costs once measured for make_layers(): at this budget the schedule runs the Flatten stage
+# (which saves nothing for backward) as Fn7 and recomputes it with Fall7.
+_FLATTEN_COSTS = {
+    "format": "remat.costs/1",
+    "fwd_time": [9.5e-05, 3.1e-05, 8.7e-05, 1.9e-05, 5.5e-05, 1.5e-05, 3.6e-06, 1.6e-05],
+    "fwd_nograd_time": [0.0085, 5.7e-05, 0.000165, 3.7e-05, 8.0e-05, 3.5e-05, 9.2e-06, 3.3e-05],
+    "bwd_time": [0.0003, 6.5e-05, 0.00031, 4.1e-05, 0.0085, 8.3e-05, 2.7e-05, 7.1e-05],
+    "out_bytes": [4608, 4608, 4608, 4608, 2304, 2304, 2304, 80],
+    "saved_bytes": [4608, 4672, 4608, 9216, 2304, 2304, 2304, 80],
+    "fwd_tmp": [0, 64, 0, 4608, 0, 0, 0, 0],
+    "bwd_tmp": [896, 4672, 6944, 0, 1168, 0, 0, 2900],
+    "input_bytes": 1728,
+}
+
+
+def test_stage_that_saves_nothing_is_recomputed(tmp_path):
+    """A layer that saves no tensor (Flatten), dropped in the forward and recomputed later, matches plain PyTorch."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(_FLATTEN_COSTS))
+    plain = make_layers()
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=27104, costs=str(path))
+    assert_same(train(copy.deepcopy(plain)), train(seq))
+    ops = [str(op) for op in remat.explain().schedule.ops]
+    assert "Fn7" in ops[:ops.index("Loss")] and "Fall7" in ops[ops.index("Loss"):]
 
 
 def test_solve_before_measuring_raises():
