@@ -118,6 +118,12 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
     twice; see Note [Wrapping a model], 3). Under ``torch.no_grad()`` the
     model runs exactly as before. Dropout and BatchNorm behave as in plain
     PyTorch: recomputations replay RNG and do not update running statistics.
+    Forward hooks on modules *inside* a block run again whenever the block
+    is recomputed, and several times in the first call of a new input shape,
+    which measures each block by running it more than once: Hugging Face's
+    ``output_attentions=True`` then returns extra attention maps from that
+    call (``output_hidden_states`` is collected by hooks on the blocks
+    themselves and is right).
 
     Example:
         >>> import torch, remat
