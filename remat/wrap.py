@@ -38,9 +38,6 @@ from .stage import is_stage, stage, unstage
 
 __all__ = ["wrap", "unwrap"]
 
-_MISSING = object()
-
-
 class _WrappedForward:
     """A wrapped model's forward: the original one inside the model's chain (Note [Wrapping a model], 2)."""
 
@@ -49,7 +46,7 @@ class _WrappedForward:
         self.spec = spec
         self.blocks = blocks
         self.marked = marked        # the blocks wrap marked (unwrap unmarks only these)
-        self.previous = previous    # the model's instance forward before wrap, or _MISSING
+        self.previous = previous    # the model's instance forward before wrap, or None
         params = inspect.signature(original).parameters
         self.cache_at = None        # position of a use_cache parameter, -1 if keyword-only
         if "use_cache" in params:
@@ -183,7 +180,7 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
         if not is_stage(block):
             stage(block)
             marked.append(block)
-    previous = model.__dict__.get("forward", _MISSING)
+    previous = model.__dict__.get("forward")
     model.forward = _WrappedForward(model.forward, spec, blocks, marked, previous)
     return model
 
@@ -213,7 +210,7 @@ def unwrap(model):
         raise ValueError(f"remat.unwrap: this {type(model).__name__} is not wrapped by remat.wrap")
     for block in wrapped.marked:
         unstage(block)
-    if wrapped.previous is _MISSING:
+    if wrapped.previous is None:
         del model.__dict__["forward"]
     else:
         model.__dict__["forward"] = wrapped.previous
