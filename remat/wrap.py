@@ -38,6 +38,7 @@ from .stage import is_stage, stage, unstage
 
 __all__ = ["wrap", "unwrap"]
 
+
 class _WrappedForward:
     """A wrapped model's forward: the original one inside the model's chain (Note [Wrapping a model], 2)."""
 
