@@ -1,0 +1,310 @@
+"""remat under torch.distributed (gloo, two CPU processes): DDP gives plain DDP's
+gradients, every rank runs rank 0's costs and schedule, a costs file replaces
+timing, and FSDP works in the set-ups described in docs/hostile-input.md.
+
+Each test spawns two ranks with ``torch.multiprocessing.spawn``; each rank
+writes what it saw to ``rank{r}.pt`` and the parent compares.
+"""
+
+import copy
+import datetime
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import remat
+from chains import make_stage
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+KINDS = ["mlp", "attn", "bn", "dropout", "tied", "ln", "mlp"]
+D, BATCH, LENGTH, STEPS = 8, 4, 6, 3
+
+
+class Model(nn.Module):
+    """A chain of chains.py stages; ``budget=None`` runs them plainly."""
+
+    def __init__(self, kinds=KINDS):
+        super().__init__()
+        self.shared = nn.Linear(D, D)
+        self.stages = nn.ModuleList(make_stage(k, D, 0.25, self.shared) for k in kinds)
+        self.budget = None
+        self.algorithm = "optimal"
+        self.costs = None
+
+    def forward(self, x, mask):
+        if self.budget is None:
+            for s in self.stages:
+                x = s(x, mask)
+            return x
+        with remat.chain(budget=self.budget, algorithm=self.algorithm, costs=self.costs):
+            for s in self.stages:
+                x = s(x, mask)
+        return x
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank, port, timeout=60):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _shard(rank, step):
+    """Rank ``rank``'s batch of step ``step``: its own data."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(BATCH, LENGTH, D, generator=g, requires_grad=True)
+    target = torch.randn(BATCH, LENGTH, D, generator=g)
+    mask = torch.full((LENGTH, LENGTH), float("-inf")).triu(1)
+    return x, mask, target
+
+
+def _train(model, rank, params):
+    """STEPS SGD steps on this rank's shard; per step the loss, input grad and
+    parameter grads, then the parameters and buffers."""
+    optim = torch.optim.SGD(params, lr=0.05)
+    steps = []
+    for step in range(STEPS):
+        torch.manual_seed(10 * rank + step)       # dropout: same stream in plain and remat
+        x, mask, target = _shard(rank, step)
+        loss = (model(x, mask) * target).sum()
+        optim.zero_grad()
+        loss.backward()
+        steps.append((loss.detach(), x.grad.clone(), [None if p.grad is None else p.grad.clone() for p in params]))
+        optim.step()
+    return {"steps": steps, "params": [p.detach().clone() for p in params],
+            "buffers": [b.clone() for b in model.buffers()]}
+
+
+def _budget(base):
+    """A budget a third of the way from the chain's minimum to store-all (sizes only,
+    so the same on every rank) that makes remat recompute."""
+    from remat.schedule import simulate
+    from remat.solve import minimum_budget, store_all
+
+    probe = copy.deepcopy(base)
+    probe.budget, probe.algorithm = 2**50, "store_all"
+    x, mask, _ = _shard(0, 0)
+    probe(x, mask).sum().backward()
+    costs = remat.explain().costs
+    remat.clear_cache()
+    low, high = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    return int(low + (high - low) / 3)
+
+
+def _no_timing(*_args, **_kwargs):
+    raise AssertionError("remat timed a stage although a costs file was given")
+
+
+def _ddp_worker(rank, port, tmp):
+    _init(rank, port)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    chain_module = sys.modules["remat.chain"]
+    torch.manual_seed(0)
+    base = Model()
+    budget = _budget(base)
+    out = {"budget": budget}
+
+    ref = DDP(copy.deepcopy(base))
+    out["plain"] = _train(ref, rank, list(ref.parameters()))
+
+    # run 1: measured here, rank 0's costs broadcast and written to the file
+    path = os.path.join(tmp, "costs.json")
+    net = copy.deepcopy(base)
+    net.budget, net.costs = budget, path
+    ddp = DDP(net)
+    out["remat"] = _train(ddp, rank, list(ddp.parameters()))
+    exp = remat.explain()
+    out["costs"] = exp.costs.to_dict()
+    out["ops"] = [str(op) for op in exp.schedule.ops]
+    out["recomputations"] = exp.schedule.recomputations()
+    dist.barrier()
+    out["file_equals_costs"] = remat.Costs.load(path) == exp.costs
+
+    # run 2: a fresh model and cache load the file and must not time anything
+    remat.clear_cache()
+    timed = (chain_module.instrumented_run, chain_module.timed_step)
+    chain_module.instrumented_run = chain_module.timed_step = _no_timing
+    try:
+        net = copy.deepcopy(base)
+        net.budget, net.costs = budget, path
+        ddp = DDP(net)
+        out["loaded"] = _train(ddp, rank, list(ddp.parameters()))
+    finally:
+        chain_module.instrumented_run, chain_module.timed_step = timed
+    exp = remat.explain()
+    out["loaded_costs_equal_file"] = exp.costs == remat.Costs.load(path)
+    out["loaded_ops"] = [str(op) for op in exp.schedule.ops]
+    torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _spawn(worker, tmp_path, *args):
+    mp.spawn(worker, args=(_free_port(), str(tmp_path)) + args, nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _assert_same(ref, got, what):
+    for i, ((la, xa, ga), (lb, xb, gb)) in enumerate(zip(ref["steps"], got["steps"])):
+        assert torch.equal(la, lb), f"{what}: loss of step {i}"
+        assert torch.equal(xa, xb), f"{what}: input grad of step {i}"
+        assert len(ga) == len(gb)
+        for j, (a, b) in enumerate(zip(ga, gb)):
+            assert (a is None and b is None) or torch.equal(a, b), f"{what}: grad of parameter {j} at step {i}"
+    for j, (a, b) in enumerate(zip(ref["params"], got["params"])):
+        assert torch.equal(a, b), f"{what}: parameter {j} after {STEPS} steps"
+    for j, (a, b) in enumerate(zip(ref["buffers"], got["buffers"])):
+        assert torch.equal(a, b), f"{what}: buffer {j} after {STEPS} steps"
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    return _spawn(_ddp_worker, tmp_path_factory.mktemp("ddp"))
+
+
+def test_ddp_matches_plain_ddp(ddp_results):
+    """On each rank, remat under DDP gives plain DDP's losses, gradients, buffers and
+    parameters bitwise over three steps, with a budget that makes it recompute."""
+    for rank, out in enumerate(ddp_results):
+        assert out["recomputations"] > 0
+        _assert_same(out["plain"], out["remat"], f"rank {rank}")
+    # DDP averaged the gradients: both ranks hold the same parameters
+    for a, b in zip(ddp_results[0]["remat"]["params"], ddp_results[1]["remat"]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_all_ranks_run_rank0_costs_and_schedule(ddp_results):
+    """Rank 1's costs are rank 0's measured costs (times included) and both ranks run one schedule."""
+    r0, r1 = ddp_results
+    assert r0["costs"] == r1["costs"]
+    assert r0["ops"] == r1["ops"]
+    assert r0["budget"] == r1["budget"]
+
+
+def test_costs_file_is_written_and_loaded_without_timing(ddp_results):
+    """The costs file holds the costs the ranks ran on; a new run loads it without timing any
+    stage, gets the same costs, the same schedule and plain DDP's gradients."""
+    for rank, out in enumerate(ddp_results):
+        assert out["file_equals_costs"]
+        assert out["loaded_costs_equal_file"]
+        assert out["loaded_ops"] == out["ops"]
+        _assert_same(out["plain"], out["loaded"], f"rank {rank}, loaded costs")
+
+
+# FSDP --------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    @remat.stage
+    def forward(self, x, mask=None):
+        return torch.tanh(self.lin(x))
+
+
+def _fsdp_model(algorithm, costs):
+    torch.manual_seed(0)
+    model = Model([])
+    del model.shared
+    model.stages = nn.ModuleList(Block() for _ in range(5))
+    if algorithm is not None:
+        model.budget, model.algorithm, model.costs = 2**30, algorithm, costs
+    return model
+
+
+def _fsdp_worker(rank, port, tmp):
+    _init(rank, port)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def full(params):
+        return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in params]
+
+    path = os.path.join(tmp, "fsdp_costs.json")
+    # the costs file, measured on a model FSDP does not wrap: FSDP1's post-backward
+    # hooks reject the stage backward of remat's measuring call (see the xfail below)
+    probe = _fsdp_model("periodic(2)", path)
+    _train(probe, rank, list(probe.parameters()))
+    remat.clear_cache()
+    dist.barrier()
+    out = {}
+    setups = {
+        # FSDP2 on the root module only: the stages are not FSDP units
+        "fsdp2_root": lambda m: fully_shard(m),
+        # FSDP1, one unit per stage, costs from the file
+        "fsdp1_per_stage": lambda m: FSDP(m, device_id=torch.device("cpu"), use_orig_params=True,
+                                          auto_wrap_policy=ModuleWrapPolicy({Block})),
+    }
+    for name, wrap in setups.items():
+        for algorithm in (None, "periodic(2)", "min_memory"):
+            model = wrap(_fsdp_model(algorithm, path if name.startswith("fsdp1") else None))
+            params = list(model.parameters())
+            result = _train(model, rank, params)
+            result["params"] = full(params)
+            result["steps"] = [(loss, xg, []) for loss, xg, _ in result["steps"]]
+            out[(name, algorithm)] = result
+            remat.clear_cache()
+    # set-ups that fail (last: FSDP's state may be left broken): the error each rank got
+    failing = {
+        "fsdp2_per_stage": lambda m: ([fully_shard(s) for s in m.stages], fully_shard(m))[1],
+        "fsdp1_measuring": lambda m: FSDP(m, device_id=torch.device("cpu"), use_orig_params=True,
+                                          auto_wrap_policy=ModuleWrapPolicy({Block})),
+    }
+    for name, wrap in failing.items():
+        model = wrap(_fsdp_model("periodic(2)", None))
+        try:
+            _train(model, rank, list(model.parameters()))
+            out[name] = None
+        except Exception as exc:
+            out[name] = (type(exc).__name__, str(exc))
+        remat.clear_cache()
+        dist.barrier()
+    torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    return _spawn(_fsdp_worker, tmp_path_factory.mktemp("fsdp"))
+
+
+def test_fsdp_matches_plain_fsdp(fsdp_results):
+    """FSDP2 on the root module, and FSDP1 with one unit per stage and costs from a file,
+    give plain FSDP's losses, input gradients and parameters bitwise."""
+    for rank, out in enumerate(fsdp_results):
+        for name in ("fsdp2_root", "fsdp1_per_stage"):
+            for algorithm in ("periodic(2)", "min_memory"):
+                _assert_same(out[(name, None)], out[(name, algorithm)], f"rank {rank}, {name}, {algorithm}")
+
+
+def test_fsdp2_unit_per_stage_is_a_clear_error(fsdp_results):
+    """fully_shard on each stage replaces the tensor a stage returns (FSDP2's post-forward
+    hook), which remat refuses with a StageError naming the two stages."""
+    for out in fsdp_results:
+        kind, message = out["fsdp2_per_stage"]
+        assert kind == "StageError" and "stage 2" in message and "stage 1" in message
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "remat/profile.py instrumented_run and timed_step run each stage's backward inside the "
+    "measuring forward; FSDP1's post-backward hooks on its flat parameters then assert "
+    "'Expects BACKWARD_PRE or BACKWARD_POST state but got HandleTrainingState.FORWARD'. "
+    "Workaround: costs=file.json measured without FSDP"))
+def test_fsdp1_unit_per_stage_measures(fsdp_results):
+    """FSDP1 with one unit per stage can run remat's measuring call (no costs file)."""
+    for out in fsdp_results:
+        assert out["fsdp1_measuring"] is None, out["fsdp1_measuring"]
