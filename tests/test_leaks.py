@@ -1,0 +1,150 @@
+"""Leaks: a thousand training steps hold constant live tensor memory, and remat's own
+bookkeeping (chain cache, Run objects, solved plans) stays bounded."""
+
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat
+from remat.profile import Instrument
+from remat.runtime import Run
+from remat.solve import minimum_budget
+
+_chain_module = sys.modules["remat.chain"]
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+
+    @remat.stage
+    def forward(self, x, mask=None):
+        return self.drop(torch.tanh(self.lin(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, n=6, d=8, budget=None, algorithm="optimal"):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.norm = nn.BatchNorm1d(d)
+        self.budget = budget
+        self.algorithm = algorithm
+
+    def forward(self, x):
+        x = self.norm(x)
+        with remat.chain(budget=self.budget, algorithm=self.algorithm):
+            for b in self.blocks:
+                x = b(x)
+        return x
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention (and seconds) here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Every ``Run`` the chains make, weakly."""
+    made = weakref.WeakSet()
+
+    class Tracked(Run):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.add(self)
+
+    monkeypatch.setattr(_chain_module, "Run", Tracked)
+    return made
+
+
+def _tensor_count():
+    # type(), not isinstance: the latter trips deprecation shims among gc's objects
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def test_thousand_steps_hold_constant_memory(runs):
+    """Over 1,000 steps (recomputing, with dropout and BatchNorm) the live tensor bytes after
+    each step, the number of Python tensors, the chain cache, the plans and the live Run
+    objects are the same as after the warm-up steps."""
+    torch.manual_seed(0)
+    remat.clear_cache()
+    # the least budget this chain runs in: the most recomputation per step
+    model = Model(n=4, budget=2**40, algorithm="store_all")
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    model.budget, model.algorithm = minimum_budget(remat.explain().costs), "optimal"
+    model.zero_grad(set_to_none=True)
+    remat.clear_cache()
+
+    optim = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = torch.randn(4, 8)
+    target = torch.randn(4, 8)
+    live, counts, cache, plans, alive = [], [], [], [], []
+    with Instrument() as inst:
+        for step in range(1000):
+            x = data.clone().requires_grad_()
+            loss = (model(x) * target).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            del x, loss
+            live.append(inst.live)
+            if step % 100 == 0 or step == 999:
+                gc.collect()
+                counts.append(_tensor_count())
+                cache.append(len(_chain_module._cache))
+                plans.append(sum(len(e.plans) for e in _chain_module._cache.values()))
+                alive.append(len(runs))
+    assert remat.explain().schedule.recomputations() > 0
+    assert len(set(live[5:])) == 1, f"live bytes after warm-up vary: {sorted(set(live[5:]))[:5]} ..."
+    assert len(set(counts[1:])) == 1, f"Python tensor counts grow: {counts}"
+    assert cache == [1] * len(cache)
+    assert plans == [1] * len(plans)
+    assert alive == [0] * len(alive), f"Run objects alive: {alive}"
+
+
+def test_cache_is_bounded_and_evicted_entries_are_freed():
+    """More input shapes than CACHE_SIZE keep at most CACHE_SIZE recordings, and an evicted
+    recording (and the model it measured, once dropped) is freed."""
+    remat.clear_cache()
+    torch.manual_seed(0)
+    model = Model(n=2, d=4, budget=2**30)
+    first = None
+    for batch in range(2, _chain_module.CACHE_SIZE + 10):
+        model(torch.randn(batch, 4, requires_grad=True)).sum().backward()
+        if first is None:
+            first = weakref.ref(next(iter(_chain_module._cache.values())))
+    assert len(_chain_module._cache) == _chain_module.CACHE_SIZE
+    gc.collect()
+    assert first() is None, "the least recently used recording is still alive"
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None, "remat's cache keeps the model alive"
+    remat.clear_cache()
+
+
+def test_many_budgets_keep_few_plans():
+    """Solving one chain for many budgets keeps a bounded number of plans."""
+    remat.clear_cache()
+    torch.manual_seed(0)
+    model = Model(n=4, d=4, budget=2**30)
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    costs = remat.explain().costs
+    low = minimum_budget(costs)
+    for i in range(60):
+        model.budget = low + i * 8
+        model(x).sum().backward()
+    (entry,) = _chain_module._cache.values()
+    assert len(entry.plans) <= 17
+    remat.clear_cache()
