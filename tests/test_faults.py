@@ -108,6 +108,15 @@ def _budget(model, fraction, algorithm="optimal"):
                if algorithm != "optimal" else low)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention (and seconds) here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def runs(monkeypatch):
     """Every ``Run`` the chains make, weakly."""
