@@ -121,7 +121,7 @@ class Costs:
         try:
             with open(path) as fh:
                 data = json.load(fh)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CostsError(f"remat: {path} is not valid JSON ({exc}); delete it to measure again") from None
         return cls.from_dict(data)
 
