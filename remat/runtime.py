@@ -138,7 +138,7 @@ class Run:
         self.cursor = 0
         self.calls = [None]       # 1-based StageCall list
         self.anchors = [None]     # 1-based weak references
-        self.orphans = {}         # stage -> input, for stages autograd saved nothing of
+        self.orphans = {}         # stage -> anchor of a stage autograd saved nothing of
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
         self.autocast = autocast
 
@@ -168,9 +168,12 @@ class Run:
         self.whole.append(True)
 
     def settle(self, anchor, packed):
-        """After a hooked forward: keep the input of a stage autograd saved nothing of."""
-        if packed == 0 and anchor.input is not None:
-            self.orphans[anchor.stage] = anchor.input
+        """After a hooked forward: a stage autograd saved nothing of has no handle to
+        keep its anchor alive, so the run keeps it (without a reference back, so no
+        cycle) until the backward has passed below it (see ``materialize``)."""
+        if packed == 0:
+            anchor.run = None
+            self.orphans[anchor.stage] = anchor
 
     hooks = staticmethod(lambda pack: torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
 
@@ -179,9 +182,8 @@ class Run:
     def _anchor(self, k):
         ref = self.anchors[k] if k < len(self.anchors) else None
         anchor = ref() if ref is not None else None
-        if anchor is None and k in self.orphans:
-            anchor = _Anchor(self, k)
-            anchor.input = self.orphans[k]
+        if anchor is None:
+            anchor = self.orphans.get(k)
         return anchor
 
     def _input(self, k):
@@ -200,8 +202,6 @@ class Run:
             anchor = self._anchor(k)
             if anchor is not None and anchor.input is None:
                 anchor.input = x
-                if k in self.orphans:
-                    self.orphans[k] = x
 
     def materialize(self, k):
         """Recompute what stage k's backward needs (Note [The life of a saved tensor], 3-4)."""
@@ -212,6 +212,8 @@ class Run:
             for code, i in ops[start:pos + 1]:
                 if code != BWD:
                     self._execute(code, i)
+                elif i in self.orphans:
+                    del self.orphans[i]   # B(i) is behind the cursor: its anchor can go
             anchor = self._anchor(k)
             if anchor is not None and anchor.saved is not None:
                 return
@@ -239,7 +241,6 @@ class Run:
         out = self._forward(self.calls[i], self._input(i), grad=False)
         if code == FN and not (i > 1 and self.whole[i - 1]):
             anchor.input = None
-            self.orphans.pop(i, None)
         self._give(i + 1, out)
 
     def _forward(self, call, x, grad):

@@ -9,8 +9,15 @@ import torch.nn.functional as F
 
 import remat
 
-SEQ_KINDS = ("linear", "mlp", "ln", "dropout", "gelu", "relu", "bn", "attn", "tied")
-IMG_KINDS = ("conv", "bn2d", "relu", "gelu", "dropout", "convblock")
+SEQ_KINDS = ("linear", "mlp", "ln", "dropout", "gelu", "relu", "bn", "attn", "tied", "scale")
+IMG_KINDS = ("conv", "bn2d", "relu", "gelu", "dropout", "convblock", "scale")
+
+
+class Scale(nn.Module):
+    """A stage autograd saves nothing of."""
+
+    def forward(self, x):
+        return x * 2.0
 
 
 class Attention(nn.Module):
@@ -74,6 +81,8 @@ def make_stage(kind, d, p, shared):
         return Stage(kind, Attention(d, p), takes_mask=True)
     if kind == "tied":
         return Stage(kind, TiedLinear(shared))
+    if kind == "scale":
+        return Stage(kind, Scale())
     if kind == "conv":
         return Stage(kind, nn.Conv2d(d, d, 3, padding=1))
     if kind == "bn2d":
