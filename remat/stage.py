@@ -7,7 +7,6 @@ chain (remat/chain.py), which records, measures or runs it on the schedule.
 """
 
 import functools
-import types
 
 import torch
 
@@ -16,12 +15,31 @@ from .chain import active as _active
 __all__ = ["stage", "is_stage", "unstage"]
 
 
-def _module_forward(self, *args, **kwargs):
-    forward = type(self).forward.__get__(self)
-    current = _active()
-    if current is None:
-        return forward(*args, **kwargs)
-    return current.call(self, type(self).__name__, forward, args, kwargs, 0)
+class _StageForward:
+    """The instance ``forward`` that ``stage(module)`` installs.
+
+    It calls the forward the module had: an instance ``forward`` already there
+    (``torch.compile``'s OptimizedModule, hooks of other libraries), else the
+    class's. It pickles as (class, module, that forward), so a marked module
+    saves and loads with ``torch.save``/``torch.load`` and deep-copies.
+    """
+
+    __slots__ = ("module", "inner")
+
+    def __init__(self, module, inner=None):
+        self.module = module
+        self.inner = inner
+
+    def __reduce__(self):
+        return (_StageForward, (self.module, self.inner))
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        current = _active()
+        if current is None:
+            return forward(*args, **kwargs)
+        return current.call(module, type(module).__name__, forward, args, kwargs, 0)
 
 
 def stage(obj):
@@ -54,11 +72,12 @@ def stage(obj):
         torch.Size([2, 8])
     """
     if isinstance(obj, torch.nn.Module):
-        if "forward" in obj.__dict__ and getattr(obj.__dict__["forward"], "__func__", None) is _module_forward:
+        inner = obj.__dict__.get("forward")
+        if isinstance(inner, _StageForward):
             return obj
-        if getattr(type(obj).forward, "_remat_stage", False):
+        if inner is None and getattr(type(obj).forward, "_remat_stage", False):
             return obj
-        obj.forward = types.MethodType(_module_forward, obj)
+        obj.forward = _StageForward(obj, inner)
         return obj
     if not callable(obj):
         raise TypeError(f"remat.stage needs a function, a method or an nn.Module, got {type(obj).__name__}")
@@ -118,13 +137,17 @@ def is_stage(obj):
     """True if ``obj`` (a function or module) is a remat stage."""
     if isinstance(obj, torch.nn.Module):
         fwd = obj.__dict__.get("forward")
-        return getattr(fwd, "__func__", None) is _module_forward or getattr(type(obj).forward, "_remat_stage", False)
+        return isinstance(fwd, _StageForward) or getattr(type(obj).forward, "_remat_stage", False)
     return getattr(obj, "_remat_stage", False)
 
 
 def unstage(module):
-    """Undo ``stage(module)`` on a module instance; returns the module."""
+    """Undo ``stage(module)`` on a module instance (an instance ``forward`` it
+    had before comes back); returns the module."""
     fwd = module.__dict__.get("forward")
-    if getattr(fwd, "__func__", None) is _module_forward:
-        del module.__dict__["forward"]
+    if isinstance(fwd, _StageForward):
+        if fwd.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = fwd.inner
     return module

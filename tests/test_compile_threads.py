@@ -11,7 +11,7 @@ Findings (see docs/hostile-input.md):
   (``assert_close``): the measuring call runs the block under a dispatch mode
   and without grad, which compiles other graph variants with other kernels.
 * A compiled function called inside a stage is bitwise plain.
-* ``remat.stage(torch.compile(block))`` fails (xfail below).
+* ``remat.stage(torch.compile(block))`` is a stage with exact gradients.
 """
 
 import copy
@@ -124,12 +124,6 @@ def test_compiled_function_inside_stage_is_exact():
     _compare(base, [Wrapped(b) for b in copy.deepcopy(base)], exact=True, steps=2)
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "remat/stage.py stage(): on an nn.Module instance it replaces the instance's forward "
-    "with _module_forward, which calls type(self).forward; torch.compile's OptimizedModule "
-    "keeps its compiled forward as an *instance* attribute, so the call reaches "
-    "nn.Module's unimplemented forward: NotImplementedError 'Module [OptimizedModule] is "
-    "missing the required \"forward\" function'"))
 def test_stage_of_compiled_module():
     """remat.stage(torch.compile(block)) is a stage whose gradients are plain PyTorch's."""
     base = _blocks(0.0, n=2)

@@ -240,8 +240,6 @@ def test_wrapped_model_survives_torch_save_and_load():
     assert "forward" not in vars(loaded)
 
 
-@pytest.mark.xfail(strict=True, reason="remat/stage.py marks a module with a bound method, which pickles "
-                   "as getattr(module, '_module_forward'), an attribute no module has")
 def test_model_with_marked_blocks_survives_torch_save_and_load():
     """A model whose blocks wrap marked in place loads after torch.save."""
     model = Net()
