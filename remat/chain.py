@@ -261,15 +261,13 @@ class _Active:
             self.new = Recording()
             self.run = Run(None, {}, autocast)
             self.rng_start = capture_rng(cuda_devices([x]))
-            path = self.spec.costs_path
-            if path is not None and os.path.exists(path):
-                self.given = Costs.load(path)
+            self.given = _read_costs(self.spec.costs_path)
 
     def _matches(self, k, ident, x):
         entry = self.entry
         if k > len(entry.idents):
             return False
-        return entry.idents[k - 1]() is ident and entry.in_sigs[k - 1] == (tuple(x.shape), x.dtype)
+        return entry.idents[k - 1]() is ident and entry.in_sigs[k - 1] == _input_signature(ident, x)
 
     def _diverge(self, k):
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
@@ -295,7 +293,7 @@ class _Active:
             run.add_whole(call)
             return call.invoke(x)
         if entry.uses_rng[k - 1]:
-            call.rng = capture_rng(cuda_devices([x]))
+            call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]))
         keep = mode == FCK or (k > 1 and run.whole[k - 1])
         anchor, pack, count = run.new_anchor(call, keep, x)
         with run.hooks(pack):
@@ -311,6 +309,11 @@ class _Active:
         devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
         rng0 = capture_rng(devices)
         row = None
+        # the previous stage kept its saved tensors in case it was the last one:
+        # it is not, so they go before this stage is measured (DESIGN.md section 2)
+        prev_anchor = run._anchor(k - 1) if k > 1 else None
+        if prev_anchor is not None:
+            prev_anchor.saved = None
         if self.given is None:
             row, meta, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output)
             state = [t for t, _ in originals]
@@ -322,9 +325,6 @@ class _Active:
             row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
         # the forward that counts: checkpoint the input, keep the saved tensors
         # until the next stage starts so the last stage needs no recomputation
-        prev_anchor = run._anchor(k - 1) if k > 1 else None
-        if prev_anchor is not None:
-            prev_anchor.saved = None
         anchor, _, count = run.new_anchor(call, True, x)
         kept = []
 
@@ -374,7 +374,7 @@ class _Active:
             new.input_bytes = x.untyped_storage().nbytes()
         new.idents.append(weakref.ref(ident))
         new.names.append(call.name)
-        new.in_sigs.append((tuple(x.shape), x.dtype))
+        new.in_sigs.append(_input_signature(ident, x))
         new.meta.append(meta)
         new.uses_rng.append(uses_rng)
         new.grad_replay.append(call.grad_replay)
@@ -397,7 +397,7 @@ class _Active:
         new = self.new
         try:
             new.costs = self._costs()
-        except RematError:
+        except BaseException:
             self._undo()
             raise
         with _cache_lock:
@@ -422,14 +422,16 @@ class _Active:
         fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
         costs = Costs(**{f: [row[f] for row in new.rows] for f in fields}, input_bytes=new.input_bytes)
         rank = 0
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        if _distributed():
             box = [costs.to_dict()]
             torch.distributed.broadcast_object_list(box, src=0)
             costs = Costs.from_dict(box[0])
             rank = torch.distributed.get_rank()
         if path is not None and rank == 0:
-            costs.save(path)
+            try:
+                costs.save(path)
+            except OSError as exc:
+                raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
         return costs
 
     def _undo(self):
@@ -449,6 +451,37 @@ def _bitwise_equal(a, b):
             and torch.equal(a.reshape(-1).view(torch.uint8) if a.is_contiguous() and b.is_contiguous()
                             else a.contiguous().reshape(-1).view(torch.uint8),
                             b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def _distributed():
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _read_costs(path):
+    """Costs from ``path`` if it exists, else None. Under torch.distributed rank 0
+    alone reads, and every rank gets its answer, so that all ranks either load
+    the same costs or all measure (and meet in the same broadcast)."""
+    if path is None:
+        return None
+    if not _distributed():
+        return Costs.load(path) if os.path.exists(path) else None
+    box = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            box = [Costs.load(path).to_dict() if os.path.exists(path) else None]
+        except RematError as exc:
+            box = [str(exc)]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise CostsError(box[0])
+    return None if box[0] is None else Costs.from_dict(box[0])
+
+
+def _input_signature(ident, x):
+    """What each stage of a recording is checked against: input shape and dtype,
+    and its module's training flag (a stage switched to eval is measured again)."""
+    return (tuple(x.shape), x.dtype, getattr(ident, "training", None))
 
 
 def _check_given(costs, new, path):

@@ -123,6 +123,8 @@ class Costs:
                 data = json.load(fh)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CostsError(f"remat: {path} is not valid JSON ({exc}); delete it to measure again") from None
+        except OSError as exc:
+            raise CostsError(f"remat: cannot read costs from {path}: {exc}; give the path of a JSON file") from None
         return cls.from_dict(data)
 
     def table(self):

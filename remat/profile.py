@@ -15,13 +15,18 @@ that only the last run shows):
    It gives out_bytes, saved_bytes (the distinct storages autograd saved,
    allocated by the stage, plus the output), fwd_tmp and bwd_tmp. On CUDA the
    allocator's peak statistics replace the meter for the peaks.
-2. A timed forward without recording: fwd_nograd_time.
-3. The real forward, whose graph the user will backward through, timed
-   (fwd_time), then a timed backward of the stage alone with
-   ``torch.autograd.grad(..., retain_graph=True)`` (bwd_time), which leaves
-   parameter ``.grad`` untouched.
+2. A timed forward without recording: fwd_nograd_time. Its output is kept
+   to compare, bit for bit, with the real forward's (Note [Replaying a
+   stage] 4 in remat/replay.py).
+3. A timed forward and backward on a detached copy of the input
+   (``timed_step``): fwd_time and bwd_time. The backward runs as a training
+   step runs it: parameter gradients are added into ``.grad`` buffers that
+   are swapped in for the run and swapped out after.
+4. The real forward, whose graph the user will backward through, under the
+   hooks of a checkpointed stage (its input is kept); it is timed too and
+   fwd_time is the lesser of runs 3 and 4.
 
-Runs 1 and 2 are thrown away; run 3 is the one that counts, so RNG streams
+Runs 1 to 3 are thrown away; run 4 is the one that counts, so RNG streams
 and BatchNorm statistics end where one plain forward leaves them.
 """
 

@@ -29,6 +29,7 @@ tests/reference_solver.py is its plain Python twin.
 
 import math
 import re
+import warnings
 
 from .costs import Costs
 from .errors import BudgetError, RematError, SolverError
@@ -189,7 +190,8 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
             if slot_size(budget, attempt) == 1:
                 break
             continue
-        except SolverError:
+        except SolverError as exc:
+            warnings.warn(f"{exc}; falling back to the least-memory schedule", RuntimeWarning, stacklevel=2)
             break
         sim = simulate(costs, ops)
         _check_fits(sim, budget)
