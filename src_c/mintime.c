@@ -14,9 +14,14 @@
  * Order and layout: sweeps a = n..1, each over t = a..n (Note [Threads]). P(a, t) reads
  * P(a+1, t) and P(j, t), j > a (earlier sweeps), and P(a, j-1), j-1 < t
  * (this sweep). The pool is column-major (column t holds rows (1, t) ..
- * (t, t) in order), so the rows P(j, t) a split loop reads are one stream;
- * this sweep's rows are also copied, as doubles, to a scratch that stays in
- * cache.
+ * (t, t) in order), so the rows P(j, t) a split loop reads are one stream.
+ * With double tables this sweep's rows are also copied to a scratch that
+ * stays in cache; float tables read them from the pool, which moves half the
+ * bytes of a double scratch (the loops are bound by memory traffic).
+ *
+ * Once a row is computed its top is lowered to the start of its plateau
+ * (the first m whose value is the row's least): reads above return that
+ * value without touching memory, and the values are unchanged.
  *
  * Inside a pair, the Fall branch and each split point j are shifted min-plus
  * vector operations over m. A split j is skipped where its lower bound
@@ -177,11 +182,11 @@ static ll layout(table *T, int full, ll limit, ll *scratch)
             b[i] = v < b[i] ? v : b[i];                                                 \
         }                                                                               \
     }                                                                                   \
-    static void split_aa_##SUF(double *b, ll n, double f, const T *c1, const double *c2) \
+    static void split_aa_##SUF(double *b, ll n, double f, const T *c1, const T *c2)   \
     {                                                                                   \
         ll i;                                                                           \
         for (i = 0; i < n; i++) {                                                       \
-            double v = (f + (double)c1[i]) + c2[i];                                     \
+            double v = (f + (double)c1[i]) + (double)c2[i];                             \
             b[i] = v < b[i] ? v : b[i];                                                 \
         }                                                                               \
     }                                                                                   \
@@ -196,6 +201,16 @@ static ll layout(table *T, int full, ll limit, ll *scratch)
 
 DEFINE_KERNELS(double, d)
 DEFINE_KERNELS(float, f)
+
+/* Float tables read the sweep's rows from the pool (Note [Tables]). */
+static void split_ca_f(double *b, ll n, double fc1, const float *c2)
+{
+    ll i;
+    for (i = 0; i < n; i++) {
+        double v = fc1 + (double)c2[i];
+        b[i] = v < b[i] ? v : b[i];
+    }
+}
 
 static void split_ca(double *b, ll n, double fc1, const double *c2)
 {
@@ -229,18 +244,20 @@ static void split_range(const table *T, const lane *ln, double *buf, ll lb, ll m
             end = smin(end, e2);
         len = end - cur + 1;
         if (arr1 && arr2) {
-            const double *q = sat(ln, r2, j - 1, cur - xj + g);
             if (T->use_float)
-                split_aa_f(b, len, f, (const float *)at(T, r1, cur - xj), q);
+                split_aa_f(b, len, f, (const float *)at(T, r1, cur - xj), (const float *)at(T, r2, cur - xj + g));
             else
-                split_aa_d(b, len, f, (const double *)at(T, r1, cur - xj), q);
+                split_aa_d(b, len, f, (const double *)at(T, r1, cur - xj), sat(ln, r2, j - 1, cur - xj + g));
         } else if (arr1) {
             if (T->use_float)
                 split_ac_f(b, len, f, (const float *)at(T, r1, cur - xj), c2);
             else
                 split_ac_d(b, len, f, (const double *)at(T, r1, cur - xj), c2);
         } else if (arr2) {
-            split_ca(b, len, f + c1, sat(ln, r2, j - 1, cur - xj + g));
+            if (T->use_float)
+                split_ca_f(b, len, f + c1, (const float *)at(T, r2, cur - xj + g));
+            else
+                split_ca(b, len, f + c1, sat(ln, r2, j - 1, cur - xj + g));
         } else {
             const_min(b, len, (f + c1) + c2);
         }
@@ -415,11 +432,18 @@ static void finish_row(table *T, lane *ln, int naive, ll a, ll t, double *buf)
     } else {
         memcpy((double *)T->pool + r->off, buf, (size_t)len * sizeof(double));
     }
-    memcpy(ln->scratch + ln->soff[t], buf, (size_t)len * sizeof(double));
+    if (!T->use_float)
+        memcpy(ln->scratch + ln->soff[t], buf, (size_t)len * sizeof(double));
     for (m = 0; m < len && buf[m] == INF; m++)
         ;
     r->lo = m < len ? r->lb + m : LLONG_MAX;
     r->least = buf[len - 1];
+    if (m < len) {   /* the plateau: reads past its start return least (Note [Tables]) */
+        ll p = len - 1;
+        while (p > m && buf[p - 1] == r->least)
+            p--;
+        r->top = r->lb + p;
+    }
     ln->sweep[t] = *r;
 }
 
@@ -489,7 +513,7 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     problem p;
     table T;
     ll slot = budget / slots + (budget % slots != 0), M, total = -1, meta, scratch = 0, buflen, i, n = c->length;
-    ll per_thread, blocks = (n + LANES - 1) / LANES;
+    ll sweep_len, per_thread, blocks = (n + LANES - 1) / LANES;
     double *bufs = NULL, *scratch_mem = NULL;
     void *lanes_mem = NULL;
     ll *progress = NULL;
@@ -551,8 +575,11 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
         goto done;
     }
     buflen = smin(M, scratch) + 1;
+    sweep_len = scratch;
     T.pool = malloc((size_t)(total > 0 ? total : 1) * (T.use_float ? sizeof(float) : sizeof(double)));
-    scratch_mem = (double *)malloc((size_t)(threads * LANES) * (size_t)scratch * sizeof(double));
+    if (T.use_float)
+        sweep_len = 1;   /* float tables read the sweep from the pool (split_range) */
+    scratch_mem = (double *)malloc((size_t)(threads * LANES) * (size_t)sweep_len * sizeof(double));
     bufs = (double *)malloc((size_t)threads * (size_t)buflen * sizeof(double));
     if (!T.pool || !scratch_mem || !bufs) {
         st = REMAT_E_NOMEM;
@@ -561,7 +588,7 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     lanes = (lane *)lanes_mem;
     for (i = 0; i < threads * LANES; i++) {
         char *base = (char *)lanes_mem + threads * LANES * (ll)sizeof(lane);
-        lanes[i].scratch = scratch_mem + i * scratch;
+        lanes[i].scratch = scratch_mem + i * sweep_len;
         lanes[i].soff = (ll *)(void *)(base + i * (n + 1) * (ll)(sizeof(ll) + sizeof(row)));
         lanes[i].sweep = (row *)(void *)(lanes[i].soff + (n + 1));
     }
