@@ -66,6 +66,8 @@
 /* Relative slack of the whole-chain lower bound: the same positive terms
  * summed in another order differ by far less than this. */
 #define BOUND_SLACK (1.0 - 1e-7)
+/* Summary stride and skipped block length (Note [Skipping]). */
+#define SKIP 16
 /* Sweeps interleaved by fill (Note [Threads]). */
 #define LANES 8
 #define REMAT_MAX_THREADS 8
@@ -76,6 +78,7 @@ typedef struct {
     ll lb, top;   /* stored headrooms [lb, top]; empty if top < lb */
     ll lo;        /* first finite headroom, LLONG_MAX if none */
     ll off;       /* index of headroom lb in the pool */
+    ll soff;      /* index of the row's summary in the summary pool (Note [Skipping]) */
     double all;   /* time of recording every stage (the Fall chain) */
     double least; /* the value at top, the row's least */
 } row;
@@ -85,6 +88,7 @@ typedef struct {
     ll M;
     row *rows;        /* by pidx(a, t) */
     void *pool;       /* column-major values, float or double */
+    void *summary;    /* every SKIP-th value of each row, same type as pool */
     int use_float;
 } table;
 
@@ -126,10 +130,10 @@ static const double *sat(const lane *L, const row *r, ll t, ll m)
 /* Fills the rows' ranges and offsets. Returns the number of stored values,
  * or -1 past `limit`; *scratch gets the longest sweep's. `full` stores every
  * m in 0..M (the naive table). */
-static ll layout(table *T, int full, ll limit, ll *scratch)
+static ll layout(table *T, int full, ll limit, ll *scratch, ll *summaries)
 {
     const problem *p = T->p;
-    ll n = p->n, M = T->M, a, t, total = 0, *sweep;
+    ll n = p->n, M = T->M, a, t, total = 0, nsum = 0, *sweep;
     sweep = (ll *)calloc((size_t)(n + 1), sizeof(ll));
     if (!sweep)
         return -2;
@@ -155,18 +159,21 @@ static ll layout(table *T, int full, ll limit, ll *scratch)
         for (a = 1; a <= t; a++) {
             row *r = &T->rows[pidx(a, t)];
             r->off = total;
+            r->soff = nsum;
             if (r->top >= r->lb) {
-                ll len = r->top - r->lb + 1;
-                if (len > limit - total) {
+                ll len = r->top - r->lb + 1, ns = full ? 0 : (len - 1) / SKIP + 1;
+                if (len > limit - total - nsum || ns > limit - total - nsum - len) {
                     free(sweep);
                     return -1;
                 }
                 total += len;
+                nsum += ns;
                 sweep[a] += len;
             }
         }
     }
     *scratch = 1;
+    *summaries = nsum;
     for (a = 1; a <= n; a++)
         *scratch = smax(*scratch, sweep[a]);
     free(sweep);
@@ -265,6 +272,38 @@ static void split_range(const table *T, const lane *ln, double *buf, ll lb, ll m
     }
 }
 
+/* A lower bound of row r's value at headroom m, lo <= m: the value at the
+ * next summarised headroom at or above m, or the row's least past its top. */
+static double lower(const table *T, const row *r, ll m)
+{
+    ll k = (m - r->lb + SKIP - 1) / SKIP;
+    if (r->lb + k * SKIP > r->top)
+        return r->least;
+    return T->use_float ? (double)((const float *)T->summary)[r->soff + k]
+                        : ((const double *)T->summary)[r->soff + k];
+}
+
+/* split_range over [ms, me], skipping blocks no m of which can improve
+ * (Note [Skipping]). */
+static void split_skipping(const table *T, const lane *ln, double *buf, ll lb, ll ms, ll me, double f,
+                           const row *r1, const row *r2, ll j, ll xj, ll g)
+{
+    ll cur = ms, run = -1;
+    while (cur <= me) {
+        ll e = smin(me, cur + SKIP - 1);
+        if ((f + lower(T, r1, e - xj)) + lower(T, r2, e - xj + g) >= buf[cur - lb]) {
+            if (run >= 0)
+                split_range(T, ln, buf, lb, run, cur - 1, f, r1, r2, j, xj, g);
+            run = -1;
+        } else if (run < 0) {
+            run = cur;
+        }
+        cur = e + 1;
+    }
+    if (run >= 0)
+        split_range(T, ln, buf, lb, run, me, f, r1, r2, j, xj, g);
+}
+
 /* P(a, t, m) for m in [lb, top] into buf (Note [Tables]). */
 static void compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
 {
@@ -331,7 +370,7 @@ static void compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
                 lo_ = mid + 1;
         }
         if (lo_ > ms)
-            split_range(T, ln, buf, lb, ms, lo_ - 1, fsum, r1, r2, j, xj, g);
+            split_skipping(T, ln, buf, lb, ms, lo_ - 1, fsum, r1, r2, j, xj, g);
     }
 }
 
@@ -424,13 +463,18 @@ static void finish_row(table *T, lane *ln, int naive, ll a, ll t, double *buf)
     else
         compute_row(T, ln, a, t, buf);
     if (T->use_float) {
-        float *dst = (float *)T->pool + r->off;
+        float *dst = (float *)T->pool + r->off, *sum = (float *)T->summary + r->soff;
         for (m = 0; m < len; m++) {
             dst[m] = (float)buf[m];
             buf[m] = (double)dst[m];   /* the scratch holds the stored values */
         }
+        for (m = 0; !naive && m < len; m += SKIP)
+            sum[m / SKIP] = dst[m];
     } else {
+        double *sum = (double *)T->summary + r->soff;
         memcpy((double *)T->pool + r->off, buf, (size_t)len * sizeof(double));
+        for (m = 0; !naive && m < len; m += SKIP)
+            sum[m / SKIP] = buf[m];
     }
     if (!T->use_float)
         memcpy(ln->scratch + ln->soff[t], buf, (size_t)len * sizeof(double));
@@ -513,7 +557,7 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     problem p;
     table T;
     ll slot = budget / slots + (budget % slots != 0), M, total = -1, meta, scratch = 0, buflen, i, n = c->length;
-    ll sweep_len, per_thread, blocks = (n + LANES - 1) / LANES;
+    ll nsum = 0, sweep_len, per_thread, blocks = (n + LANES - 1) / LANES;
     double *bufs = NULL, *scratch_mem = NULL;
     void *lanes_mem = NULL;
     ll *progress = NULL;
@@ -561,12 +605,12 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
             if (k && naive)
                 break;
             T.use_float = (int)k;
-            total = layout(&T, naive, limit / width, &scratch);
+            total = layout(&T, naive, limit / width, &scratch, &nsum);
             if (total == -2) {
                 st = REMAT_E_NOMEM;
                 goto done;
             }
-            if (total >= 0 && scratch > (limit - width * total) / 8 / (threads * (LANES + 1)))
+            if (total >= 0 && scratch > (limit - width * (total + nsum)) / 8 / (threads * (LANES + 1)))
                 total = -1;
         }
     }
@@ -577,11 +621,12 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     buflen = smin(M, scratch) + 1;
     sweep_len = scratch;
     T.pool = malloc((size_t)(total > 0 ? total : 1) * (T.use_float ? sizeof(float) : sizeof(double)));
+    T.summary = malloc((size_t)(nsum > 0 ? nsum : 1) * (T.use_float ? sizeof(float) : sizeof(double)));
     if (T.use_float)
         sweep_len = 1;   /* float tables read the sweep from the pool (split_range) */
     scratch_mem = (double *)malloc((size_t)(threads * LANES) * (size_t)sweep_len * sizeof(double));
     bufs = (double *)malloc((size_t)threads * (size_t)buflen * sizeof(double));
-    if (!T.pool || !scratch_mem || !bufs) {
+    if (!T.pool || !T.summary || !scratch_mem || !bufs) {
         st = REMAT_E_NOMEM;
         goto done;
     }
@@ -608,6 +653,7 @@ done:
     free(bufs);
     free(scratch_mem);
     free(T.pool);
+    free(T.summary);
     free(progress);
     free(lanes_mem);
     free(T.rows);
