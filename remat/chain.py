@@ -24,11 +24,13 @@ import threading
 import weakref
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
 from .costs import Costs
 from .errors import CostsError, RematError, StageError
-from .profile import Instrument, Timer, instrumented_run, storage_key, timed_step
+from .meter import Instrument, storage_key
+from .profile import GradPool, Timer, Upstream, instrumented_run, timed_step
 from .recording import Explanation, Recording, _last, explain
 from .replay import capture_autocast, capture_rng, cuda_devices, restore_tensors
 from .runtime import FALL, FCK, Run, StageCall, _Saved, replaying
@@ -186,6 +188,8 @@ class _Active:
         self.rng_start = None
         self.originals = {}
         self.given = None
+        self.grad_pool = None
+        self.upstream = None
 
     # stage calls ---------------------------------------------------------
 
@@ -308,25 +312,16 @@ class _Active:
         cuda = x.is_cuda
         devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
         rng0 = capture_rng(devices)
-        row = None
         # the previous stage kept its saved tensors in case it was the last one:
         # it is not, so they go before this stage is measured (DESIGN.md section 2)
         prev_anchor = run._anchor(k - 1) if k > 1 else None
         if prev_anchor is not None:
             prev_anchor.saved = None
-        if self.given is None:
-            row, meta, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output)
-            state = [t for t, _ in originals]
-            for t, old in originals:
-                self.originals.setdefault(storage_key(t), (t, old))
-            with rng0.replayed(), restore_tensors(state), torch.no_grad(), Timer(cuda) as timer:
-                nograd_out = call.call(x)
-            row["fwd_nograd_time"] = timer.seconds
-            row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
         # the forward that counts: checkpoint the input, keep the saved tensors
         # until the next stage starts so the last stage needs no recomputation
         anchor, _, count = run.new_anchor(call, True, x)
         kept = []
+        anchor.saved = kept
 
         def pack(t):
             i = len(kept)
@@ -334,13 +329,11 @@ class _Active:
             return _Saved(anchor, i)
 
         if self.given is None:
-            call.meta = meta
-            call.state = [weakref.ref(t) for t in state]
-            call.rng = rng0 if uses_rng else None
-            with run.hooks(pack), Timer(cuda) as timer:
-                out = call.invoke(x)
-            # the real forward is timed too: the lesser of two runs is less noisy
-            row["fwd_time"] = min(row["fwd_time"], timer.seconds)
+            if self.grad_pool is None:
+                self.grad_pool, self.upstream = GradPool(), Upstream()
+            self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
+            out, row, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output, run.hooks(pack),
+                                                             kept, self.grad_pool, self.upstream)
         else:
             # costs come from a file: learn only what replay needs, from this forward
             detector = Instrument(exclude=[x])
@@ -348,21 +341,28 @@ class _Active:
             with detector, run.hooks(pack):
                 out = call.invoke(x)
             detector.note_changed(buffers)
-            state = detector.state_tensors()
-            for key, pair in detector.mutated.items():
-                self.originals.setdefault(key, pair)
+            originals = list(detector.mutated.values())
             uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu)
-            meta = tuple((t.shape, t.dtype, t.device) for t in kept)
-            call.meta = meta
-            call.state = [weakref.ref(t) for t in state]
-            call.rng = rng0 if uses_rng else None
             act = out[0] if isinstance(out, tuple) else out
-            if isinstance(act, torch.Tensor):
-                row = {"out_bytes": act.untyped_storage().nbytes()}
-            with rng0.replayed(), restore_tensors(state), torch.no_grad():
-                nograd_out = call.call(x)
-        anchor.saved = kept
+            row = {"out_bytes": act.untyped_storage().nbytes()} if isinstance(act, torch.Tensor) else None
+        state = [t for t, _ in originals]
+        for t, old in originals:
+            self.originals.setdefault(storage_key(t), (t, old))
+        meta = tuple((t.shape, t.dtype, t.device) for t in kept)
+        call.meta = meta
+        call.state = [weakref.ref(t) for t in state]
+        call.rng = rng0 if uses_rng else None
         run.settle(anchor, len(kept))
+        # run 3 of the Note: without recording, from the state the stage started in
+        with rng0.replayed(), restore_tensors(state), torch.no_grad():
+            for t, old in originals:
+                t.copy_(old)
+            with Timer(cuda) as timer:
+                nograd_out = call.call(x)
+        if self.given is None:
+            row["fwd_nograd_time"] = timer.seconds
+            if cuda:
+                row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
         # Note [Replaying a stage] 4: a stage whose forward without recording
         # differs from the recorded one is recomputed with grad mode on
         act = out[0] if isinstance(out, tuple) else out
@@ -395,6 +395,7 @@ class _Active:
             _publish(Explanation(self.entry.costs, self.plan[0], self.budget, self.entry.names))
             return
         new = self.new
+        self.grad_pool = self.upstream = None
         try:
             new.costs = self._costs()
         except BaseException:

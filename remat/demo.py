@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from .chain import chain
 from .errors import BudgetError
-from .profile import Instrument
+from .meter import Instrument
 from .recording import explain
 from .schedule import simulate
 from .solve import minimum_budget, store_all

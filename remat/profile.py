@@ -2,154 +2,52 @@
 
 Note [Measuring a stage]
 ------------------------
-On the first call of a chain key each stage runs, in isolation and on its
-real input, in this order (RNG and in-place state reset before each run, so
-that only the last run shows):
+On the first call of a chain key each stage runs, on its real input, in
+this order:
 
-1. An *instrumented* recording forward and backward under ``Instrument``, a
-   TorchDispatchMode that (a) meters storages allocated while it is active,
-   each counted once and freed when its last reference goes (weak references
-   on the storage objects, which PyTorch keeps alive as long as the storage
-   lives), and (b) notes every tensor that existed before the stage and that
-   the stage writes in place, cloning it first (Note 3 of remat/replay.py).
-   It gives out_bytes, saved_bytes (the distinct storages autograd saved,
-   allocated by the stage, plus the output), fwd_tmp and bwd_tmp. On CUDA the
-   allocator's peak statistics replace the meter for the peaks.
-2. A timed forward without recording: fwd_nograd_time. Its output is kept
-   to compare, bit for bit, with the real forward's (Note [Replaying a
-   stage] 4 in remat/replay.py).
-3. A timed forward and backward on a detached copy of the input
-   (``timed_step``): fwd_time and bwd_time. The backward runs as a training
-   step runs it: parameter gradients are added into ``.grad`` buffers that
-   are swapped in for the run and swapped out after.
-4. The real forward, whose graph the user will backward through, under the
-   hooks of a checkpointed stage (its input is kept); it is timed too and
-   fwd_time is the lesser of runs 3 and 4.
+1. The real forward, whose graph the user will backward through, under the
+   hooks of a checkpointed stage (its input is kept) and under
+   ``Instrument`` (remat/meter.py), which meters the storages the stage
+   allocates, notes the tensors it writes in place and times its ops. It
+   gives out_bytes, saved_bytes (the distinct storages autograd saved,
+   allocated by the stage, plus the output), fwd_tmp and fwd_time. The stage
+   runs on a copy of its input, so that writing the input in place is caught
+   (a StageError) with the input untouched.
+2. The stage's backward on that graph (``retain_graph``), still metered:
+   bwd_tmp and bwd_time. It runs as a training step runs it: parameter
+   gradients are added into ``.grad`` buffers swapped in for the run and out
+   after (``GradPool``); the gradient of the input copy is made but not
+   kept. The engine stops at the copy, so hooks on the input do not run. A
+   parameter also used behind the stage (tied weights, see ``Upstream``) is
+   left out, or the engine would run the graph behind the stage to reach
+   it: its gradient's share of the time is not counted. What this backward
+   writes in place is put back.
+3. A timed forward without recording, from the RNG and in-place state the
+   stage started from (put back after): fwd_nograd_time. Its output is
+   compared, bit for bit, with the real forward's (Note [Replaying a stage]
+   4 in remat/replay.py).
 
-Runs 1 to 3 are thrown away; run 4 is the one that counts, so RNG streams
-and BatchNorm statistics end where one plain forward leaves them.
+Run 1 is the one that counts, so RNG streams and BatchNorm statistics end
+where one plain forward leaves them. The times of runs 1 and 2 are those of
+the ops inside them, the meter's own work left out (it would double them on
+small ops): a few per cent below a plain run's wall time, which also has the
+model's and PyTorch's Python around the ops. Measuring the real forward and
+its own backward, rather than separate timed runs, keeps a first call near
+three plain steps (runs 1 to 3, then the backward, which recomputes each
+stage but the last). On CUDA the ops run asynchronously and the time inside
+the mode is launch time: there a forward and backward on a detached copy of
+the input (``timed_step``) give fwd_time and bwd_time, and the allocator's
+peak statistics replace the meter for the peaks.
 """
 
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from .meter import Instrument, storage_key
 from .replay import restore_tensors
 
-__all__ = ["Instrument", "Timer", "instrumented_run", "timed_step", "stage_leaves", "storage_key"]
-
-
-# Ops that write some arguments in place although their schema does not say
-# so (BatchNorm's running statistics): op name -> argument positions.
-_UNDECLARED_WRITES = {
-    "aten::native_batch_norm": (3, 4),
-    "aten::cudnn_batch_norm": (3, 4),
-    "aten::miopen_batch_norm": (3, 4),
-}
-
-
-def storage_key(t):
-    """An id of ``t``'s storage, valid while the storage lives."""
-    return t.untyped_storage()._cdata
-
-
-class Instrument(TorchDispatchMode):
-    """Storage meter and in-place state detector (Note [Measuring a stage], 1)."""
-
-    def __init__(self, exclude=()):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self.gate = True   # only storages made while the gate is open are metered
-        self.window = set()
-        self.window_live = 0
-        self.window_peak = 0
-        self.created = {}
-        self.mutated = {}
-        self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
-
-    def set_gate(self, open_):
-        """Meter only storages made while ``open_`` (e.g. inside a chain's forward and backward)."""
-        self.gate = open_
-
-    def open_window(self):
-        """From now on also meter storages allocated after this call on their own
-        (``window_peak``): what a region adds, however much older memory it frees."""
-        self.window = set()
-        self.window_live = 0
-        self.window_peak = 0
-
-    def _free(self, key, nbytes):
-        if self.created.pop(key, None) is not None:
-            self.live -= nbytes
-            if key in self.window:
-                self.window.discard(key)
-                self.window_live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        schema = func._schema
-        if schema.is_mutable:
-            for i, arg in enumerate(schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    value = args[i] if i < len(args) else kwargs.get(arg.name)
-                    for t in value if isinstance(value, (list, tuple)) else (value,):
-                        if isinstance(t, torch.Tensor):
-                            self._note_write(t)
-        else:
-            positions = _UNDECLARED_WRITES.get(schema.name)
-            if positions is not None:
-                for i in positions:
-                    if i < len(args) and isinstance(args[i], torch.Tensor):
-                        self._note_write(args[i])
-        out = func(*args, **kwargs)
-        inputs = None
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                key = st._cdata
-                if key in self.created:
-                    continue
-                if inputs is None:
-                    inputs = {storage_key(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
-                if key in inputs:
-                    continue
-                # storages made while the gate is shut are not metered at all
-                nbytes = st.nbytes() if self.gate else 0
-                self.created[key] = nbytes
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-                self.window.add(key)
-                self.window_live += nbytes
-                self.window_peak = max(self.window_peak, self.window_live)
-                weakref.finalize(st, self._free, key, nbytes)
-        return out
-
-    def _note_write(self, t):
-        key = storage_key(t)
-        if key in self.created or key in self.mutated or key in self._exclude:
-            return
-        self.mutated[key] = (t, t.detach().clone())
-
-    def restore(self):
-        """Write back every noted tensor's value from before the first write."""
-        with torch.no_grad():
-            for t, old in self.mutated.values():
-                t.copy_(old)
-
-    def note_changed(self, before):
-        """Add tensors of ``before`` (tensor, clone) pairs whose values changed."""
-        for t, old in before:
-            key = storage_key(t)
-            if key not in self.mutated and not torch.equal(t, old):
-                self.mutated[key] = (t, old)
-
-    def state_tensors(self):
-        """The tensors written in place that existed before the stage."""
-        return [t for t, _ in self.mutated.values()]
+__all__ = ["GradPool", "Timer", "Upstream", "instrumented_run", "timed_step", "stage_leaves"]
 
 
 class Timer:
@@ -189,78 +87,171 @@ def stage_leaves(out, stop):
     return found
 
 
-def instrumented_run(call, ident, x, cuda, rng0, check):
-    """Run 1 of Note [Measuring a stage]: sizes, peaks, saved metadata, state."""
-    inst = Instrument(exclude=[x])
+class Upstream:
+    """The leaf tensors behind a chain's stages: reachable from the graphs of
+    their activations and side inputs, which grow stage by stage (each node is
+    visited once). A stage's backward on its real graph (Note [Measuring a
+    stage] 2) leaves such a parameter out: to reach it the engine would run the
+    graph behind the stage."""
+
+    def __init__(self):
+        self._seen = set()
+        self.leaves = set()   # ids
+
+    def add(self, tensors):
+        """Take in the graphs behind ``tensors``."""
+        todo = []
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                if t.grad_fn is None:
+                    self.leaves.add(id(t))
+                else:
+                    todo.append(t.grad_fn)
+        seen = self._seen
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)
+            if var is not None:
+                self.leaves.add(id(var))
+                continue
+            todo.extend(n for n, _ in node.next_functions)
+
+
+def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None):
+    """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
+    ``Instrument``, then its backward on that graph.
+
+    Args:
+        hooks: the saved-tensor hooks of the real forward; ``saved`` is the list
+            its pack hook appends to, and its unpack hook reads.
+        pool: a ``GradPool`` for the parameters' gradients, or None.
+        upstream: an ``Upstream`` that has taken in ``x`` and the side inputs.
+
+    Returns:
+        (what the stage returned, cost row, [(tensor, value before)] of the
+        state it updates in place, whether it draws random numbers).
+    """
+    # a copy of the input: a stage writing its input in place is caught by the
+    # version check without touching x, and the backward below stops at the
+    # copy, so hooks on x do not run
+    xin = x.clone()
+    inst = Instrument(exclude=[x, xin])
     buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    # a non-leaf copy, so that a stage modifying its input in place is caught
-    # by the version check below rather than by autograd's leaf check
-    leaf = x.detach().requires_grad_(x.requires_grad)
-    xin = leaf.clone() if x.requires_grad else leaf
     version = xin._version
     stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-    row = {}
-    with rng0.replayed():
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        with inst, torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = call.invoke(xin)
-            check(call, out, xin, version)
-            out = out[0] if isinstance(out, tuple) else out
-            fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
-            out_bytes = out.untyped_storage().nbytes()
-            keys = {}
-            for t in saved + [out]:
-                key = storage_key(t)
-                if key in inst.created:
-                    keys[key] = inst.created[key]
-            saved_bytes = max(sum(keys.values()), out_bytes)
-            meta = tuple((t.shape, t.dtype, t.device) for t in saved)
-            bwd_delta = 0
-            in_grad = 0
-            if out.requires_grad:
-                params = [v for v in stage_leaves(out, stop | {xin.grad_fn}) if v is not leaf]
-                # the leaf, not its clone: AccumulateGrad then keeps the very tensor
-                # the engine made, as a real step hands it on without a copy
-                inputs = [leaf] if leaf.requires_grad else []
-                if inputs or params:
-                    grad_out = torch.ones_like(out)
-                    del saved[:]
-                    with _step_grads(params):
-                        if cuda:
-                            torch.cuda.synchronize()
-                            torch.cuda.reset_peak_memory_stats()
-                            base_b = torch.cuda.memory_allocated()
-                        else:
-                            inst.open_window()
-                        torch.autograd.backward(out, grad_out, inputs=inputs + params)
-                        if cuda:
-                            bwd_delta = torch.cuda.max_memory_allocated() - base_b
-                        else:
-                            bwd_delta = inst.window_peak
-                    in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
-                    leaf.grad = None
-                    del grad_out
-            del out
-        uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu) or any(
-            not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in rng0.cuda)
+    row = {"bwd_time": 0.0}
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with inst, torch.enable_grad(), hooks:
+        out = call.invoke(xin)
+    row["fwd_time"] = inst.op_seconds
+    check(call, out, xin, version)
+    act = out[0] if isinstance(out, tuple) else out
+    fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
+    uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu) or any(
+        not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in rng0.cuda)
     inst.note_changed(buffers)
-    originals = list(inst.mutated.values())
-    inst.restore()
+    forward_writes = dict(inst.mutated)
+    out_bytes = act.untyped_storage().nbytes()
+    keys = {}
+    for t in saved + [act]:
+        key = storage_key(t)
+        if key in inst.created:
+            keys[key] = inst.created[key]
+    saved_bytes = max(sum(keys.values()), out_bytes)
+    bwd_delta = 0
+    in_grad = 0
+    params = stage_leaves(act, stop | {xin.grad_fn}) if act.requires_grad else []
+    if upstream is not None:
+        params = [p for p in params if id(p) not in upstream.leaves]
+    if act.requires_grad and (xin.requires_grad or params):
+        # the meter is off between the two runs: what is made here is no stage's
+        grad_out = torch.ones_like(act)
+        with _step_grads(params, pool):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base_b = torch.cuda.memory_allocated()
+            else:
+                inst.open_window()
+            ops_before = inst.op_seconds
+            with inst:
+                _backward(act, grad_out, xin if xin.requires_grad else None, params)
+            row["bwd_time"] = inst.op_seconds - ops_before
+            if cuda:
+                bwd_delta = torch.cuda.max_memory_allocated() - base_b
+            else:
+                bwd_delta = inst.window_peak
+        in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
+        del grad_out
+    del act
+    # the real forward's writes stay (as one plain forward's); the backward's are undone
+    with torch.no_grad():
+        for key, (t, old) in inst.mutated.items():
+            if key not in forward_writes:
+                t.copy_(old)
     row["out_bytes"] = out_bytes
     row["saved_bytes"] = saved_bytes
     row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
     row["bwd_tmp"] = max(0, bwd_delta - in_grad)
-    return row, meta, originals, uses_rng
+    return out, row, list(forward_writes.values()), uses_rng
+
+
+def _backward(out, grad, x, params):
+    """``torch.autograd.backward(out, grad, inputs=[x, *params], retain_graph=True)``
+    for ``grad = ones_like(out)`` and a non-leaf ``x`` (or None): the graph is the
+    real forward's, backwarded again later. Where PyTorch allows, ``x`` is given
+    as its gradient edge, so that its gradient is made but not copied into
+    ``x.grad`` (a non-leaf's is), and the engine is called directly: the public
+    call checks grad's shape with sympy, imported on first use (half a second
+    of a first call, for a check that cannot fail here)."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if run is None or edge is None or torch.overrides.has_torch_function((out, grad, *params)):
+        inputs = ([] if x is None else [x]) + params
+        torch.autograd.backward(out, grad, inputs=inputs, retain_graph=True)
+        if x is not None:
+            x.grad = None
+    else:
+        inputs = ([] if x is None else [edge(x)]) + params
+        run((out,), (grad,), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True)
+
+
+class GradPool:
+    """Buffers that stand in for parameters' ``.grad`` in the measuring backwards of
+    one chain, reused from stage to stage. What is added into them is thrown
+    away, so they are zeroed once, when made: fresh zeros for every stage cost a
+    first call the allocation and page faults of all its parameters' size."""
+
+    def __init__(self):
+        self._flat = {}
+
+    def grads(self, params):
+        """A buffer shaped like each of ``params``; buffers of one call do not overlap."""
+        need = {}
+        for p in params:
+            if p.layout == torch.strided and p.is_contiguous():
+                need[(p.dtype, p.device)] = need.get((p.dtype, p.device), 0) + p.numel()
+        for (dtype, device), n in need.items():
+            flat = self._flat.get((dtype, device))
+            if flat is None or flat.numel() < n:
+                self._flat[(dtype, device)] = torch.zeros(n, dtype=dtype, device=device)
+        offsets = dict.fromkeys(need, 0)
+        out = []
+        for p in params:
+            key = (p.dtype, p.device)
+            if key in need and p.layout == torch.strided and p.is_contiguous():
+                start = offsets[key]
+                offsets[key] = start + p.numel()
+                out.append(self._flat[key][start:start + p.numel()].view(p.shape))
+            else:
+                out.append(torch.zeros_like(p))
+        return out
 
 
 class _step_grads:
@@ -268,13 +259,15 @@ class _step_grads:
     added into an existing ``.grad`` (and freed), and the stage's parameters get
     their own ``.grad`` back afterwards, untouched."""
 
-    def __init__(self, params):
+    def __init__(self, params, pool=None):
         self.params = params
+        self.pool = pool
 
     def __enter__(self):
         self.old = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
+        grads = self.pool.grads(self.params) if self.pool is not None else [torch.zeros_like(p) for p in self.params]
+        for p, g in zip(self.params, grads):
+            p.grad = g
 
     def __exit__(self, *exc):
         for p, g in zip(self.params, self.old):
@@ -283,7 +276,7 @@ class _step_grads:
 
 
 def timed_step(call, x, cuda, rng0, state):
-    """Run 3 of Note [Measuring a stage]: forward and backward times on a detached copy."""
+    """Forward and backward times on a detached copy, on CUDA (Note [Measuring a stage])."""
     xin = x.detach().requires_grad_(x.requires_grad)
     stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():

@@ -300,7 +300,7 @@ def test_fsdp2_unit_per_stage_is_a_clear_error(fsdp_results):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "remat/profile.py instrumented_run and timed_step run each stage's backward inside the "
+    "remat/profile.py instrumented_run runs each stage's backward inside the "
     "measuring forward; FSDP1's post-backward hooks on its flat parameters then assert "
     "'Expects BACKWARD_PRE or BACKWARD_POST state but got HandleTrainingState.FORWARD'. "
     "Workaround: costs=file.json measured without FSDP"))

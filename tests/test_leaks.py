@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.profile import Instrument
+from remat.meter import Instrument
 from remat.runtime import Run
 from remat.solve import minimum_budget
 

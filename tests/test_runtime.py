@@ -52,7 +52,7 @@ def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
 def _physical_peak(net, batch=4, length=6, seed=7):
     """Peak bytes of tensor storages live during one training step of ``net``
     (new allocations, plus the chain input, which the budget counts)."""
-    from remat.profile import Instrument
+    from remat.meter import Instrument
 
     x, mask = __import__("chains").make_input(net, batch, length, seed=seed)
     target = torch.randn(x.shape)

@@ -1,0 +1,197 @@
+"""``Instrument``: a storage meter and in-place write detector for one region
+of code, as a TorchDispatchMode (Note [Measuring a stage] in remat/profile.py).
+
+While active it (a) meters the storages allocated by the ops it sees, each
+counted once and let go when its last reference goes (weak references on the
+storage objects, which PyTorch keeps alive as long as the storage lives),
+(b) notes every tensor that existed before and that an op writes in place,
+cloning it first (Note 3 of remat/replay.py), and (c) adds up the time spent
+inside the ops themselves, its own work left out.
+
+Note [Dynamo and the meter]
+---------------------------
+``TorchDispatchMode`` runs every subclass's ``__torch_dispatch__`` outside
+Dynamo, and so imports Dynamo on the first op it sees: over a second of a
+first call. No compiled code can be running before Dynamo is imported, so
+``Instrument`` asks for that only when Dynamo is already loaded
+(``_DynamoSafeInstrument``).
+"""
+
+import sys
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["Instrument", "storage_key"]
+
+
+# Ops that write some arguments in place although their schema does not say
+# so (BatchNorm's running statistics): op name -> argument positions.
+_UNDECLARED_WRITES = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+}
+
+
+def _written_arguments(schema):
+    """(position, name) of the arguments an op writes in place."""
+    if schema.is_mutable:
+        return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                     if a.alias_info is not None and a.alias_info.is_write)
+    return tuple((i, None) for i in _UNDECLARED_WRITES.get(schema.name, ()))
+
+
+def _returns_views(schema):
+    """True if every output of the op aliases an input (a view): nothing to meter."""
+    return bool(schema.returns) and not schema.is_mutable and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+_PLANS = {}   # op -> (_written_arguments, _returns_views) of its schema
+
+
+def _storage_keys(args, kwargs):
+    """Storage ids of the tensors among an op's arguments (lists of tensors included)."""
+    keys = set()
+    for values in (args, kwargs.values()):
+        for a in values:
+            if isinstance(a, torch.Tensor):
+                keys.add(a.untyped_storage()._cdata)
+            elif isinstance(a, (list, tuple)):
+                keys.update(t.untyped_storage()._cdata for t in a if isinstance(t, torch.Tensor))
+    return keys
+
+
+def storage_key(t):
+    """An id of ``t``'s storage, valid while the storage lives."""
+    return t.untyped_storage()._cdata
+
+
+class Instrument(TorchDispatchMode):
+    """Storage meter, in-place write detector and op timer (see the module's docstring)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Note [Dynamo and the meter]: keep Dynamo away only where it is loaded
+        if cls is Instrument and "torch._dynamo" in sys.modules:
+            cls = _DynamoSafeInstrument
+        return super().__new__(cls)
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.gate = True   # only storages made while the gate is open are metered
+        self.window = set()
+        self.window_live = 0
+        self.window_peak = 0
+        self.created = {}
+        self.mutated = {}
+        self.op_seconds = 0.0   # time inside the ops it let through
+        self._refs = {}
+        self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+
+    def set_gate(self, open_):
+        """Meter only storages made while ``open_`` (e.g. inside a chain's forward and backward)."""
+        self.gate = open_
+
+    def open_window(self):
+        """From now on also meter storages allocated after this call on their own
+        (``window_peak``): what a region adds, however much older memory it frees."""
+        self.window = set()
+        self.window_live = 0
+        self.window_peak = 0
+
+    def _free(self, key, nbytes):
+        self._refs.pop(key, None)
+        if self.created.pop(key, None) is not None:
+            self.live -= nbytes
+            if key in self.window:
+                self.window.discard(key)
+                self.window_live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        plan = _PLANS.get(func)
+        if plan is None:
+            plan = _PLANS[func] = (_written_arguments(func._schema), _returns_views(func._schema))
+        writes, views = plan
+        if views:
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            self.op_seconds += time.perf_counter() - t0
+            return out
+        for i, name in writes:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                self._note_write(value)
+            elif isinstance(value, (list, tuple)):
+                for t in value:
+                    if isinstance(t, torch.Tensor):
+                        self._note_write(t)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.op_seconds += time.perf_counter() - t0
+        if isinstance(out, torch.Tensor):
+            self._note_outputs((out,), args, kwargs)
+        elif out is not None:
+            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], args, kwargs)
+        return out
+
+    def _note_outputs(self, outs, args, kwargs):
+        inputs = None
+        created = self.created
+        for t in outs:
+            if t.is_meta:
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in created:
+                continue
+            if inputs is None:
+                inputs = _storage_keys(args, kwargs)
+            if key in inputs:
+                continue
+            # storages made while the gate is shut are not metered at all
+            nbytes = st.nbytes() if self.gate else 0
+            created[key] = nbytes
+            self.live += nbytes
+            if self.live > self.peak:
+                self.peak = self.live
+            self.window.add(key)
+            self.window_live += nbytes
+            if self.window_live > self.window_peak:
+                self.window_peak = self.window_live
+            # PyTorch keeps a storage's Python object alive as long as the storage
+            self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes, free=self._free: free(key, nbytes))
+
+    def _note_write(self, t):
+        key = storage_key(t)
+        if key in self.created or key in self.mutated or key in self._exclude:
+            return
+        self.mutated[key] = (t, t.detach().clone())
+
+    def note_changed(self, before):
+        """Add tensors of ``before`` (tensor, clone) pairs whose values changed."""
+        for t, old in before:
+            key = storage_key(t)
+            if key not in self.mutated and not torch.equal(t, old):
+                self.mutated[key] = (t, old)
+
+
+class _DynamoSafeInstrument(Instrument):
+    """``Instrument`` with its ``__torch_dispatch__`` run outside Dynamo, as
+    TorchDispatchMode does by default (Note [Dynamo and the meter])."""
+
+    __torch_dispatch__ = Instrument.__torch_dispatch__
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return True

@@ -1,0 +1,91 @@
+"""The measuring (first) call of a chain: what it runs, what it leaves, what it costs."""
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.nn as nn
+
+import remat
+from chains import Net, make_input
+
+
+class Counted(nn.Module):
+    """A Linear stage that counts its forward calls."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.calls = 0
+
+    @remat.stage
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def test_each_stage_runs_three_times_the_last_twice():
+    """A first call runs each stage's forward three times (metered, without recording,
+    recomputed in the backward), the last stage's twice; a later call once."""
+    torch.manual_seed(0)
+    stages = nn.ModuleList(Counted(8) for _ in range(4))
+    for step, expected in ((0, [3, 3, 3, 2]), (1, [1, 1, 1, 1])):
+        for s in stages:
+            s.calls = 0
+        x = torch.randn(4, 8, requires_grad=True)
+        with remat.chain(budget=2**50):
+            h = x
+            for s in stages:
+                h = s(h)
+        h.sum().backward()
+        assert [s.calls for s in stages] == expected, step
+
+
+def test_hooks_on_activations_run_once_with_tied_weights():
+    """In a first call whose stages share a weight with stages before them, a hook on
+    every activation runs once, and gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    net = Net(["tied", "linear", "tied", "mlp", "tied"])
+    ref = copy.deepcopy(net)
+    x, mask = make_input(net)
+    x_ref = x.detach().clone().requires_grad_()
+    calls = []
+    torch.manual_seed(1)
+    with remat.chain(budget=2**50):
+        h = x
+        for i, s in enumerate(net.stages):
+            h = s(h, mask)
+            h.register_hook(lambda g, i=i: calls.append(i))
+    h.sum().backward()
+    assert sorted(calls) == list(range(5))
+    h_ref = x_ref
+    torch.manual_seed(1)
+    for s in ref.stages:
+        h_ref = s(h_ref, mask)
+    h_ref.sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_first_call_imports_neither_dynamo_nor_sympy():
+    """Measuring loads neither torch._dynamo nor sympy (over a second of a first call)
+    where the program had not loaded them."""
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        import remat
+        before = {m for m in ("torch._dynamo", "sympy") if m in sys.modules}
+        layers = [remat.stage(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)))
+                  for _ in range(3)]
+        x = torch.randn(4, 8, requires_grad=True)
+        with remat.chain(budget=2**50):
+            for layer in layers:
+                x = layer(x)
+        x.sum().backward()
+        print(sorted({m for m in ("torch._dynamo", "sympy") if m in sys.modules} - before))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
