@@ -33,7 +33,7 @@ from .meter import Instrument, storage_key
 from .profile import GradPool, Timer, Upstream, instrumented_run, timed_step
 from .recording import Explanation, Recording, _last, explain
 from .replay import capture_autocast, capture_rng, cuda_devices, restore_tensors
-from .runtime import FALL, FCK, Run, StageCall, _Saved, replaying
+from .runtime import FALL, FCK, Run, StageCall, _Replay, _Saved, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
@@ -342,7 +342,7 @@ class _Active:
                 out = call.invoke(x)
             detector.note_changed(buffers)
             originals = list(detector.mutated.values())
-            uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu)
+            uses_rng = rng0.changed()
             act = out[0] if isinstance(out, tuple) else out
             row = {"out_bytes": act.untyped_storage().nbytes()} if isinstance(act, torch.Tensor) else None
         state = [t for t, _ in originals]
@@ -353,12 +353,13 @@ class _Active:
         call.state = [weakref.ref(t) for t in state]
         call.rng = rng0 if uses_rng else None
         run.settle(anchor, len(kept))
-        # run 3 of the Note: without recording, from the state the stage started in
-        with rng0.replayed(), restore_tensors(state), torch.no_grad():
+        # run 3 of the Note: without recording, from the state the stage started in,
+        # replayed as a recomputation is (what it costs is what Fn and Fck cost)
+        with rng0.replayed(), torch.no_grad(), restore_tensors(state):
             for t, old in originals:
                 t.copy_(old)
-            with Timer(cuda) as timer:
-                nograd_out = call.call(x)
+            with Timer(cuda) as timer, _Replay(call, self.autocast):
+                nograd_out = call.call(x).detach()
         if self.given is None:
             row["fwd_nograd_time"] = timer.seconds
             if cuda:

@@ -23,21 +23,22 @@ this order:
    it: its gradient's share of the time is not counted. What this backward
    writes in place is put back.
 3. A timed forward without recording, from the RNG and in-place state the
-   stage started from (put back after): fwd_nograd_time. Its output is
-   compared, bit for bit, with the real forward's (Note [Replaying a stage]
-   4 in remat/replay.py).
+   stage started from (put back after), replayed as the runtime replays a
+   recomputation (``_Replay``, whose per-call work is then in the time):
+   fwd_nograd_time. Its output is compared, bit for bit, with the real
+   forward's (Note [Replaying a stage] 4 in remat/replay.py).
 
 Run 1 is the one that counts, so RNG streams and BatchNorm statistics end
 where one plain forward leaves them. The times of runs 1 and 2 are those of
 the ops inside them, the meter's own work left out (it would double them on
 small ops): a few per cent below a plain run's wall time, which also has the
 model's and PyTorch's Python around the ops. Measuring the real forward and
-its own backward, rather than separate timed runs, keeps a first call near
-three plain steps (runs 1 to 3, then the backward, which recomputes each
-stage but the last). On CUDA the ops run asynchronously and the time inside
-the mode is launch time: there a forward and backward on a detached copy of
-the input (``timed_step``) give fwd_time and bwd_time, and the allocator's
-peak statistics replace the meter for the peaks.
+its own backward, rather than separate timed runs, keeps a first call at
+about three plain steps (runs 1 to 3, then the backward, which recomputes
+each stage but the last). On CUDA the ops run asynchronously and the time
+inside the mode is launch time: there a forward and backward on a detached
+copy of the input (``timed_step``) give fwd_time and bwd_time, and the
+allocator's peak statistics replace the meter for the peaks.
 """
 
 import time
@@ -153,8 +154,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     check(call, out, xin, version)
     act = out[0] if isinstance(out, tuple) else out
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
-    uses_rng = not torch.equal(torch.get_rng_state(), rng0.cpu) or any(
-        not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in rng0.cuda)
+    uses_rng = rng0.changed()
     inst.note_changed(buffers)
     forward_writes = dict(inst.mutated)
     out_bytes = act.untyped_storage().nbytes()

@@ -43,6 +43,11 @@ class RngState:
         self.cpu = cpu
         self.cuda = cuda
 
+    def changed(self):
+        """True if a stream has moved since it was captured (something drew from it)."""
+        return not torch.equal(torch.get_rng_state(), self.cpu) or any(
+            not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in self.cuda)
+
     @contextlib.contextmanager
     def replayed(self):
         """Run the body with the captured streams, then put the current ones back."""
