@@ -98,6 +98,10 @@ class Instrument(TorchDispatchMode):
         self._refs = {}
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
 
+    def ignore_writes(self, tensors):
+        """Writes into ``tensors`` from now on are not state of the region (not noted)."""
+        self._exclude.update(storage_key(t) for t in tensors)
+
     def set_gate(self, open_):
         """Meter only storages made while ``open_`` (e.g. inside a chain's forward and backward)."""
         self.gate = open_

@@ -172,7 +172,8 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     if act.requires_grad and (xin.requires_grad or params):
         # the meter is off between the two runs: what is made here is no stage's
         grad_out = torch.ones_like(act)
-        with _step_grads(params, pool):
+        with _step_grads(params, pool) as grads:
+            inst.ignore_writes(grads)   # AccumulateGrad adds into them: no state to put back
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -268,6 +269,7 @@ class _step_grads:
         grads = self.pool.grads(self.params) if self.pool is not None else [torch.zeros_like(p) for p in self.params]
         for p, g in zip(self.params, grads):
             p.grad = g
+        return grads
 
     def __exit__(self, *exc):
         for p, g in zip(self.params, self.old):
