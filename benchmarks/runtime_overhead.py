@@ -9,6 +9,26 @@
     python benchmarks/runtime_overhead.py [--steps 12]
 
 Writes benchmarks/results/runtime_overhead.json and prints a markdown table.
+Targets: (a) at most 2% slower than plain, (b) within 5%, (c) at most 3x.
+
+What the figures can and cannot show:
+
+- (c) The first call runs each stage's forward metered, its backward on that
+  graph, a forward without recording, and in its backward recomputes every
+  stage but the last (remat/profile.py, Note [Measuring a stage]): about
+  three plain steps of work plus the meter's Python per op, which weighs
+  most on small stages (ResNet-101 at 32x32 on CPU).
+- (b) The prediction comes from costs timed once per stage in the first
+  call, while the measured chain time is a median of later steps. What
+  separates them: noise in those single samples (it only adds time, so it
+  shows as measured < predicted); the first call's colder caches and memory
+  allocator (same sign); CPU times being the ops' time inside the meter, a
+  few per cent below wall time (opposite sign); per-step work simulate does
+  not charge: remat's hooks (see (a)) and the replay around a recomputation
+  recording a graph (``Fall``; ``Fn``/``Fck`` are timed with it). On a
+  shared 2-core machine the first effect dominates and errors of 10-50%
+  are common from one run to the next; take the figures on a quiet machine,
+  and repeat them.
 """
 
 import argparse
