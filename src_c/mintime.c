@@ -24,17 +24,36 @@
  * value without touching memory, and the values are unchanged.
  *
  * Inside a pair, the Fall branch and each split point j are shifted min-plus
- * vector operations over m. A split j is skipped where its lower bound
- * fsum + min P(j, t) + min P(a, j-1) cannot beat the current best: the best
- * is non-increasing in m, so that is a prefix of m, found by bisection; and
- * the loop over j stops once fsum + (time of recording a..t) cannot beat it
- * anywhere a later j applies. Values are summed in the order of
+ * vector operations over m, most of which cannot win (Note [Skipping]); the
+ * loop over j stops once fsum + (time of recording a..t) cannot beat the
+ * current best anywhere a later j applies. Values are summed in the order of
  * tests/reference_solver.py, and skipped work provably cannot win, so in
  * double precision the result is the reference's, bit for bit.
  *
  * Tables above REMAT_DOUBLE_TABLE_BYTES store float32 values (sums stay
  * double; float rounding is monotone, so every row stays non-increasing);
  * the schedule's time is then summed again along the schedule, in double.
+ *
+ * Note [Skipping]
+ * ---------------
+ * Each row also keeps a summary: its value at every SKIP-th headroom from lb,
+ * and its least after them. As values are non-increasing in m, the summary
+ * entry at or above a headroom bounds the value there from below, and past
+ * the row's top the least is exact. The pair's buffer (buf, the best so far,
+ * also non-increasing) is cut into blocks of SKIP headrooms from lb; bmax[b]
+ * is buf at the start of block b, the largest value in it. Split j's value
+ * over block b is at least (fsum + S1) + S2, the summaries of its two
+ * operands at the block's last headroom, which for consecutive blocks are
+ * consecutive entries; float rounding is monotone, so the sum computed the
+ * same way bounds the real one. A block whose bound is not below bmax[b]
+ * cannot improve and is skipped. Before that, split j is dropped outright if
+ * its least possible value (both rows' least) is not below buf where j first
+ * applies, and the blocks from the first with bmax <= that value on are cut
+ * off by bisection. Only the flagged blocks run the min-plus kernels: on
+ * random chains about a fifth of all (j, m), of which a few percent improve
+ * (finer bounds cut that little). The operands' reads are the cost: the sweep's own summaries are
+ * copied, one after another, to its lane, so the rows (a, j-1) are read as
+ * one stream too.
  *
  * Note [Threads]
  * --------------
@@ -73,7 +92,7 @@
 /* Relative slack of the whole-chain lower bound: the same positive terms
  * summed in another order differ by far less than this. */
 #define BOUND_SLACK (1.0 - 1e-7)
-/* Summary stride and skipped block length (Note [Skipping]). */
+/* Summary stride and block length (Note [Skipping]). */
 #define SKIP 16
 /* Sweeps interleaved by fill (Note [Threads]). */
 #define LANES 8
@@ -97,12 +116,15 @@ typedef struct {
     void *pool;       /* column-major values, float or double */
     void *summary;    /* every SKIP-th value of each row, same type as pool */
     int use_float;
+    ll buflen;        /* doubles of a row buffer; block maxima and flags follow it */
 } table;
 
 /* One sweep's rows (a, a..n), kept close while the sweep runs. */
 typedef struct {
     double *scratch;  /* their values, as doubles */
     ll *soff;         /* soff[t]: offset of (a, t) in scratch */
+    void *summary;    /* their summaries, one after another (same type as the pool) */
+    ll *sumoff;       /* sumoff[t]: offset of (a, t)'s summary there */
     row *sweep;       /* sweep[t]: a copy of row (a, t) */
 } lane;
 
@@ -137,13 +159,14 @@ static const double *sat(const lane *L, const row *r, ll t, ll m)
 /* Fills the rows' ranges and offsets. Returns the number of stored values,
  * or -1 past `limit`; *scratch gets the longest sweep's. `full` stores every
  * m in 0..M (the naive table). */
-static ll layout(table *T, int full, ll limit, ll *scratch, ll *summaries)
+static ll layout(table *T, int full, ll limit, ll *scratch, ll *summaries, ll *sweep_summaries)
 {
     const problem *p = T->p;
-    ll n = p->n, M = T->M, a, t, total = 0, nsum = 0, *sweep;
-    sweep = (ll *)calloc((size_t)(n + 1), sizeof(ll));
+    ll n = p->n, M = T->M, a, t, total = 0, nsum = 0, *sweep, *ssweep;
+    sweep = (ll *)calloc((size_t)(2 * (n + 1)), sizeof(ll));
     if (!sweep)
         return -2;
+    ssweep = sweep + (n + 1);
     for (t = 1; t <= n; t++) {
         ll hi = 0;
         double all = 0.0;
@@ -168,7 +191,7 @@ static ll layout(table *T, int full, ll limit, ll *scratch, ll *summaries)
             r->off = total;
             r->soff = nsum;
             if (r->top >= r->lb) {
-                ll len = r->top - r->lb + 1, ns = full ? 0 : (len - 1) / SKIP + 1;
+                ll len = r->top - r->lb + 1, ns = full ? 0 : (len - 1) / SKIP + 2;
                 if (len > limit - total - nsum || ns > limit - total - nsum - len) {
                     free(sweep);
                     return -1;
@@ -176,13 +199,17 @@ static ll layout(table *T, int full, ll limit, ll *scratch, ll *summaries)
                 total += len;
                 nsum += ns;
                 sweep[a] += len;
+                ssweep[a] += ns;
             }
         }
     }
     *scratch = 1;
     *summaries = nsum;
-    for (a = 1; a <= n; a++)
+    *sweep_summaries = 1;
+    for (a = 1; a <= n; a++) {
         *scratch = smax(*scratch, sweep[a]);
+        *sweep_summaries = smax(*sweep_summaries, ssweep[a]);
+    }
     free(sweep);
     return total;
 }
@@ -279,36 +306,31 @@ static void split_range(const table *T, const lane *ln, double *buf, ll lb, ll m
     }
 }
 
-/* A lower bound of row r's value at headroom m, lo <= m: the value at the
- * next summarised headroom at or above m, or the row's least past its top. */
-static double lower(const table *T, const row *r, ll m)
-{
-    ll k = (m - r->lb + SKIP - 1) / SKIP;
-    if (r->lb + k * SKIP > r->top)
-        return r->least;
-    return T->use_float ? (double)((const float *)T->summary)[r->soff + k]
-                        : ((const double *)T->summary)[r->soff + k];
-}
-
-/* split_range over [ms, me], skipping blocks no m of which can improve
- * (Note [Skipping]). */
-static void split_skipping(const table *T, const lane *ln, double *buf, ll lb, ll ms, ll me, double f,
-                           const row *r1, const row *r2, ll j, ll xj, ll g)
-{
-    ll cur = ms, run = -1;
-    while (cur <= me) {
-        ll e = smin(me, cur + SKIP - 1);
-        if ((f + lower(T, r1, e - xj)) + lower(T, r2, e - xj + g) >= buf[cur - lb]) {
-            if (run >= 0)
-                split_range(T, ln, buf, lb, run, cur - 1, f, r1, r2, j, xj, g);
-            run = -1;
-        } else if (run < 0) {
-            run = cur;
-        }
-        cur = e + 1;
+/* Flags the blocks b in [b0, b1) that a split may improve: those whose
+ * bound (f + S1[k1 + b]) + S2[k2 + b] is below bmax[b], the indices capped
+ * at e1, e2, the rows' trailing least (Note [Skipping]). */
+#define DEFINE_TEST(T, SUF)                                                                     \
+    static void test_##SUF(unsigned char *live, ll b0, ll b1, double f, const T *s1, ll k1,    \
+                           ll e1, const T *s2, ll k2, ll e2, const double *bmax)                \
+    {                                                                                           \
+        ll b, both = smin(b1, smin(e1 - k1, e2 - k2) + 1);                                      \
+        for (b = b0; b < both; b++)                                                             \
+            live[b] = (f + (double)s1[k1 + b]) + (double)s2[k2 + b] < bmax[b];                  \
+        for (; b < b1; b++)                                                                     \
+            live[b] = (f + (double)s1[smin(k1 + b, e1)]) + (double)s2[smin(k2 + b, e2)] < bmax[b]; \
     }
-    if (run >= 0)
-        split_range(T, ln, buf, lb, run, me, f, r1, r2, j, xj, g);
+
+DEFINE_TEST(double, d)
+DEFINE_TEST(float, f)
+
+/* The offset k with summary index k + b bounding row r from below over
+ * block b >= b0 of a row starting at lb, read at headroom m - shift; and
+ * the index of r's trailing least. */
+static ll skey(const row *r, ll lb, ll b0, ll shift, ll *last)
+{
+    ll m = lb + SKIP * b0 + SKIP - 1 - shift;   /* >= r->lo >= r->lb */
+    *last = (r->top - r->lb) / SKIP + 1;
+    return (m - r->lb + SKIP - 1) / SKIP - b0;
 }
 
 /* P(a, t, m) for m in [lb, top] into buf (Note [Tables]). */
@@ -316,9 +338,10 @@ static void compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
 {
     const problem *p = T->p;
     const row *r = &T->rows[pidx(a, t)];
-    ll lb = r->lb, top = r->top, n = top - lb + 1, g = grad(p, t), j, m, mlow = lb;
+    ll lb = r->lb, top = r->top, n = top - lb + 1, g = grad(p, t), j, m, mlow = lb, nb, b;
     const double *f = (t == p->n) ? p->tf : p->tn;
-    double fsum = 0.0;
+    double fsum = 0.0, *bmax = buf + T->buflen;   /* bmax[b]: buf at block b's start, its largest */
+    unsigned char *live = (unsigned char *)(bmax + T->buflen / SKIP + 2);
 
     for (m = 0; m < n; m++)
         buf[m] = INF;
@@ -347,8 +370,11 @@ static void compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
         }
     }
     /* Split branch: Fck(a), Fn(a+1..j-1), P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]) */
+    nb = (top - lb) / SKIP + 1;
+    for (b = 0; b < nb; b++)
+        bmax[b] = buf[SKIP * b];
     for (j = a + 1; j <= t; j++) {
-        ll k = j - 1, xj = p->x[j - 1], ms, lo_, hi_;
+        ll k = j - 1, xj = p->x[j - 1], ms, b0, b1, k1, k2, e1, e2;
         const row *r1, *r2;
         double bound;
         if (k > a)
@@ -367,17 +393,41 @@ static void compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
         if (ms > top)
             continue;
         bound = (fsum + r1->least) + r2->least;
-        lo_ = ms;          /* the first m with buf[m] <= bound */
-        hi_ = top + 1;
-        while (lo_ < hi_) {
-            ll mid = lo_ + (hi_ - lo_) / 2;
-            if (buf[mid - lb] <= bound)
-                hi_ = mid;
-            else
-                lo_ = mid + 1;
+        if (buf[ms - lb] <= bound)
+            continue;
+        b0 = (ms - lb) / SKIP;
+        {   /* b1: the first block after b0 whose values are all <= bound (branch-free bisection) */
+            ll len = nb - b0 - 1, at = 0;
+            const double *x = bmax + b0 + 1;
+            if (len > 0) {
+                while (len > 1) {
+                    ll half = len / 2;
+                    at += (x[at + half - 1] > bound) ? half : 0;
+                    len -= half;
+                }
+                at += x[at] > bound;
+            }
+            b1 = b0 + 1 + at;
         }
-        if (lo_ > ms)
-            split_skipping(T, ln, buf, lb, ms, lo_ - 1, fsum, r1, r2, j, xj, g);
+        k1 = skey(r1, lb, b0, xj, &e1);
+        k2 = skey(r2, lb, b0, xj - g, &e2);
+        if (T->use_float)
+            test_f(live, b0, b1, fsum, (const float *)T->summary + r1->soff, k1, e1,
+                   (const float *)ln->summary + r2->soff, k2, e2, bmax);
+        else
+            test_d(live, b0, b1, fsum, (const double *)T->summary + r1->soff, k1, e1,
+                   (const double *)ln->summary + r2->soff, k2, e2, bmax);
+        for (b = b0; b < b1; b++) {
+            ll e = b;
+            if (!live[b])
+                continue;
+            while (e + 1 < b1 && live[e + 1])
+                e++;
+            split_range(T, ln, buf, lb, smax(ms, lb + SKIP * b), smin(top, lb + SKIP * e + SKIP - 1), fsum,
+                        r1, r2, j, xj, g);
+            for (; b <= e; b++)
+                bmax[b] = buf[SKIP * b];
+        }
     }
 }
 
@@ -477,11 +527,15 @@ static void finish_row(table *T, lane *ln, int naive, ll a, ll t, double *buf)
         }
         for (m = 0; !naive && m < len; m += SKIP)
             sum[m / SKIP] = dst[m];
+        if (!naive)
+            sum[(len - 1) / SKIP + 1] = dst[len - 1];
     } else {
         double *sum = (double *)T->summary + r->soff;
         memcpy((double *)T->pool + r->off, buf, (size_t)len * sizeof(double));
         for (m = 0; !naive && m < len; m += SKIP)
             sum[m / SKIP] = buf[m];
+        if (!naive)
+            sum[(len - 1) / SKIP + 1] = buf[len - 1];
     }
     if (!T->use_float)
         memcpy(ln->scratch + ln->soff[t], buf, (size_t)len * sizeof(double));
@@ -496,6 +550,12 @@ static void finish_row(table *T, lane *ln, int naive, ll a, ll t, double *buf)
         r->top = r->lb + p;
     }
     ln->sweep[t] = *r;
+    if (!naive) {   /* the lane's copy reads its summary from the lane */
+        size_t w = T->use_float ? sizeof(float) : sizeof(double);
+        ln->sweep[t].soff = ln->sumoff[t];
+        memcpy((char *)ln->summary + (size_t)ln->sumoff[t] * w, (const char *)T->summary + (size_t)r->soff * w,
+               (size_t)((len - 1) / SKIP + 2) * w);
+    }
 }
 
 /* Computes every row (Note [Tables], Note [Threads]). */
@@ -530,12 +590,15 @@ static void fill(table *T, lane *all_lanes, int naive, double *bufs, ll buflen, 
             lo = smax(1, hi - LANES + 1);
             for (a = lo; a <= hi; a++) {
                 lane *ln = &lanes[a - lo];
-                ll off = 0;
+                ll off = 0, soff = 0;
                 for (t = a; t <= n; t++) {
                     const row *r = &T->rows[pidx(a, t)];
                     ln->soff[t] = off;
-                    if (r->top >= r->lb)
+                    ln->sumoff[t] = soff;
+                    if (r->top >= r->lb) {
                         off += r->top - r->lb + 1;
+                        soff += (r->top - r->lb) / SKIP + 2;
+                    }
                 }
             }
             for (t = lo; t <= n; t++) {
@@ -564,9 +627,9 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     problem p;
     table T;
     ll slot = budget / slots + (budget % slots != 0), M, total = -1, meta, scratch = 0, buflen, i, n = c->length;
-    ll nsum = 0, sweep_len, per_thread, blocks = (n + LANES - 1) / LANES;
+    ll nsum = 0, ssum = 0, sweep_len, per_thread, blocks = (n + LANES - 1) / LANES;
     double *bufs = NULL, *scratch_mem = NULL;
-    void *lanes_mem = NULL;
+    void *lanes_mem = NULL, *lane_summaries = NULL;
     ll *progress = NULL;
     lane *lanes = NULL;
     int st, threads = 1;
@@ -581,7 +644,7 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     if ((double)n * n * n / 6.0 * ((double)M + 1.0) < REMAT_THREADS_FROM)
         threads = 1;
     threads = (int)smax(1, smin(smin(threads, REMAT_MAX_THREADS), blocks));
-    per_thread = LANES * ((n + 1) * (ll)(sizeof(ll) + sizeof(row)) + (ll)sizeof(lane));
+    per_thread = LANES * ((n + 1) * (ll)(2 * sizeof(ll) + sizeof(row)) + (ll)sizeof(lane));
     meta = (n * (n + 1) / 2) * (ll)sizeof(row) + threads * per_thread + blocks * (ll)sizeof(ll);
     if (meta > max_bytes)
         return REMAT_E_TOO_LARGE;
@@ -602,9 +665,10 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
         st = REMAT_E_NOMEM;
         goto done;
     }
-    /* Values, plus per thread LANES scratches of one sweep and a buffer of
-     * one row (all doubles): double below the threshold, else float32
-     * (never for the naive table). */
+    /* Values and summaries, plus per thread LANES scratches of one sweep
+     * and a buffer of one row (all doubles) and LANES copies of one sweep's
+     * summaries: double below the threshold, else float32 (never for the
+     * naive table). */
     {
         ll room = max_bytes - meta, dbl = naive ? room : smin(room, REMAT_DOUBLE_TABLE_BYTES - meta), k;
         for (k = 0; k < 2 && total < 0; k++) {
@@ -612,13 +676,18 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
             if (k && naive)
                 break;
             T.use_float = (int)k;
-            total = layout(&T, naive, limit / width, &scratch, &nsum);
+            total = layout(&T, naive, limit / width, &scratch, &nsum, &ssum);
             if (total == -2) {
                 st = REMAT_E_NOMEM;
                 goto done;
             }
-            if (total >= 0 && scratch > (limit - width * (total + nsum)) / 8 / (threads * (LANES + 1)))
-                total = -1;
+            if (total >= 0) {
+                ll left = limit - width * (total + nsum);
+                if (scratch > left / 8 / (threads * (LANES + 1)))
+                    total = -1;
+                else if (ssum > (left - 8 * scratch * threads * (LANES + 1)) / width / (threads * LANES))
+                    total = -1;
+            }
         }
     }
     if (total < 0) {
@@ -626,6 +695,9 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
         goto done;
     }
     buflen = smin(M, scratch) + 1;
+    T.buflen = buflen;
+    /* per thread: a row buffer, its block maxima and the blocks' flags */
+    buflen += buflen / SKIP + 2 + (buflen / SKIP + 2) / (ll)sizeof(double) + 1;
     sweep_len = scratch;
     T.pool = malloc((size_t)(total > 0 ? total : 1) * (T.use_float ? sizeof(float) : sizeof(double)));
     T.summary = malloc((size_t)(nsum > 0 ? nsum : 1) * (T.use_float ? sizeof(float) : sizeof(double)));
@@ -633,7 +705,8 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
         sweep_len = 1;   /* float tables read the sweep from the pool (split_range) */
     scratch_mem = (double *)malloc((size_t)(threads * LANES) * (size_t)sweep_len * sizeof(double));
     bufs = (double *)malloc((size_t)threads * (size_t)buflen * sizeof(double));
-    if (!T.pool || !T.summary || !scratch_mem || !bufs) {
+    lane_summaries = malloc((size_t)(threads * LANES) * (size_t)ssum * (T.use_float ? sizeof(float) : sizeof(double)));
+    if (!T.pool || !T.summary || !scratch_mem || !bufs || !lane_summaries) {
         st = REMAT_E_NOMEM;
         goto done;
     }
@@ -641,8 +714,10 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     for (i = 0; i < threads * LANES; i++) {
         char *base = (char *)lanes_mem + threads * LANES * (ll)sizeof(lane);
         lanes[i].scratch = scratch_mem + i * sweep_len;
-        lanes[i].soff = (ll *)(void *)(base + i * (n + 1) * (ll)(sizeof(ll) + sizeof(row)));
-        lanes[i].sweep = (row *)(void *)(lanes[i].soff + (n + 1));
+        lanes[i].soff = (ll *)(void *)(base + i * (n + 1) * (ll)(2 * sizeof(ll) + sizeof(row)));
+        lanes[i].sumoff = lanes[i].soff + (n + 1);
+        lanes[i].sweep = (row *)(void *)(lanes[i].sumoff + (n + 1));
+        lanes[i].summary = (char *)lane_summaries + (size_t)(i * ssum) * (T.use_float ? sizeof(float) : sizeof(double));
     }
     fill(&T, lanes, naive, bufs, buflen, threads, progress);
     {
@@ -659,6 +734,7 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
 done:
     free(bufs);
     free(scratch_mem);
+    free(lane_summaries);
     free(T.pool);
     free(T.summary);
     free(progress);
