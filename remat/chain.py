@@ -190,6 +190,7 @@ class _Active:
         self.given = None
         self.grad_pool = None
         self.upstream = None
+        self.held_bytes = 0
 
     # stage calls ---------------------------------------------------------
 
@@ -313,9 +314,10 @@ class _Active:
         devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
         rng0 = capture_rng(devices)
         # the previous stage kept its saved tensors in case it was the last one:
-        # it is not, so they go before this stage is measured (DESIGN.md section 2)
+        # it is not, so they go before this stage is measured (DESIGN.md section 2),
+        # unless they fit the budget, which spares rebuilding it in the backward
         prev_anchor = run._anchor(k - 1) if k > 1 else None
-        if prev_anchor is not None:
+        if prev_anchor is not None and not self._keep_saved(k - 1):
             prev_anchor.saved = None
         # the forward that counts: checkpoint the input, keep the saved tensors
         # until the next stage starts so the last stage needs no recomputation
@@ -382,6 +384,30 @@ class _Active:
         new.state.append(call.state)
         new.rows.append(row)
         return out
+
+    def _keep_saved(self, i):
+        """Whether measured stage i keeps its saved tensors for this call's backward.
+
+        Yes while the inputs held so far and the saved tensors kept so far fit
+        the budget (each stage's saved bytes include its output, the next
+        stage's input), so that a budget that fits everything makes the first
+        backward rebuild nothing. A stage run by a schedule before the chain
+        diverged is left to it.
+        """
+        if i < self.diverged:
+            return False
+        rows, given = self.new.rows, self.given
+        saved = rows[i - 1].get("saved_bytes") if rows[i - 1] is not None else None
+        if saved is None and given is not None and i <= given.length:
+            saved = given.saved_bytes[i - 1]
+        out = rows[i - 1].get("out_bytes", 0) if rows[i - 1] is not None else 0
+        if saved is None:
+            return False
+        if self.new.input_bytes + self.held_bytes + saved > self.budget:
+            self.held_bytes += out   # dropped: its output stays, as the next stage's input
+            return False
+        self.held_bytes += saved
+        return True
 
     # end of the chain ----------------------------------------------------
 

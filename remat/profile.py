@@ -34,8 +34,9 @@ the ops inside them, the meter's own work left out (it would double them on
 small ops): a few per cent below a plain run's wall time, which also has the
 model's and PyTorch's Python around the ops. Measuring the real forward and
 its own backward, rather than separate timed runs, keeps a first call at
-about three plain steps (runs 1 to 3, then the backward, which recomputes
-each stage but the last). On CUDA the ops run asynchronously and the time
+two to three plain steps (runs 1 to 3, then the backward, which rebuilds
+the stages whose saved tensors did not fit the budget, never the last;
+remat/chain.py ``_keep_saved``). On CUDA the ops run asynchronously and the time
 inside the mode is launch time: there a forward and backward on a detached
 copy of the input (``timed_step``) give fwd_time and bwd_time, and the
 allocator's peak statistics replace the meter for the peaks.

@@ -198,7 +198,7 @@ def test_fault_in_recomputation(runs, exc, measured, algorithm):
         modes = remat.explain().schedule.forward_modes()
         k = max(i for i, m in enumerate(modes) if m is not Fall)   # recomputed in backward
     else:
-        k = 2
+        k = 4   # the measuring call keeps saved tensors while they fit the budget: the last ones go
     net.stages[k].fault = ("recompute", exc)
     kind, message = _fail(net, 2, True)
     if exc is KeyboardInterrupt:

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import remat
 from chains import Net, make_input
+from remat.solve import minimum_budget
 
 
 class Counted(nn.Module):
@@ -26,21 +27,34 @@ class Counted(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def test_each_stage_runs_three_times_the_last_twice():
-    """A first call runs each stage's forward three times (metered, without recording,
-    recomputed in the backward), the last stage's twice; a later call once."""
+def _first_call_counts(budget):
     torch.manual_seed(0)
-    stages = nn.ModuleList(Counted(8) for _ in range(4))
-    for step, expected in ((0, [3, 3, 3, 2]), (1, [1, 1, 1, 1])):
+    stages = nn.ModuleList(Counted(64) for _ in range(12))
+    counts = []
+    for _ in range(2):
         for s in stages:
             s.calls = 0
-        x = torch.randn(4, 8, requires_grad=True)
-        with remat.chain(budget=2**50):
+        x = torch.randn(32, 64, requires_grad=True)
+        with remat.chain(budget=budget):
             h = x
             for s in stages:
                 h = s(h)
         h.sum().backward()
-        assert [s.calls for s in stages] == expected, step
+        counts.append([s.calls for s in stages])
+    return counts, remat.explain().costs
+
+
+def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
+    """A first call runs each stage's forward twice (metered, then without recording);
+    stages whose saved tensors do not fit the budget a third time, rebuilt in the
+    backward (never the last one); a later call runs each once when everything fits."""
+    counts, costs = _first_call_counts(2**50)
+    assert counts == [[2] * 12, [1] * 12]
+    least = minimum_budget(costs)
+    assert least < costs.input_bytes + sum(costs.saved_bytes)
+    counts, _ = _first_call_counts(least)
+    first = counts[0]
+    assert first[-1] == 2 and set(first) <= {2, 3} and 3 in first, first
 
 
 def test_hooks_on_activations_run_once_with_tied_weights():
