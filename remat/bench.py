@@ -138,40 +138,62 @@ def _step(model, spec, method, batch, clock):
     return loss.item()
 
 
-def _measure(base, spec, method, steps, device):
-    """Median step and chain times over ``steps`` timed steps after one warm-up, and the peak."""
-    model = copy.deepcopy(base)
-    torch.manual_seed(1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = spec[1]
-    step_times, chain_times, peak, losses = [], [], 0, []
-    for i in range(steps + 1):
-        batch = data(i, device)
-        opt.zero_grad(set_to_none=False)
+class _Trial:
+    """One method's model, optimizer and figures while the methods take their steps in turn."""
+
+    def __init__(self, base, method):
+        self.method = method
+        self.model = copy.deepcopy(base)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.step_times, self.chain_times, self.losses, self.peak = [], [], [], 0
+        self.schedule = None
+
+    def step(self, spec, i, steps, device):
+        """Step i (0 is the warm-up; the last is metered for the peak)."""
+        batch = spec[1](i, device)
+        self.opt.zero_grad(set_to_none=False)
         meter = _ChainMeter(device) if i == steps else None
         clock = _Clock(meter, device)
+        torch.manual_seed(1000 + i)   # the same dropout draws for every method
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if meter is not None:
             with meter:
-                losses.append(_step(model, spec, method, batch, clock))
-            peak = meter.peak
+                self.losses.append(_step(self.model, spec, self.method, batch, clock))
+            self.peak = meter.peak
         else:
-            losses.append(_step(model, spec, method, batch, clock))
+            self.losses.append(_step(self.model, spec, self.method, batch, clock))
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i > 0:
-            step_times.append(time.perf_counter() - t0)
-            chain_times.append(clock.total)
-        opt.step()
-    out = {"peak_bytes": peak, "step_seconds": statistics.median(step_times),
-           "chain_seconds": statistics.median(chain_times), "losses": losses}
-    if method[0] == "remat":
-        s = explain().schedule
-        out.update(predicted_seconds=s.time, predicted_peak=s.peak, budget=method[1][0],
-                   algorithm=method[1][1], recomputations=s.recomputations())
-    return out
+            self.step_times.append(time.perf_counter() - t0)
+            self.chain_times.append(clock.total)
+        if self.method[0] == "remat":
+            self.schedule = explain().schedule
+        self.opt.step()
+
+    def result(self):
+        out = {"peak_bytes": self.peak, "step_seconds": statistics.median(self.step_times),
+               "chain_seconds": statistics.median(self.chain_times), "losses": self.losses}
+        if self.method[0] == "remat":
+            s = self.schedule
+            out.update(predicted_seconds=s.time, predicted_peak=s.peak, budget=self.method[1][0],
+                       algorithm=self.method[1][1], recomputations=s.recomputations())
+        return out
+
+
+def _measure_all(base, spec, methods, steps, device, bar=None):
+    """Median step and chain times of every method over ``steps`` timed steps after one
+    warm-up, the methods taking each step in turn (a machine whose speed drifts over the
+    run weighs on all of them alike), and each one's peak (metered on its last step)."""
+    trials = [_Trial(base, m) for m in methods]
+    for i in range(steps + 1):
+        for trial in trials:
+            trial.step(spec, i, steps, device)
+        if bar is not None:
+            bar.update(1)
+    return [t.result() for t in trials]
 
 
 def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, out=print):
@@ -196,14 +218,13 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
         periodic = _best_periodic(costs, b, n)
         if periodic is not None:
             runs.append(("remat", (b, periodic)))
-    bar = tqdm(runs, desc=f"bench {model}", disable=not progress, leave=False)
-    results = []
-    for method in bar:
-        r = _measure(base, spec, method, steps, device)
+    with tqdm(total=steps + 1, desc=f"bench {model} ({len(runs)} methods)", disable=not progress,
+              leave=False) as bar:
+        results = _measure_all(base, spec, runs, steps, device, bar)
+    for method, r in zip(runs, results):
         r["method"] = method[0] if method[0] != "checkpoint_sequential" else f"checkpoint_sequential({method[1]})"
         if method[0] == "checkpoint_sequential":
             r["segments"] = method[1]
-        results.append(r)
     result = {
         "model": model, "device": device.type, "machine": device_name(device), "torch": torch.__version__,
         "stages": n, "steps": steps, "min_budget": low, "store_all_peak": high,
