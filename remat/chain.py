@@ -335,7 +335,7 @@ class _Active:
                 self.grad_pool, self.upstream = GradPool(), Upstream()
             self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
             out, row, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output, run.hooks(pack),
-                                                             kept, self.grad_pool, self.upstream)
+                                                             kept, self.grad_pool, self.upstream, anchor)
         else:
             # costs come from a file: learn only what replay needs, from this forward
             detector = Instrument(exclude=[x])

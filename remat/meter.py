@@ -106,12 +106,17 @@ class Instrument(TorchDispatchMode):
         """Meter only storages made while ``open_`` (e.g. inside a chain's forward and backward)."""
         self.gate = open_
 
-    def open_window(self):
+    def open_window(self, held=0):
         """From now on also meter storages allocated after this call on their own
-        (``window_peak``): what a region adds, however much older memory it frees."""
+        (``window_peak``): what a region adds, however much older memory it frees,
+        plus ``held`` bytes of older memory that ``release`` lets go along the way."""
         self.window = set()
-        self.window_live = 0
-        self.window_peak = 0
+        self.window_live = held
+        self.window_peak = held
+
+    def release(self, nbytes):
+        """Count ``nbytes`` of the older memory given to ``open_window`` as gone."""
+        self.window_live -= nbytes
 
     def _free(self, key, nbytes):
         self._refs.pop(key, None)

@@ -48,6 +48,7 @@ import torch
 
 from .meter import Instrument, storage_key
 from .replay import restore_tensors
+from .runtime import RELEASES
 
 __all__ = ["GradPool", "Timer", "Upstream", "instrumented_run", "timed_step", "stage_leaves"]
 
@@ -122,7 +123,7 @@ class Upstream:
             todo.extend(n for n, _ in node.next_functions)
 
 
-def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None):
+def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None, anchor=None):
     """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
     ``Instrument``, then its backward on that graph.
 
@@ -131,6 +132,9 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
             its pack hook appends to, and its unpack hook reads.
         pool: a ``GradPool`` for the parameters' gradients, or None.
         upstream: an ``Upstream`` that has taken in ``x`` and the side inputs.
+        anchor: the stage's anchor, whose unpacked tensors a backward that
+            frees its graph lets go one by one (remat/runtime.py); the
+            backward here keeps the graph and meters as if it did not.
 
     Returns:
         (what the stage returned, cost row, [(tensor, value before)] of the
@@ -179,16 +183,22 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base_b = torch.cuda.memory_allocated()
-            else:
-                inst.open_window()
+            released = None
+            if not cuda:
+                released = _Releases(act, stop | {xin.grad_fn}, saved, keys, storage_key(act), inst, anchor)
+                inst.open_window(released.held)
             ops_before = inst.op_seconds
-            with inst:
-                _backward(act, grad_out, xin if xin.requires_grad else None, params)
+            try:
+                with inst:
+                    _backward(act, grad_out, xin if xin.requires_grad else None, params)
+            finally:
+                if released is not None:
+                    released.close()
             row["bwd_time"] = inst.op_seconds - ops_before
             if cuda:
                 bwd_delta = torch.cuda.max_memory_allocated() - base_b
             else:
-                bwd_delta = inst.window_peak
+                bwd_delta = inst.window_peak - released.held
         in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
         del grad_out
     del act
@@ -202,6 +212,53 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
     row["bwd_tmp"] = max(0, bwd_delta - in_grad)
     return out, row, list(forward_writes.values()), uses_rng
+
+
+class _Releases:
+    """Meters a stage's backward as one that frees its graph runs it: each saved
+    storage the stage made (its output aside, which stays as the next input) is
+    let go once the node unpacking its last handle has run, as ``_unpack`` and
+    autograd do (Note [The life of a saved tensor] 2 in remat/runtime.py).
+    ``held`` is their bytes at the start. Without the engine's keep-graph query
+    (old PyTorch) the runtime keeps them to the stage's end, and so does this."""
+
+    def __init__(self, act, stop, saved, sizes, out_key, inst, anchor):
+        self.inst, self.anchor, self.saved = inst, anchor, saved
+        self.left, self.pending, self.hooks = {}, [], []
+        if not RELEASES or anchor is None or act.grad_fn is None:
+            self.held = 0
+            return
+        for t in saved:
+            key = storage_key(t)
+            if key in sizes and key != out_key:
+                self.left[key] = self.left.get(key, 0) + 1
+        self.held = sum(sizes[k] for k in self.left)
+        anchor.observe = self.pending.append
+        seen, todo = set(), [act.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node in stop or type(node).__name__ == "AccumulateGrad":
+                continue
+            seen.add(node)
+            self.hooks.append(node.register_hook(self._ran))
+            todo.extend(n for n, _ in node.next_functions)
+        self.sizes = sizes
+
+    def _ran(self, *_):
+        for i in self.pending:
+            key = storage_key(self.saved[i])
+            n = self.left.get(key)
+            if n is not None:
+                self.left[key] = n - 1
+                if n == 1:
+                    self.inst.release(self.sizes[key])
+        self.pending.clear()
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+        if self.anchor is not None:
+            self.anchor.observe = None
 
 
 def _backward(out, grad, x, params):

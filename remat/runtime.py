@@ -13,7 +13,11 @@ Note [The life of a saved tensor]
    weakly. When the engine has run the last node of stage i it releases the
    handles, the anchor goes, and with it a^(i-1) and a-bar^i: exactly the
    moment ``B(i)`` frees them in ``simulate``. With ``retain_graph=True`` the
-   handles stay, and so does what a second backward needs.
+   handles stay, and so does what a second backward needs. Without it, each
+   recomputed tensor is let go as soon as the engine has unpacked it, so it
+   lives until the node that uses it has run, as what autograd saves itself
+   does (``_unpack``; the measuring call meters a stage's backward so,
+   remat/profile.py).
 3. The first time the engine unpacks a handle of stage i whose anchor holds
    no saved tensors, ``Run.materialize(i)`` executes the schedule's ops from
    its cursor up to the ``Fall(i)`` that makes a-bar^i: ``Fn``/``Fck`` under
@@ -37,7 +41,12 @@ import torch
 from .errors import RecomputeMismatchError, StageError
 from .replay import restore_tensors
 
-__all__ = ["Run", "StageCall", "replaying"]
+__all__ = ["Run", "StageCall", "replaying", "RELEASES"]
+
+# Whether the engine says if the graph it runs is kept (torch >= 2.4 or so):
+# without that, recomputed tensors stay until their stage's backward ends.
+_keep_graph = getattr(getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", None)
+RELEASES = _keep_graph is not None
 
 _local = threading.local()
 
@@ -95,13 +104,14 @@ def first(out):
 
 
 class _Anchor:
-    __slots__ = ("run", "stage", "input", "saved", "__weakref__")
+    __slots__ = ("run", "stage", "input", "saved", "observe", "__weakref__")
 
     def __init__(self, run, stage):
         self.run = run
         self.stage = stage
         self.input = None
         self.saved = None
+        self.observe = None   # called with each unpacked index instead of releasing (measuring)
 
 
 class _Saved:
@@ -112,13 +122,29 @@ class _Saved:
         self.index = index
 
 
+def _releasing():
+    """True in a backward that frees its graph as it goes (Note [The life of a saved tensor], 2)."""
+    if _keep_graph is None:
+        return False
+    try:
+        return not _keep_graph()
+    except RuntimeError:   # not inside a backward (a saved tensor read directly)
+        return False
+
+
 def _unpack(handle):
     anchor = handle.anchor
     saved = anchor.saved
-    if saved is None:
+    if saved is None or saved[handle.index] is None:
+        anchor.saved = None   # (the second case: released, then asked for again)
         anchor.run.materialize(anchor.stage)
         saved = anchor.saved
-    return saved[handle.index]
+    t = saved[handle.index]
+    if anchor.observe is not None:
+        anchor.observe(handle.index)
+    elif _releasing():
+        saved[handle.index] = None
+    return t
 
 
 def _drop(_tensor):
