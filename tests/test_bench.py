@@ -20,7 +20,12 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     assert [m for m in methods if m.startswith("checkpoint_sequential")] == [
         f"checkpoint_sequential({s})" for s in range(1, result["stages"] + 1)]
     remat_runs = [r for r in result["runs"] if r["method"] == "remat"]
-    assert len([r for r in remat_runs if r["algorithm"] == "optimal"]) == 2
+    assert len([r for r in remat_runs if r["algorithm"] == "optimal" and "at_segments" not in r]) == 2
+    # remat also runs at the peak of every checkpoint_sequential point above its minimum
+    cs_peaks = {r["peak_bytes"] for r in result["runs"] if r["method"].startswith("checkpoint_sequential")
+                and r["peak_bytes"] >= result["min_budget"]}
+    assert cs_peaks <= {r["budget"] for r in remat_runs if r["algorithm"] == "optimal"}
+    assert all("plain_step_seconds" in r for r in result["runs"])
     for r in result["runs"]:
         assert RUN_KEYS <= set(r)
     for r in remat_runs:
