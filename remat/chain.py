@@ -30,10 +30,10 @@ from .budget import parse_budget, resolve_budget
 from .costs import Costs
 from .errors import CostsError, RematError, StageError
 from .meter import Instrument, storage_key
-from .profile import GradPool, Timer, Upstream, instrumented_run, timed_step
+from .profile import GradPool, Timer, Upstream, backward_again, instrumented_run, stage_leaves, timed_step
 from .recording import Explanation, Recording, _last, explain
 from .replay import capture_autocast, capture_rng, cuda_devices, restore_tensors
-from .runtime import FALL, FCK, Run, StageCall, _Replay, _Saved, replaying
+from .runtime import FALL, FCK, Run, StageCall, _Replay, _Saved, first, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
@@ -191,6 +191,8 @@ class _Active:
         self.grad_pool = None
         self.upstream = None
         self.held_bytes = 0
+        self.measured = None    # what run 4 of Note [Measuring a stage] needs of the last stage
+        self.relayout = None    # (that of the stage before, the layout its gradient has) due for run 4
 
     # stage calls ---------------------------------------------------------
 
@@ -278,7 +280,7 @@ class _Active:
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state"):
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "held"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
         new.rows = [{f: getattr(old.costs, f)[i] for f in fields} for i in range(k - 1)]
@@ -304,6 +306,8 @@ class _Active:
         with run.hooks(pack):
             out = call.invoke(x)
         run.settle(anchor, count[0])
+        if count[0]:
+            run.watch(anchor, first(out))
         return out
 
     # measuring (Note [Measuring a stage] in remat/profile.py) -----------
@@ -319,6 +323,7 @@ class _Active:
         prev_anchor = run._anchor(k - 1) if k > 1 else None
         if prev_anchor is not None and not self._keep_saved(k - 1):
             prev_anchor.saved = None
+        self._measure_backward_again()
         # the forward that counts: checkpoint the input, keep the saved tensors
         # until the next stage starts so the last stage needs no recomputation
         anchor, _, count = run.new_anchor(call, True, x)
@@ -330,10 +335,12 @@ class _Active:
             kept.append(t.detach())
             return _Saved(anchor, i)
 
+        if self.upstream is None:
+            self.upstream = Upstream()
+        self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
         if self.given is None:
             if self.grad_pool is None:
-                self.grad_pool, self.upstream = GradPool(), Upstream()
-            self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
+                self.grad_pool = GradPool()
             out, row, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, _check_output, run.hooks(pack),
                                                              kept, self.grad_pool, self.upstream, anchor)
         else:
@@ -347,6 +354,18 @@ class _Active:
             uses_rng = rng0.changed()
             act = out[0] if isinstance(out, tuple) else out
             row = {"out_bytes": act.untyped_storage().nbytes()} if isinstance(act, torch.Tensor) else None
+            if row is not None and act.requires_grad:
+                stop = {a.grad_fn for a in (x, *call.args) if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+                row["held_grads"] = self.upstream.held_grads(p for p in stage_leaves(act, stop) if p is not x)
+        held = row.pop("held_grads", {}) if row is not None else {}
+        if self.given is None and row is not None:
+            # run 4 of the Note: the gradient reaching the previous stage is laid
+            # out as this stage's backward made it, not as the ones it was measured with
+            layout, seen = row.pop("grad_layout", None), row.pop("input_grad_layout", None)
+            last = self.measured
+            if last is not None and last[0] == k - 1 and last[-1] is not None and seen not in (None, last[-1]):
+                self.relayout = (last, seen)
+            self.measured = (k, call, x, cuda, rng0, list(originals), layout)
         state = [t for t, _ in originals]
         for t, old in originals:
             self.originals.setdefault(storage_key(t), (t, old))
@@ -355,6 +374,8 @@ class _Active:
         call.state = [weakref.ref(t) for t in state]
         call.rng = rng0 if uses_rng else None
         run.settle(anchor, len(kept))
+        if kept:
+            run.watch(anchor, first(out))
         # run 3 of the Note: without recording, from the state the stage started in,
         # replayed as a recomputation is (what it costs is what Fn and Fck cost)
         with rng0.replayed(), torch.no_grad(), restore_tensors(state):
@@ -383,7 +404,23 @@ class _Active:
         new.grad_replay.append(call.grad_replay)
         new.state.append(call.state)
         new.rows.append(row)
+        new.held.append(held)
         return out
+
+    def _measure_backward_again(self):
+        """Run 4 of Note [Measuring a stage] for the stage due (if any), after the
+        saved tensors of the stage past it have gone or been kept."""
+        due, self.relayout = self.relayout, None
+        if due is None:
+            return
+        (i, call, x, cuda, rng0, originals, _), layout = due
+        row = self.new.rows[i - 1]
+        if i < self.diverged or row is None or "bwd_tmp" not in row:
+            return
+        again = backward_again(call, x, cuda, rng0, originals, layout,
+                               self.grad_pool, self.upstream.leaves if self.upstream is not None else ())
+        if again is not None:
+            row["bwd_time"], row["bwd_tmp"] = again
 
     def _keep_saved(self, i):
         """Whether measured stage i keeps its saved tensors for this call's backward.
@@ -422,8 +459,13 @@ class _Active:
             _publish(Explanation(self.entry.costs, self.plan[0], self.budget, self.entry.names))
             return
         new = self.new
-        self.grad_pool = self.upstream = None
         try:
+            self.in_stage = True   # stages inside the stage measured again run plainly
+            try:
+                self._measure_backward_again()
+            finally:
+                self.in_stage = False
+                self.measured = self.grad_pool = self.upstream = None
             new.costs = self._costs()
         except BaseException:
             self._undo()
@@ -448,7 +490,9 @@ class _Active:
             _check_given(self.given, new, path)
             return self.given
         fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
-        costs = Costs(**{f: [row[f] for row in new.rows] for f in fields}, input_bytes=new.input_bytes)
+        # a gradient the engine holds across stages counts with the chain's input
+        costs = Costs(**{f: [row[f] for row in new.rows] for f in fields},
+                      input_bytes=new.input_bytes + new.held_bytes())
         rank = 0
         if _distributed():
             box = [costs.to_dict()]
@@ -515,10 +559,11 @@ def _input_signature(ident, x):
 def _check_given(costs, new, path):
     """Costs read from ``path`` must describe this chain."""
     sizes = [row["out_bytes"] for row in new.rows]
-    if costs.length != len(sizes) or costs.input_bytes != new.input_bytes or list(costs.out_bytes) != sizes:
+    held = new.input_bytes + new.held_bytes()
+    if costs.length != len(sizes) or costs.input_bytes != held or list(costs.out_bytes) != sizes:
         raise CostsError(
             f"remat: the costs in {path} describe another chain ({costs.length} stages, input "
-            f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {new.input_bytes} "
+            f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {held} "
             f"bytes, or other output sizes); delete the file to measure again"
         )
 

@@ -29,7 +29,9 @@ class Costs:
             stage's backward, without parameters, buffers or the stage input.
         fwd_tmp: transient bytes above input and output during the forward.
         bwd_tmp: transient bytes above what B(i) holds during the backward.
-        input_bytes: size of a^0, the chain input.
+        input_bytes: size of a^0, the chain input. A measured chain adds the
+            gradients the engine holds across stages (of a leaf used by two
+            stages: that of the later use waits for the earlier's, to be summed).
 
     Raises:
         CostsError: a list has the wrong length, a size is not a

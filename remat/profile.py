@@ -27,6 +27,14 @@ this order:
    recomputation (``_Replay``, whose per-call work is then in the time):
    fwd_nograd_time. Its output is compared, bit for bit, with the real
    forward's (Note [Replaying a stage] 4 in remat/replay.py).
+4. Only when the next stage's backward (run 2 of that stage) hands its
+   input a gradient laid out otherwise than the ones run 2 fed this stage
+   (a transpose, say): this stage's backward again, on a fresh forward of a
+   copy of its input, with a gradient of that layout (``backward_again``):
+   bwd_time and bwd_tmp. A layout can cost a copy (a ``reshape`` of a
+   transposed gradient), which a training step pays. It runs once the next
+   stage's saved tensors have gone or been kept, at the start of the stage
+   after it or at the chain's end.
 
 Run 1 is the one that counts, so RNG streams and BatchNorm statistics end
 where one plain forward leaves them. The times of runs 1 and 2 are those of
@@ -50,7 +58,7 @@ from .meter import Instrument, storage_key
 from .replay import restore_tensors
 from .runtime import RELEASES
 
-__all__ = ["GradPool", "Timer", "Upstream", "instrumented_run", "timed_step", "stage_leaves"]
+__all__ = ["GradPool", "Timer", "Upstream", "backward_again", "instrumented_run", "timed_step", "stage_leaves"]
 
 
 class Timer:
@@ -100,6 +108,14 @@ class Upstream:
     def __init__(self):
         self._seen = set()
         self.leaves = set()   # ids
+
+    def held_grads(self, leaves):
+        """{id: gradient bytes} of those of a stage's ``leaves`` also used behind
+        it. The engine sums a leaf's gradients before it accumulates them, so
+        the share from this stage's backward waits, held, until the backward
+        of the first use has run: memory no stage's costs show, which the chain
+        adds to ``input_bytes`` (DESIGN.md section 3 departs here)."""
+        return {id(p): p.numel() * p.element_size() for p in leaves if id(p) in self.leaves}
 
     def add(self, tensors):
         """Take in the graphs behind ``tensors``."""
@@ -173,10 +189,13 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     in_grad = 0
     params = stage_leaves(act, stop | {xin.grad_fn}) if act.requires_grad else []
     if upstream is not None:
+        row["held_grads"] = upstream.held_grads(params)
         params = [p for p in params if id(p) not in upstream.leaves]
     if act.requires_grad and (xin.requires_grad or params):
         # the meter is off between the two runs: what is made here is no stage's
         grad_out = torch.ones_like(act)
+        row["grad_layout"] = grad_out.stride()
+        hook = xin.register_hook(lambda g: row.__setitem__("input_grad_layout", g.stride())) if xin.requires_grad else None
         with _step_grads(params, pool) as grads:
             inst.ignore_writes(grads)   # AccumulateGrad adds into them: no state to put back
             if cuda:
@@ -194,6 +213,8 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
             finally:
                 if released is not None:
                     released.close()
+                if hook is not None:
+                    hook.remove()
             row["bwd_time"] = inst.op_seconds - ops_before
             if cuda:
                 bwd_delta = torch.cuda.max_memory_allocated() - base_b
@@ -333,6 +354,52 @@ class _step_grads:
         for p, g in zip(self.params, self.old):
             p.grad = g
         return False
+
+
+def backward_again(call, x, cuda, rng0, originals, layout, pool=None, leaves=()):
+    """Run 4 of Note [Measuring a stage]: bwd_time and bwd_tmp of a stage measured
+    again, its output's gradient laid out with strides ``layout``, on a fresh
+    forward of a detached copy of its input from the RNG and in-place state it
+    started from (put back after). This backward frees the graph as it goes, as
+    a training step's does.
+
+    Args:
+        originals: [(tensor, value before the stage)] of the state the stage writes.
+        pool: a ``GradPool`` for the parameters' gradients, or None.
+        leaves: ids of tensors also used behind the stage (``Upstream.leaves``).
+
+    Returns:
+        (bwd_time, bwd_tmp), or None when the stage's output needs no gradient.
+    """
+    xin = x.detach().requires_grad_(x.requires_grad)
+    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    inst = Instrument(exclude=[x, xin])
+    state = [t for t, _ in originals]
+    with rng0.replayed(), restore_tensors(state), torch.enable_grad():
+        with torch.no_grad():
+            for t, old in originals:
+                t.copy_(old)
+        with inst:
+            act = call.call(xin)
+        params = [p for p in stage_leaves(act, stop) if p is not xin and id(p) not in leaves]
+        inputs = [xin] if xin.requires_grad else []
+        if not act.requires_grad or not (inputs or params):
+            return None
+        grad = torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
+        with _step_grads(params, pool) as grads:
+            inst.ignore_writes(grads)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated() if cuda else inst.live
+            inst.peak = inst.live
+            ops_before = inst.op_seconds
+            with Timer(cuda) as timer, inst:
+                torch.autograd.backward(act, grad, inputs=inputs + params)
+            peak = torch.cuda.max_memory_allocated() if cuda else inst.peak
+        seconds = timer.seconds if cuda else inst.op_seconds - ops_before
+        in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
+        return seconds, max(0, peak - start - in_grad)
 
 
 def timed_step(call, x, cuda, rng0, state):

@@ -61,9 +61,19 @@ class Recording:
         self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
         self.state = []       # per stage: weak references to tensors it writes in place
         self.rows = []        # per stage: dict of cost fields
+        self.held = []        # per stage: {id: bytes} of gradients held past it (Upstream.held_grads)
         self.input_bytes = 0
         self.costs = None
         self.plans = {}
+
+    def held_bytes(self):
+        """Bytes of the gradients of leaves used by several stages (or by a stage
+        and code before the chain), each counted once: the engine holds them
+        from the backward of the last use to that of the first."""
+        held = {}
+        for stage in self.held:
+            held.update(stage)
+        return sum(held.values())
 
     def plan(self, budget, algorithm, slots):
         key = (budget, algorithm, slots)

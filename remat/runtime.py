@@ -18,12 +18,17 @@ Note [The life of a saved tensor]
    lives until the node that uses it has run, as what autograd saves itself
    does (``_unpack``; the measuring call meters a stage's backward so,
    remat/profile.py).
-3. The first time the engine unpacks a handle of stage i whose anchor holds
-   no saved tensors, ``Run.materialize(i)`` executes the schedule's ops from
+3. When the engine is about to run the last node of stage i (the first of its
+   backward: a pre-hook, ``Run.watch``), or else the first time it unpacks a
+   handle of stage i whose anchor holds no saved tensors,
+   ``Run.materialize(i)`` executes the schedule's ops from
    its cursor up to the ``Fall(i)`` that makes a-bar^i: ``Fn``/``Fck`` under
    ``no_grad``, ``Fall`` with grad enabled under a collecting pack hook. ``B``
    ops are the engine's own and are skipped. A recomputed a^k goes to the
-   anchor of stage k+1, ``Fn(k+1)`` drops it again.
+   anchor of stage k+1, ``Fn(k+1)`` drops it again. Rebuilding before the
+   stage's first node, not at its first unpack, keeps what the nodes ahead of
+   that unpack allocate (a gradient copied to another layout, say) after the
+   recomputation, where ``simulate`` counts it (in bwd_tmp).
 4. If the cursor has already passed that ``Fall(i)`` (the engine visited
    stages out of chain order) or the run has no ops (a measuring call),
    stage i is rebuilt from the nearest held input below it. Slower, never
@@ -202,6 +207,23 @@ class Run:
             self.orphans[anchor.stage] = anchor
 
     hooks = staticmethod(lambda pack: torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
+
+    @staticmethod
+    def watch(anchor, act):
+        """Rebuild stage ``anchor.stage`` as its backward starts, before any of its
+        nodes runs (Note [The life of a saved tensor], 3): the weak reference lets
+        the anchor go with the stage's handles, though the node and its hook stay."""
+        node = act.grad_fn if isinstance(act, torch.Tensor) else None
+        if node is None:
+            return
+        ref = weakref.ref(anchor)
+
+        def begin(_grads):
+            a = ref()
+            if a is not None and a.saved is None and a.run is not None:
+                a.run.materialize(a.stage)
+
+        node.register_prehook(begin)
 
     # backward phase -----------------------------------------------------
 

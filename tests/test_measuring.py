@@ -103,3 +103,29 @@ def test_first_call_imports_neither_dynamo_nor_sympy():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _measured(kinds):
+    torch.manual_seed(0)
+    net = Net(kinds, image=False)
+    x, mask = make_input(net, 4, 6, seed=1)
+    net.budget = 1 << 30
+    net(x, mask).sum().backward()
+    return remat.explain().costs
+
+
+def test_backward_is_measured_with_the_gradient_layout_it_gets():
+    """The attention stage's backward reshapes its output gradient: free when that
+    gradient is contiguous (a Linear stage next), a copy of it when it comes
+    transposed (a BatchNorm1d stage, which runs on x.transpose(1, 2), next)."""
+    plain, transposed = _measured(["attn", "linear"]), _measured(["attn", "bn"])
+    assert plain.bwd_tmp[0] < plain.out_bytes[0]
+    assert transposed.bwd_tmp[0] >= plain.bwd_tmp[0] + plain.out_bytes[0] // 4
+    assert transposed.bwd_tmp[0] >= transposed.out_bytes[0]
+
+
+def test_gradients_held_across_stages_count_with_the_input():
+    """A weight used by stages 1 and 4: its gradient from stage 4 waits for stage 1's."""
+    tied, untied = _measured(["tied", "linear", "relu", "tied"]), _measured(["linear", "linear", "relu", "linear"])
+    weight = 8 * 8 * 4 + 8 * 4
+    assert untied.input_bytes + weight == tied.input_bytes
