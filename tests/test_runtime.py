@@ -51,7 +51,8 @@ def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
 
 def _physical_peak(net, batch=4, length=6, seed=7):
     """Peak bytes of tensor storages live during one training step of ``net``
-    (new allocations, plus the chain input, which the budget counts)."""
+    (new allocations, plus the chain input, which the budget counts): those of
+    the chain, its output's gradient and its input's, not the loss's forward."""
     from remat.meter import Instrument
 
     x, mask = __import__("chains").make_input(net, batch, length, seed=seed)
@@ -60,10 +61,11 @@ def _physical_peak(net, batch=4, length=6, seed=7):
         x.register_hook(lambda g: inst.set_gate(False))
         y = net(x, mask)
         inst.set_gate(False)
-        y.register_hook(lambda g: inst.set_gate(True))
         loss = (y * target).sum()
         del y
-        loss.backward()
+        seed = torch.ones(())      # the loss's own gradient is not the chain's
+        inst.set_gate(True)
+        loss.backward(seed)
     return inst.peak + x.untyped_storage().nbytes()
 
 
@@ -92,7 +94,9 @@ def test_measured_peak_stays_under_budget(chain, fraction):
 @pytest.mark.parametrize("kinds", [["mlp"] * 6, ["attn", "mlp"] * 4, ["convblock"] * 6, ["linear", "ln"] * 5])
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 1.0])
 def test_measured_peak_close_to_prediction(kinds, fraction):
-    """For blocks whose first op saves its input, the real peak is within 20% of simulate's."""
+    """The real peak is under simulate's by at most one stage output (and 2%): the
+    cost model holds a stage's output with what it saves (a-bar^i includes a^i),
+    which a rebuilt stage whose backward does not need its output lets go at once."""
     image = kinds[0].startswith("conv")
     torch.manual_seed(0)
     net = Net(kinds, d=16, image=image)
@@ -101,10 +105,10 @@ def test_measured_peak_close_to_prediction(kinds, fraction):
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
     peak = _physical_peak(net, 8, 16)
-    predicted = remat.explain().schedule.peak
+    explanation = remat.explain()
+    predicted = explanation.schedule.peak
     assert peak <= net.budget
-    print("RATIO", kinds[0], fraction, peak / predicted)
-    assert peak >= 0.8 * predicted, (peak, predicted)
+    assert peak >= 0.98 * (predicted - max(explanation.costs.out_bytes)), (peak, predicted)
 
 
 def _fresh(kinds=("mlp", "attn", "bn", "dropout", "mlp"), image=False):
