@@ -109,6 +109,12 @@ class _Clock:
         if self.meter is not None:
             self.meter.gate(open_)
 
+    def enter_backward(self, grad):
+        """The chain's backward starts (``_ChainMeter.enter_backward``)."""
+        if self.meter is not None and self.meter.inst is not None:
+            self.meter.inst.count(grad)
+        self.gate(True)
+
 
 def _step(model, spec, method, batch, clock):
     _, _, pre, stages, post = spec
@@ -130,7 +136,7 @@ def _step(model, spec, method, batch, clock):
             for b in blocks:
                 x = b(x)
     clock.gate(False)
-    x.register_hook(lambda g: clock.gate(True))
+    x.register_hook(clock.enter_backward)
     loss = post(model, x, batch[1])
     del x
     loss.backward()

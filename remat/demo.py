@@ -68,6 +68,13 @@ class _ChainMeter:
         else:
             self.inst.set_gate(open_)
 
+    def enter_backward(self, grad):
+        """The chain's backward starts with ``grad``, its output's gradient, made
+        behind it (by the loss) and counted by the budget; then the gate opens."""
+        if not self.cuda:
+            self.inst.count(grad)
+        self.gate(True)
+
     def __exit__(self, *exc):
         if not self.cuda:
             self.inst.__exit__(*exc)
@@ -96,7 +103,7 @@ def _loss(model, idx, targets, method, meter=None):
                 x = block(x)
     if meter is not None:
         meter.gate(False)
-        x.register_hook(lambda g: meter.gate(True))
+        x.register_hook(meter.enter_backward)
     logits = model.lm_head(tr.ln_f(x))
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 

@@ -118,6 +118,19 @@ class Instrument(TorchDispatchMode):
         """Count ``nbytes`` of the older memory given to ``open_window`` as gone."""
         self.window_live -= nbytes
 
+    def count(self, t):
+        """Meter ``t``'s storage from now on as if made while the gate was open
+        (a tensor made outside the region that the region's budget counts)."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if self.created.get(key):
+            return
+        nbytes = st.nbytes()
+        self.created[key] = nbytes
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes, free=self._free: free(key, nbytes))
+
     def _free(self, key, nbytes):
         self._refs.pop(key, None)
         if self.created.pop(key, None) is not None:

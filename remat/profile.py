@@ -196,6 +196,9 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         grad_out = torch.ones_like(act)
         row["grad_layout"] = grad_out.stride()
         hook = xin.register_hook(lambda g: row.__setitem__("input_grad_layout", g.stride())) if xin.requires_grad else None
+        # a training step hands the stage a gradient only the engine holds, which
+        # it may add into in place (a residual's sum): so does a copy made here
+        relay = act.register_hook(_engine_owned)
         with _step_grads(params, pool) as grads:
             inst.ignore_writes(grads)   # AccumulateGrad adds into them: no state to put back
             if cuda:
@@ -215,12 +218,15 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
                     released.close()
                 if hook is not None:
                     hook.remove()
+                relay.remove()
             row["bwd_time"] = inst.op_seconds - ops_before
             if cuda:
                 bwd_delta = torch.cuda.max_memory_allocated() - base_b
             else:
                 bwd_delta = inst.window_peak - released.held
-        in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
+        # the copy stands for the gradient simulate holds (x[i]), and the input's for
+        # the one B(i) adds (x[i-1]); what is left is bwd_tmp
+        in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
         del grad_out
     del act
     # the real forward's writes stay (as one plain forward's); the backward's are undone
@@ -280,6 +286,11 @@ class _Releases:
             h.remove()
         if self.anchor is not None:
             self.anchor.observe = None
+
+
+def _engine_owned(grad):
+    """A copy of ``grad`` that nothing but the autograd engine holds."""
+    return grad.clone()
 
 
 def _backward(out, grad, x, params):
@@ -386,6 +397,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, pool=None, leaves=())
         if not act.requires_grad or not (inputs or params):
             return None
         grad = torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
+        relay = act.register_hook(_engine_owned)   # as in instrumented_run
         with _step_grads(params, pool) as grads:
             inst.ignore_writes(grads)
             if cuda:
@@ -397,8 +409,9 @@ def backward_again(call, x, cuda, rng0, originals, layout, pool=None, leaves=())
             with Timer(cuda) as timer, inst:
                 torch.autograd.backward(act, grad, inputs=inputs + params)
             peak = torch.cuda.max_memory_allocated() if cuda else inst.peak
+        relay.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
-        in_grad = x.untyped_storage().nbytes() if x.requires_grad else 0
+        in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
         return seconds, max(0, peak - start - in_grad)
 
 

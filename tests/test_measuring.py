@@ -129,3 +129,22 @@ def test_gradients_held_across_stages_count_with_the_input():
     tied, untied = _measured(["tied", "linear", "relu", "tied"]), _measured(["linear", "linear", "relu", "linear"])
     weight = 8 * 8 * 4 + 8 * 4
     assert untied.input_bytes + weight == tied.input_bytes
+
+
+def test_meter_counts_a_tensor_made_outside_its_gate():
+    """``Instrument.count``: a gradient made while the gate was shut is metered
+    from then on, and let go when it dies."""
+    from remat.meter import Instrument
+
+    with Instrument() as inst:
+        inst.set_gate(False)
+        g = torch.ones(256) * 2
+        assert inst.live == 0
+        inst.count(g)
+        inst.count(g)                     # once per storage
+        assert inst.live == inst.peak == 1024
+        inst.set_gate(True)
+        h = g + 1
+        assert inst.live == inst.peak == 2048
+        del g, h
+        assert inst.live == 0
