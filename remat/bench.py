@@ -211,49 +211,48 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     torch.manual_seed(0)
     base = spec[0]().to(device)
     n = len(spec[3](base))
-    # costs: one measuring call through remat
+    # costs: one measuring call through remat, in a process warmed by two plain
+    # steps (a cold first step runs slower and would skew the times remat plans on)
     probe = copy.deepcopy(base)
+    for i in range(2):
+        _step(probe, spec, ("plain", None), spec[1](i, device), _Clock(None, device))
     _step(probe, spec, ("remat", (2**50, "store_all")), spec[1](0, device), _Clock(None, device))
     costs = explain().costs
     del probe
     low, high = minimum_budget(costs), simulate(costs, store_all(n)).peak
     grid = [int(low + (high - low) * i / (budgets - 1)) for i in range(budgets)]
-    # phase 1: plain PyTorch and checkpoint_sequential; phase 2: plain again, remat on
-    # the grid and at the peak each checkpoint_sequential point measured (the
-    # comparison of the targets). Overheads are against the plain step of the phase.
-    first = [("plain", None)] + [("checkpoint_sequential", s) for s in range(1, n + 1)]
-    with tqdm(total=steps + 1, desc=f"bench {model} ({len(first)} methods)", disable=not progress,
-              leave=False) as bar:
-        results = _measure_all(base, spec, first, steps, device, bar)
-    for method, r in zip(first, results):
-        r["method"] = method[0] if method[0] != "checkpoint_sequential" else f"checkpoint_sequential({method[1]})"
-        if method[0] == "checkpoint_sequential":
-            r["segments"] = method[1]
-        r["plain_step_seconds"] = results[0]["step_seconds"]
-    second, tags = [("plain", None)], [None]
+    # the peak of every checkpoint_sequential point first (a warm-up step and a
+    # metered one: peaks do not drift), then every method in one run, taking the
+    # steps in turn: remat on the grid and at each of those peaks (the comparison
+    # of the targets), against the same plain steps
+    cs = [("checkpoint_sequential", s) for s in range(1, n + 1)]
+    with tqdm(total=2, desc=f"bench {model} (peaks)", disable=not progress, leave=False) as bar:
+        peaks = [r["peak_bytes"] for r in _measure_all(base, spec, cs, 1, device, bar)]
+    methods, tags = [("plain", None)] + cs, [None] * (n + 1)
     for b in grid:
-        second.append(("remat", (b, "optimal")))
+        methods.append(("remat", (b, "optimal")))
         tags.append("grid")
         periodic = _best_periodic(costs, b, n)
         if periodic is not None:
-            second.append(("remat", (b, periodic)))
+            methods.append(("remat", (b, periodic)))
             tags.append("grid")
     at = {}
-    for r in results[1:]:
-        if r["peak_bytes"] >= low and r["peak_bytes"] not in grid:
-            at.setdefault(r["peak_bytes"], []).append(r["segments"])
+    for (_, segments), peak in zip(cs, peaks):
+        if peak >= low and peak not in grid:
+            at.setdefault(peak, []).append(segments)
     for b, segments in sorted(at.items()):
-        second.append(("remat", (b, "optimal")))
+        methods.append(("remat", (b, "optimal")))
         tags.append(segments)
-    with tqdm(total=steps + 1, desc=f"bench {model} ({len(second)} methods)", disable=not progress,
+    with tqdm(total=steps + 1, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
               leave=False) as bar:
-        more = _measure_all(base, spec, second, steps, device, bar)
-    for tag, r in zip(tags[1:], more[1:]):
-        r["method"] = "remat"
-        r["plain_step_seconds"] = more[0]["step_seconds"]
-        if tag != "grid":
+        results = _measure_all(base, spec, methods, steps, device, bar)
+    for method, tag, r in zip(methods, tags, results):
+        r["method"] = method[0] if method[0] != "checkpoint_sequential" else f"checkpoint_sequential({method[1]})"
+        if method[0] == "checkpoint_sequential":
+            r["segments"] = method[1]
+        if tag not in (None, "grid"):
             r["at_segments"] = tag
-        results.append(r)
+        r["plain_step_seconds"] = results[0]["step_seconds"]
     result = {
         "model": model, "device": device.type, "machine": device_name(device), "torch": torch.__version__,
         "stages": n, "steps": steps, "min_budget": low, "store_all_peak": high,
@@ -275,7 +274,7 @@ def _best_periodic(costs, budget, n):
 
 
 def overhead(run):
-    """Step time over the plain step measured in the same phase, less one."""
+    """Step time over the plain step of the same run, less one."""
     return run["step_seconds"] / run.get("plain_step_seconds", run["step_seconds"]) - 1
 
 

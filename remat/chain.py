@@ -305,7 +305,7 @@ class _Active:
         anchor, pack, count = run.new_anchor(call, keep, x)
         with run.hooks(pack):
             out = call.invoke(x)
-        run.settle(anchor, count[0])
+        run.settle(anchor, count[0], x)
         if count[0]:
             run.watch(anchor, first(out))
         return out
@@ -367,9 +367,10 @@ class _Active:
             # out as this stage's backward made it, not as the ones it was measured with
             layout, seen = row.pop("grad_layout", None), row.pop("input_grad_layout", None)
             last = self.measured
-            if last is not None and last[0] == k - 1 and last[-1] is not None and seen not in (None, last[-1]):
+            if last is not None and last[0] == k - 1 and last[6] is not None and seen not in (None, last[6]):
                 self.relayout = (last, seen)
-            self.measured = (k, call, x, cuda, rng0, list(originals), layout)
+            # (the leaves behind it as they were: later stages add this one's own)
+            self.measured = (k, call, x, cuda, rng0, list(originals), layout, frozenset(self.upstream.leaves))
         state = [t for t, _ in originals]
         for t, old in originals:
             self.originals.setdefault(storage_key(t), (t, old))
@@ -377,7 +378,7 @@ class _Active:
         call.meta = meta
         call.state = [weakref.ref(t) for t in state]
         call.rng = rng0 if uses_rng else None
-        run.settle(anchor, len(kept))
+        run.settle(anchor, len(kept), x)
         if kept:
             run.watch(anchor, first(out))
         # run 3 of the Note: without recording, from the state the stage started in,
@@ -417,12 +418,12 @@ class _Active:
         due, self.relayout = self.relayout, None
         if due is None:
             return
-        (i, call, x, cuda, rng0, originals, _), layout = due
+        (i, call, x, cuda, rng0, originals, _, leaves), layout = due
         row = self.new.rows[i - 1]
         if i < self.diverged or row is None or "bwd_tmp" not in row:
             return
-        again = backward_again(call, x, cuda, rng0, originals, layout,
-                               self.grad_pool, self.upstream.leaves if self.upstream is not None else ())
+        again = backward_again(call, x, cuda, rng0, originals, layout, row.get("out_freed", 0),
+                               self.grad_pool, leaves)
         if again is not None:
             row["bwd_time"], row["bwd_tmp"] = again
 

@@ -185,6 +185,11 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         if key in inst.created:
             keys[key] = inst.created[key]
     saved_bytes = max(sum(keys.values()), out_bytes)
+    # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
+    # next stage needs it; by B(i) the next stage's backward has let it go, unless
+    # this stage's own backward reads it: then bwd_tmp gives its bytes back
+    out_key = storage_key(act)
+    row["out_freed"] = 0 if any(storage_key(t) == out_key for t in saved) else out_bytes
     bwd_delta = 0
     in_grad = 0
     params = stage_leaves(act, stop | {xin.grad_fn}) if act.requires_grad else []
@@ -237,7 +242,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["out_bytes"] = out_bytes
     row["saved_bytes"] = saved_bytes
     row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
-    row["bwd_tmp"] = max(0, bwd_delta - in_grad)
+    row["bwd_tmp"] = max(0, bwd_delta - in_grad - row["out_freed"])
     return out, row, list(forward_writes.values()), uses_rng
 
 
@@ -367,7 +372,7 @@ class _step_grads:
         return False
 
 
-def backward_again(call, x, cuda, rng0, originals, layout, pool=None, leaves=()):
+def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=()):
     """Run 4 of Note [Measuring a stage]: bwd_time and bwd_tmp of a stage measured
     again, its output's gradient laid out with strides ``layout``, on a fresh
     forward of a detached copy of its input from the RNG and in-place state it
@@ -376,6 +381,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, pool=None, leaves=())
 
     Args:
         originals: [(tensor, value before the stage)] of the state the stage writes.
+        out_freed: the output's bytes if the stage's backward does not read it.
         pool: a ``GradPool`` for the parameters' gradients, or None.
         leaves: ids of tensors also used behind the stage (``Upstream.leaves``).
 
@@ -412,7 +418,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, pool=None, leaves=())
         relay.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
         in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
-        return seconds, max(0, peak - start - in_grad)
+        return seconds, max(0, peak - start - in_grad - out_freed)
 
 
 def timed_step(call, x, cuda, rng0, state):

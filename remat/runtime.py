@@ -170,6 +170,7 @@ class Run:
         self.calls = [None]       # 1-based StageCall list
         self.anchors = [None]     # 1-based weak references
         self.orphans = {}         # stage -> anchor of a stage autograd saved nothing of
+        self.passed = set()       # such stages the engine has backwarded (``settle``)
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
         self.autocast = autocast
 
@@ -198,13 +199,27 @@ class Run:
         self.anchors.append(None)
         self.whole.append(True)
 
-    def settle(self, anchor, packed):
+    def settle(self, anchor, packed, x):
         """After a hooked forward: a stage autograd saved nothing of has no handle to
         keep its anchor alive, so the run keeps it (without a reference back, so no
-        cycle) until the backward has passed below it (see ``materialize``)."""
+        cycle) until the backward has passed below it: until the engine is about to
+        run the node that made the stage's input ``x`` (the previous stage's
+        backward starts, and B(i) has freed a^(i-1) in ``simulate``), or the
+        cursor passes B(i) (``materialize``)."""
         if packed == 0:
             anchor.run = None
             self.orphans[anchor.stage] = anchor
+            node = x.grad_fn
+            if node is not None:
+                run, stage, held = weakref.ref(self), anchor.stage, weakref.ref(anchor)
+
+                def passed(_grads):
+                    r, a = run(), held()
+                    if r is not None and a is not None and r.orphans.get(stage) is a:
+                        del r.orphans[stage]
+                        r.passed.add(stage)   # a rebuild of it the cursor has not reached is moot
+
+                node.register_prehook(passed)
 
     hooks = staticmethod(lambda pack: torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
 
@@ -259,7 +274,8 @@ class Run:
             start, self.cursor = self.cursor, pos + 1
             for code, i in ops[start:pos + 1]:
                 if code != BWD:
-                    self._execute(code, i)
+                    if i not in self.passed:
+                        self._execute(code, i)
                 elif i in self.orphans:
                     del self.orphans[i]   # B(i) is behind the cursor: its anchor can go
             anchor = self._anchor(k)

@@ -260,6 +260,16 @@ def test_retain_graph_twice(measured, fraction):
 
 # the deep property -------------------------------------------------------
 
+def _saves_something(stage):
+    """Whether the measuring call saw autograd save tensors for ``stage``."""
+    cache = sys.modules["remat.chain"]._cache
+    for entry in cache.values():
+        for ident, meta in zip(entry.idents, entry.meta):
+            if ident() is stage:
+                return bool(meta)
+    raise AssertionError("the stage is in no cached chain")
+
+
 @st.composite
 def faulty_chains(draw):
     image = draw(st.booleans())
@@ -300,8 +310,12 @@ def test_random_chain_budget_and_fault(chain, fraction, algorithm):
             raised = type(exc)
         if fault == "forward":
             assert raised is ValueError
-        elif recomputed:
+        elif recomputed and _saves_something(net.stages[where]):
             assert raised is remat.StageError
+        elif recomputed:
+            # a stage autograd saves nothing of is rebuilt only as the input of
+            # another rebuild, and not at all once its backward has run
+            assert raised in (None, remat.StageError)
         else:
             assert raised is None
         del loss

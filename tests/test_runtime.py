@@ -76,6 +76,10 @@ def _physical_peak(net, batch=4, length=6, seed=7):
 @example((["linear", "dropout", "attn", "bn"] * 2 + ["attn", "bn"], False), 0.1)
 # the tied weight's gradient from stage 4 is held until stage 1's backward
 @example((["tied", "linear", "relu", "tied"], False), 0.0)
+# the mlp's backward measured again for the transposed gradient, with its parameters
+@example((["mlp", "bn"], False), 0.0)
+# the scale stage saves nothing: its anchor (holding a^2) goes as stage 2's backward starts
+@example((["linear", "mlp", "scale", "attn", "linear"], False), 0.0)
 def test_measured_peak_stays_under_budget(chain, fraction):
     """The storage meter's peak of a real training step never exceeds the budget."""
     kinds, image = chain
