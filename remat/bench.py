@@ -9,8 +9,10 @@ for remat the schedule's predicted time and peak.
 """
 
 import copy
+import os
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -132,7 +134,7 @@ def _step(model, spec, method, batch, clock):
     elif kind == "checkpoint_sequential":
         x = checkpoint_sequential(blocks, arg, x, use_reentrant=False)
     else:
-        with chain(budget=arg[0], algorithm=arg[1]):
+        with chain(budget=arg[0], algorithm=arg[1], costs=arg[2] if len(arg) > 2 else None):
             for b in blocks:
                 x = b(x)
     clock.gate(False)
@@ -212,11 +214,15 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     base = spec[0]().to(device)
     n = len(spec[3](base))
     # costs: one measuring call through remat, in a process warmed by two plain
-    # steps (a cold first step runs slower and would skew the times remat plans on)
+    # steps (a cold first step runs slower and would skew the times remat plans
+    # on), saved to a file that every remat run plans on (as a job reuses costs
+    # measured on a quiet machine): methods differ by their schedules only
     probe = copy.deepcopy(base)
     for i in range(2):
         _step(probe, spec, ("plain", None), spec[1](i, device), _Clock(None, device))
-    _step(probe, spec, ("remat", (2**50, "store_all")), spec[1](0, device), _Clock(None, device))
+    folder = tempfile.TemporaryDirectory()
+    path = os.path.join(folder.name, "costs.json")
+    _step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](0, device), _Clock(None, device))
     costs = explain().costs
     del probe
     low, high = minimum_budget(costs), simulate(costs, store_all(n)).peak
@@ -230,18 +236,18 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
         peaks = [r["peak_bytes"] for r in _measure_all(base, spec, cs, 1, device, bar)]
     methods, tags = [("plain", None)] + cs, [None] * (n + 1)
     for b in grid:
-        methods.append(("remat", (b, "optimal")))
+        methods.append(("remat", (b, "optimal", path)))
         tags.append("grid")
         periodic = _best_periodic(costs, b, n)
         if periodic is not None:
-            methods.append(("remat", (b, periodic)))
+            methods.append(("remat", (b, periodic, path)))
             tags.append("grid")
     at = {}
     for (_, segments), peak in zip(cs, peaks):
         if peak >= low and peak not in grid:
             at.setdefault(peak, []).append(segments)
     for b, segments in sorted(at.items()):
-        methods.append(("remat", (b, "optimal")))
+        methods.append(("remat", (b, "optimal", path)))
         tags.append(segments)
     with tqdm(total=steps + 1, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
               leave=False) as bar:

@@ -162,6 +162,20 @@ def test_every_algorithm_fits_and_optimal_wins(seed):
             assert best.time <= s.time * (1 + 1e-9), algo
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_optimal_at_a_periodic_peak_is_no_slower(seed):
+    """At the exact peak of a periodic schedule (checkpoint_sequential's, at the
+    memory it measures), optimal is at least as fast, slots or not."""
+    rng = random.Random(seed)
+    costs = random_costs(rng, rng.randint(2, 30), size=10**6)
+    n = costs.length
+    for k in range(1, n + 1):
+        p = simulate(costs, periodic(n, k))
+        if p.peak < minimum_budget(costs):
+            continue
+        assert solve(costs, p.peak, slots=20).time <= p.time * (1 + 1e-12)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_more_budget_never_slower(seed):
     """At a fixed slot size, a larger budget never gives a slower optimal schedule."""
