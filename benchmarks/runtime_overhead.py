@@ -4,7 +4,8 @@
     PyTorch's (steps interleaved, medians over >= 10 steps);
 (b) at three budgets, the chain's measured time against the schedule's
     prediction;
-(c) the first (measuring) call against a plain step.
+(c) the first (measuring) call against a plain step (median of 5 first calls,
+    the cache cleared before each, each timed beside a plain step).
 
     python benchmarks/runtime_overhead.py [--steps 12]
 
@@ -19,22 +20,20 @@ What the figures can and cannot show:
   Note [Measuring a stage]): about two plain steps of work plus the meter's
   Python per op, which weighs most on small stages (ResNet-101 at 32x32 on
   CPU).
-- (b) The prediction comes from costs timed once per stage in the first
-  call, while the measured chain time is a median of later steps. What
-  separates them: noise in those single samples (it only adds time, so it
-  shows as measured < predicted); the first call's colder caches and memory
-  allocator (same sign); CPU times being the ops' time inside the meter, a
-  few per cent below wall time (opposite sign); per-step work simulate does
-  not charge: remat's hooks (see (a)) and the replay around a recomputation
-  recording a graph (``Fall``; ``Fn``/``Fck`` are timed with it). On a
-  shared 2-core machine the first effect dominates and errors of 10-50%
-  are common from one run to the next; take the figures on a quiet machine,
-  and repeat them. The machine's speed also drifts between the first call
-  and later steps (a plain step here varies by 10% from run to run), which
-  scales every prediction alike and leaves the schedule unchanged (it
-  depends on the costs' ratios only). The last column divides that out:
-  the error of measured/measured-store-all against predicted/predicted-
-  store-all, the budgets run in turn within each step.
+- (b) The prediction comes from costs timed in first calls (each stage's
+  times the median of five first calls), while the measured chain time is a
+  median of later steps. What separates them: noise in the first calls'
+  samples (it only adds time, so it shows as measured < predicted); their
+  colder caches and memory allocator (same sign); CPU times being the ops'
+  time inside the meter, a few per cent below wall time (opposite sign);
+  per-step work simulate does not charge: remat's hooks (see (a)) and the
+  replay around a recomputation recording a graph (``Fall``; ``Fn``/``Fck``
+  are timed with it). The machine's speed also drifts between the first
+  calls and later steps (on a shared 2-core VM a plain step varies by 10-30%
+  from minute to minute), which scales every prediction alike and leaves the
+  schedule unchanged (it depends on the costs' ratios only). The last column
+  divides that out: the error of measured/measured-store-all against
+  predicted/predicted-store-all, the budgets run in turn within each step.
 """
 
 import argparse
@@ -43,6 +42,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,17 @@ from remat.bench import MODELS, _Clock, _step, device_name  # noqa: E402
 from remat.schedule import simulate  # noqa: E402
 from remat.solve import minimum_budget, store_all  # noqa: E402
 
+FIRST_CALLS = 5
 CASES = {"gpt12": "12-block GPT-style model", "resnet101": "ResNet-101 chain (34 stages)"}
+
+
+def median_costs(measured):
+    """Costs whose times are, stage by stage, the medians of ``measured``'s (sizes agree)."""
+    data = measured[0].to_dict()
+    for field in ("fwd_time", "fwd_nograd_time", "bwd_time"):
+        data[field] = [statistics.median(c[i] for c in (getattr(m, field) for m in measured))
+                       for i in range(measured[0].length)]
+    return remat.Costs.from_dict(data)
 
 
 def timed(model, spec, method, data, device):
@@ -71,10 +81,25 @@ def run_case(name, steps, device):
     base = spec[0]().to(device)
     plain, rem = copy.deepcopy(base), copy.deepcopy(base)
     data = [spec[1](i, device) for i in range(steps + 2)]
-    # warm up plain, then the first (measuring) remat call
-    timed(plain, spec, ("plain", None), data[0], device)
-    first, _ = timed(rem, spec, ("remat", (2**50, "optimal")), data[0], device)
-    costs = remat.explain().costs
+    # warm the process (allocator, caches, lazy inits) with two plain steps, as a
+    # job's first remat call would follow its data loading and model set-up;
+    # then the first (measuring) remat call
+    for _ in range(2):
+        timed(plain, spec, ("plain", None), data[0], device)
+    # (c) first calls (the cache cleared before each), each beside a plain step
+    firsts, beside, measured = [], [], []
+    for i in range(FIRST_CALLS):
+        remat.clear_cache()
+        firsts.append(timed(rem, spec, ("remat", (2**50, "optimal")), data[i], device)[0])
+        beside.append(timed(plain, spec, ("plain", None), data[i], device)[0])
+        measured.append(remat.explain().costs)
+    # (b) plans on the median of those first calls' times, stage by stage (saved to
+    # a file the chain loads, as a job reuses costs): one call's single samples
+    # carry the machine's noise of that moment into every prediction
+    costs = median_costs(measured)
+    folder = tempfile.TemporaryDirectory()
+    path = os.path.join(folder.name, "costs.json")
+    costs.save(path)
     # (a) everything fits: interleave plain and remat steps
     tp, tr = [], []
     for i in range(1, steps + 1):
@@ -91,7 +116,7 @@ def run_case(name, steps, device):
     schedules = {}
     for i in range(steps + 1):
         for budget in chosen:
-            _, chain_t = timed(rem, spec, ("remat", (budget, "optimal")), data[i % len(data)], device)
+            _, chain_t = timed(rem, spec, ("remat", (budget, "optimal", path)), data[i % len(data)], device)
             schedules[budget] = remat.explain().schedule
             if i:
                 chain_times[budget].append(chain_t)
@@ -109,7 +134,9 @@ def run_case(name, steps, device):
         "model": name, "description": CASES[name], "stages": costs.length,
         "plain_step_seconds": plain_step, "remat_step_seconds": remat_step,
         "overhead": remat_step / plain_step - 1,
-        "first_call_seconds": first, "first_call_ratio": first / plain_step,
+        "first_call_seconds": statistics.median(firsts),
+        "first_call_ratio": statistics.median(f / p for f, p in zip(firsts, beside)),
+        "first_calls": FIRST_CALLS,
         "store_all_predicted_seconds": all_predicted, "store_all_measured_chain_seconds": all_measured,
         "budgets": budgets,
     }

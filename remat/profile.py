@@ -218,6 +218,10 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
             try:
                 with inst:
                     _backward(act, grad_out, xin if xin.requires_grad else None, params)
+            except BaseException as exc:
+                if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
+                    exc.add_note(_BACKWARD_FAILED)
+                raise
             finally:
                 if released is not None:
                     released.close()
@@ -291,6 +295,13 @@ class _Releases:
             h.remove()
         if self.anchor is not None:
             self.anchor.observe = None
+
+
+_BACKWARD_FAILED = (
+    "(raised by the backward that remat's first call runs on each stage to measure it, inside "
+    "the chain's forward: hooks that expect a backward only after the forward, such as FSDP1's "
+    "(FullyShardedDataParallel) on its units, reject it. Measure the costs once without them and "
+    "pass the file: remat.chain(..., costs=\"costs.json\"))")
 
 
 def _engine_owned(grad):
