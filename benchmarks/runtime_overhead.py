@@ -51,21 +51,12 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat.bench import MODELS, _Clock, _step, device_name  # noqa: E402
+from remat.bench import MODELS, _Clock, _step, device_name, median_costs  # noqa: E402
 from remat.schedule import simulate  # noqa: E402
 from remat.solve import minimum_budget, store_all  # noqa: E402
 
 FIRST_CALLS = 5
 CASES = {"gpt12": "12-block GPT-style model", "resnet101": "ResNet-101 chain (34 stages)"}
-
-
-def median_costs(measured):
-    """Costs whose times are, stage by stage, the medians of ``measured``'s (sizes agree)."""
-    data = measured[0].to_dict()
-    for field in ("fwd_time", "fwd_nograd_time", "bwd_time"):
-        data[field] = [statistics.median(c[i] for c in (getattr(m, field) for m in measured))
-                       for i in range(measured[0].length)]
-    return remat.Costs.from_dict(data)
 
 
 def timed(model, spec, method, data, device):

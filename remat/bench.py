@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
 from .chain import chain
+from .costs import Costs
 from .demo import _ChainMeter
 from .recording import explain
 from .schedule import simulate
@@ -191,17 +192,35 @@ class _Trial:
         return out
 
 
-def _measure_all(base, spec, methods, steps, device, bar=None):
+def _measure_all(base, spec, methods, steps, device, bar=None, probe=None):
     """Median step and chain times of every method over ``steps`` timed steps after one
     warm-up, the methods taking each step in turn (a machine whose speed drifts over the
-    run weighs on all of them alike), and each one's peak (metered on its last step)."""
+    run weighs on all of them alike), and each one's peak (metered on its last step).
+    ``probe(i)``, if given, runs after the methods' step i."""
     trials = [_Trial(base, m) for m in methods]
     for i in range(steps + 1):
         for trial in trials:
             trial.step(spec, i, steps, device)
+        if probe is not None:
+            probe(i)
         if bar is not None:
             bar.update(1)
-    return [t.result() for t in trials]
+    return [t.result() for t in trials], [t.schedule for t in trials]
+
+
+def measure_costs(base, spec, step, device):
+    """The costs remat's first call measures on a fresh copy of ``base``."""
+    model = copy.deepcopy(base)
+    _step(model, spec, ("remat", (2**50, "store_all")), spec[1](step, device), _Clock(None, device))
+    return explain().costs
+
+
+def median_costs(measured):
+    """Costs whose times are, stage by stage, the medians of ``measured``'s (their sizes agree)."""
+    data = measured[0].to_dict()
+    for field in ("fwd_time", "fwd_nograd_time", "bwd_time"):
+        data[field] = [statistics.median(getattr(m, field)[i] for m in measured) for i in range(measured[0].length)]
+    return Costs.from_dict(data)
 
 
 def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, out=print):
@@ -233,7 +252,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     # of the targets), against the same plain steps
     cs = [("checkpoint_sequential", s) for s in range(1, n + 1)]
     with tqdm(total=2, desc=f"bench {model} (peaks)", disable=not progress, leave=False) as bar:
-        peaks = [r["peak_bytes"] for r in _measure_all(base, spec, cs, 1, device, bar)]
+        peaks = [r["peak_bytes"] for r in _measure_all(base, spec, cs, 1, device, bar)[0]]
     methods, tags = [("plain", None)] + cs, [None] * (n + 1)
     for b in grid:
         methods.append(("remat", (b, "optimal", path)))
@@ -249,9 +268,18 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     for b, segments in sorted(at.items()):
         methods.append(("remat", (b, "optimal", path)))
         tags.append(segments)
+    # a first call on a fresh copy after each step of the run: costs measured at the
+    # machine's speed of the run, on which each schedule's time is predicted again
+    # (the planning costs' single samples carry the speed of their own moment)
+    window = []
     with tqdm(total=steps + 1, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
               leave=False) as bar:
-        results = _measure_all(base, spec, methods, steps, device, bar)
+        results, schedules = _measure_all(base, spec, methods, steps, device, bar,
+                                          probe=lambda i: window.append(measure_costs(base, spec, i, device)))
+    run_costs = median_costs(window[1:])
+    for method, r, s in zip(methods, results, schedules):
+        if method[0] == "remat":
+            r["predicted_seconds_run_costs"] = simulate(run_costs, s).time
     for method, tag, r in zip(methods, tags, results):
         r["method"] = method[0] if method[0] != "checkpoint_sequential" else f"checkpoint_sequential({method[1]})"
         if method[0] == "checkpoint_sequential":
@@ -262,7 +290,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     result = {
         "model": model, "device": device.type, "machine": device_name(device), "torch": torch.__version__,
         "stages": n, "steps": steps, "min_budget": low, "store_all_peak": high,
-        "costs": costs.to_dict(), "runs": results,
+        "costs": costs.to_dict(), "run_costs": run_costs.to_dict(), "runs": results,
     }
     result["summary"] = summarise(result)
     out(table(result))
@@ -309,6 +337,8 @@ def summarise(result):
         "mean_overhead_reduction": statistics.mean(reductions) if reductions else None,
         "all_under_budget": all(r["peak_bytes"] <= r["budget"] for r in remat),
         "max_time_error": max(abs(r["chain_seconds"] / r["predicted_seconds"] - 1) for r in remat),
+        "max_time_error_run_costs": max(abs(r["chain_seconds"] / r["predicted_seconds_run_costs"] - 1)
+                                        for r in remat if "predicted_seconds_run_costs" in r),
         "losses_equal": all(r["losses"] == plain["losses"] for r in remat + cs),
     }
 
@@ -317,21 +347,26 @@ def table(result):
     """A markdown table of one result."""
     plain = next(r for r in result["runs"] if r["method"] == "plain")
     lines = [f"### {result['model']} on {result['machine']} (torch {result['torch']}, {result['stages']} stages)",
-             "", "| method | budget | peak | step ms | x plain | chain ms | predicted ms |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| method | budget | peak | step ms | x plain | chain ms | predicted ms | predicted ms (run's costs) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         name = r["method"] if r["method"] != "remat" else f"remat {r['algorithm']}"
         lines.append(
             f"| {name} | {format_bytes(r['budget']) if 'budget' in r else ''} | {format_bytes(r['peak_bytes'])} "
             f"| {r['step_seconds'] * 1e3:.1f} | {overhead(r) + 1:.2f} "
-            f"| {r['chain_seconds'] * 1e3:.1f} | {r['predicted_seconds'] * 1e3 if 'predicted_seconds' in r else float('nan'):.1f} |")
+            f"| {r['chain_seconds'] * 1e3:.1f} | {_ms(r, 'predicted_seconds')} | {_ms(r, 'predicted_seconds_run_costs')} |")
     s = result["summary"]
     red = s["mean_overhead_reduction"]
     lines += ["", f"remat dominates checkpoint_sequential: {s['dominates']}; mean overhead reduction: "
                   f"{'n/a' if red is None else f'{red:.0%}'}; every remat peak under its budget: "
-                  f"{s['all_under_budget']}; worst |measured/predicted - 1| of chain time: {s['max_time_error']:.1%}; "
+                  f"{s['all_under_budget']}; worst |measured/predicted - 1| of chain time: {s['max_time_error']:.1%} "
+                  f"(on costs measured during the run: {s['max_time_error_run_costs']:.1%}); "
                   f"losses equal to plain: {s['losses_equal']}"]
     return "\n".join(lines)
+
+
+def _ms(run, field):
+    return f"{run[field] * 1e3:.1f}" if field in run else ""
 
 
 def plot(result, path):

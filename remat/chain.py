@@ -478,6 +478,10 @@ class _Active:
         with _cache_lock:
             _cache[self.key] = new
             _cache.move_to_end(self.key)
+            if len(_cache) > CACHE_SIZE:
+                # recordings of models that are gone can never match again: they go first
+                for key in [k for k, e in _cache.items() if e.idents[0]() is None]:
+                    del _cache[key]
             while len(_cache) > CACHE_SIZE:
                 _cache.popitem(last=False)
         try:

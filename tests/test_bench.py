@@ -5,7 +5,7 @@ import json
 from remat.bench import write_bench
 
 KEYS = {"model", "device", "machine", "torch", "stages", "steps", "min_budget", "store_all_peak", "costs",
-        "runs", "summary"}
+        "run_costs", "runs", "summary"}
 RUN_KEYS = {"method", "peak_bytes", "step_seconds", "chain_seconds", "losses"}
 
 
@@ -29,9 +29,13 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     for r in result["runs"]:
         assert RUN_KEYS <= set(r)
     for r in remat_runs:
-        assert {"budget", "predicted_seconds", "predicted_peak", "algorithm"} <= set(r)
+        assert {"budget", "predicted_seconds", "predicted_seconds_run_costs", "predicted_peak", "algorithm"} <= set(r)
         assert r["peak_bytes"] <= r["budget"]
         assert r["predicted_peak"] <= r["budget"]
+    # the run's costs: the same sizes as the planning costs, times from first calls in the run
+    for field in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp", "input_bytes"):
+        assert result["run_costs"][field] == result["costs"][field]
+    assert result["summary"]["max_time_error_run_costs"] >= 0
     assert result["summary"]["all_under_budget"]
     assert result["summary"]["losses_equal"]
     assert (tmp_path / "tiny-cpu.md").read_text().startswith("### tiny")

@@ -133,6 +133,27 @@ def test_cache_is_bounded_and_evicted_entries_are_freed():
     remat.clear_cache()
 
 
+def test_recordings_of_dropped_models_are_evicted_first():
+    """When the cache is full, recordings of models that are gone (they can never match
+    again) go before the least recently used live ones."""
+    remat.clear_cache()
+    torch.manual_seed(0)
+    keep = Model(n=2, d=4, budget=2**30)
+    keep(torch.randn(2, 4, requires_grad=True)).sum().backward()   # the least recently used
+    gone = [Model(n=2, d=4, budget=2**30) for _ in range(_chain_module.CACHE_SIZE - 1)]
+    for model in gone:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    del gone, model
+    gc.collect()
+    fresh = Model(n=2, d=4, budget=2**30)
+    fresh(torch.randn(2, 4, requires_grad=True)).sum().backward()   # the cache overflows
+    alive = [e for e in _chain_module._cache.values() if e.idents[0]() is not None]
+    assert {id(e.idents[0]()) for e in alive} == {id(keep.blocks[0]), id(fresh.blocks[0])}, \
+        "a live model's recording was evicted before those of dropped models"
+    assert len(_chain_module._cache) <= _chain_module.CACHE_SIZE
+    remat.clear_cache()
+
+
 def test_many_budgets_keep_few_plans():
     """Solving one chain for many budgets keeps a bounded number of plans."""
     remat.clear_cache()
