@@ -11,6 +11,7 @@ for remat the schedule's predicted time and peak.
 import copy
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -196,13 +197,19 @@ def _measure_all(base, spec, methods, steps, device, bar=None, probe=None):
     """Median step and chain times of every method over ``steps`` timed steps after one
     warm-up, the methods taking each step in turn (a machine whose speed drifts over the
     run weighs on all of them alike), and each one's peak (metered on its last step).
-    ``probe(i)``, if given, runs after the methods' step i."""
+    ``probe(i)``, if given, runs once among the methods' step i."""
     trials = [_Trial(base, m) for m in methods]
+    order = random.Random(0)
     for i in range(steps + 1):
-        for trial in trials:
-            trial.step(spec, i, steps, device)
-        if probe is not None:
-            probe(i)
+        # in a new order each step: what one step leaves behind (the allocator's
+        # free lists, caches, a probe's first call) weighs on no method steadily
+        turn = list(trials) + ([None] if probe is not None else [])
+        order.shuffle(turn)
+        for trial in turn:
+            if trial is None:
+                probe(i)
+            else:
+                trial.step(spec, i, steps, device)
         if bar is not None:
             bar.update(1)
     return [t.result() for t in trials], [t.schedule for t in trials]
