@@ -11,7 +11,7 @@ RUN_KEYS = {"method", "peak_bytes", "step_seconds", "chain_seconds", "losses"}
 
 def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     """The JSON has its schema, every remat run stays under its budget, and every
-    method computes plain PyTorch's losses."""
+    method computes plain PyTorch's losses and gradients."""
     write_bench("tiny", "cpu", steps=2, budgets=2, out_dir=str(tmp_path), progress=False)
     result = json.loads((tmp_path / "tiny-cpu.json").read_text())
     assert KEYS <= set(result)
@@ -38,4 +38,5 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     assert result["summary"]["max_time_error_run_costs"] >= 0
     assert result["summary"]["all_under_budget"]
     assert result["summary"]["losses_equal"]
+    assert result["summary"]["grads_equal"] and all(r["grads_equal"] for r in result["runs"])
     assert (tmp_path / "tiny-cpu.md").read_text().startswith("### tiny")
