@@ -27,8 +27,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
-from .costs import Costs
-from .errors import CostsError, RematError, StageError
+from .costs_source import FIELDS, chain_costs, read_costs
+from .errors import RematError, StageError
 from .meter import Instrument, storage_key
 from .profile import GradPool, Timer, Upstream, backward_again, instrumented_run, stage_leaves, timed_step
 from .recording import Explanation, Recording, _last, explain
@@ -268,7 +268,7 @@ class _Active:
             self.new = Recording()
             self.run = Run(None, {}, autocast)
             self.rng_start = capture_rng(cuda_devices([x]))
-            self.given = _read_costs(self.spec.costs_path)
+            self.given = read_costs(self.spec.costs_path)
 
     def _matches(self, k, ident, x):
         entry = self.entry
@@ -282,8 +282,7 @@ class _Active:
         new = Recording()
         for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "held"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
-        fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
-        new.rows = [{f: getattr(old.costs, f)[i] for f in fields} for i in range(k - 1)]
+        new.rows = [{f: getattr(old.costs, f)[i] for f in FIELDS} for i in range(k - 1)]
         new.input_bytes = old.input_bytes
         self.new = new
         self.mode = "measure"
@@ -471,7 +470,8 @@ class _Active:
             finally:
                 self.in_stage = False
                 self.measured = self.grad_pool = self.upstream = None
-            new.costs = self._costs()
+            new.costs = chain_costs(new.rows, new.input_bytes + new.held_bytes(), self.spec.costs_path,
+                                    self.given)
         except BaseException:
             self._undo()
             raise
@@ -492,29 +492,6 @@ class _Active:
             raise
         _publish(Explanation(new.costs, schedule, self.budget, new.names))
 
-    def _costs(self):
-        """The costs of a measuring call: measured, read from a file, or rank 0's."""
-        new, path = self.new, self.spec.costs_path
-        if self.given is not None:
-            _check_given(self.given, new, path)
-            return self.given
-        fields = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
-        # a gradient the engine holds across stages counts with the chain's input
-        costs = Costs(**{f: [row[f] for row in new.rows] for f in fields},
-                      input_bytes=new.input_bytes + new.held_bytes())
-        rank = 0
-        if _distributed():
-            box = [costs.to_dict()]
-            torch.distributed.broadcast_object_list(box, src=0)
-            costs = Costs.from_dict(box[0])
-            rank = torch.distributed.get_rank()
-        if path is not None and rank == 0:
-            try:
-                costs.save(path)
-            except OSError as exc:
-                raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
-        return costs
-
     def _undo(self):
         """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""
         if self.rng_start is not None:
@@ -534,47 +511,10 @@ def _bitwise_equal(a, b):
                             b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-def _distributed():
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _read_costs(path):
-    """Costs from ``path`` if it exists, else None. Under torch.distributed rank 0
-    alone reads, and every rank gets its answer, so that all ranks either load
-    the same costs or all measure (and meet in the same broadcast)."""
-    if path is None:
-        return None
-    if not _distributed():
-        return Costs.load(path) if os.path.exists(path) else None
-    box = [None]
-    if torch.distributed.get_rank() == 0:
-        try:
-            box = [Costs.load(path).to_dict() if os.path.exists(path) else None]
-        except RematError as exc:
-            box = [str(exc)]
-    torch.distributed.broadcast_object_list(box, src=0)
-    if isinstance(box[0], str):
-        raise CostsError(box[0])
-    return None if box[0] is None else Costs.from_dict(box[0])
-
-
 def _input_signature(ident, x):
     """What each stage of a recording is checked against: input shape and dtype,
     and its module's training flag (a stage switched to eval is measured again)."""
     return (tuple(x.shape), x.dtype, getattr(ident, "training", None))
-
-
-def _check_given(costs, new, path):
-    """Costs read from ``path`` must describe this chain."""
-    sizes = [row["out_bytes"] for row in new.rows]
-    held = new.input_bytes + new.held_bytes()
-    if costs.length != len(sizes) or costs.input_bytes != held or list(costs.out_bytes) != sizes:
-        raise CostsError(
-            f"remat: the costs in {path} describe another chain ({costs.length} stages, input "
-            f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {held} "
-            f"bytes, or other output sizes); delete the file to measure again"
-        )
 
 
 def _check_output(call, out, x, version):

@@ -1,0 +1,81 @@
+"""Where a chain's costs come from: measured by this process, read from a costs
+file (``remat.chain(costs="costs.json")``), or, under torch.distributed, rank
+0's, so that every rank runs one schedule (no rank plans on its own noisy
+timings)."""
+
+import os
+
+import torch
+
+from .costs import Costs
+from .errors import CostsError, RematError
+
+__all__ = ["chain_costs", "read_costs"]
+
+FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+
+
+def distributed():
+    """True under an initialised process group of more than one rank."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def read_costs(path):
+    """Costs from ``path`` if it exists, else None. Under torch.distributed rank 0
+    alone reads, and every rank gets its answer, so that all ranks either load
+    the same costs or all measure (and meet in the same broadcast)."""
+    if path is None:
+        return None
+    if not distributed():
+        return Costs.load(path) if os.path.exists(path) else None
+    box = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            box = [Costs.load(path).to_dict() if os.path.exists(path) else None]
+        except RematError as exc:
+            box = [str(exc)]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise CostsError(box[0])
+    return None if box[0] is None else Costs.from_dict(box[0])
+
+
+def chain_costs(rows, input_bytes, path, given):
+    """The costs of a measuring call: ``given`` (read from ``path``) checked against
+    what the call saw, else the measured ``rows`` (rank 0's under torch.distributed),
+    written to ``path`` if one is given.
+
+    Args:
+        rows: per stage, a dict of the measured cost fields (only ``out_bytes``
+            when the costs are given).
+        input_bytes: the chain input's bytes plus the gradients the engine holds
+            across stages (``Recording.held_bytes``).
+    """
+    if given is not None:
+        _check_given(given, rows, input_bytes, path)
+        return given
+    costs = Costs(**{f: [row[f] for row in rows] for f in FIELDS}, input_bytes=input_bytes)
+    rank = 0
+    if distributed():
+        box = [costs.to_dict()]
+        torch.distributed.broadcast_object_list(box, src=0)
+        costs = Costs.from_dict(box[0])
+        rank = torch.distributed.get_rank()
+    if path is not None and rank == 0:
+        try:
+            costs.save(path)
+        except OSError as exc:
+            raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
+    return costs
+
+
+def _check_given(costs, rows, input_bytes, path):
+    """Costs read from ``path`` must describe this chain."""
+    sizes = [row["out_bytes"] for row in rows]
+    if costs.length != len(sizes) or costs.input_bytes != input_bytes or list(costs.out_bytes) != sizes:
+        raise CostsError(
+            f"remat: the costs in {path} describe another chain ({costs.length} stages, input "
+            f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {input_bytes} "
+            f"bytes, or other output sizes); delete the file to measure again"
+        )
