@@ -7,7 +7,8 @@ storage meter of remat/profile.py on CPU (the CUDA allocator on GPU), gated so
 that it only looks while the blocks run forward and while their backward runs
 (from the gradient of the chain's output to that of its input). Step time is
 the median over the timed steps, after one warm-up (remat's first, measuring
-call is reported on its own).
+call is reported on its own); the three methods take each step in turn, so
+that a machine whose speed drifts weighs on all of them alike.
 """
 
 import copy
@@ -119,30 +120,47 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _train(model, data, method, device, progress):
-    """Train on ``data``; return losses, per-step seconds and the metered peak of the last step."""
-    torch.manual_seed(1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, times, peak = [], [], 0
-    for i, (idx, targets) in enumerate(data):
-        last = i == len(data) - 1
-        opt.zero_grad(set_to_none=False)
-        _sync(device)
+class _Trainer:
+    """One method's model, optimizer and figures; ``step(i)`` trains on ``data[i]``."""
+
+    def __init__(self, base, data, method, device):
+        self.model = copy.deepcopy(base)
+        self.data, self.method, self.device = data, method, device
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.losses, self.times, self.peak = [], [], 0
+
+    def step(self, i):
+        """Step ``i``; the last is metered for the chain's peak."""
+        idx, targets = self.data[i]
+        torch.manual_seed(1 + i)   # the same dropout draws for every method
+        self.opt.zero_grad(set_to_none=False)
+        _sync(self.device)
         t0 = time.perf_counter()
-        if last:
-            with _ChainMeter(device) as meter:
-                loss = _loss(model, idx, targets, method, meter)
+        if i == len(self.data) - 1:
+            with _ChainMeter(self.device) as meter:
+                loss = _loss(self.model, idx, targets, self.method, meter)
                 loss.backward()
-            peak = meter.peak
+            self.peak = meter.peak
         else:
-            loss = _loss(model, idx, targets, method)
+            loss = _loss(self.model, idx, targets, self.method)
             loss.backward()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        opt.step()
-        losses.append(loss.item())
-        progress.update(1)
-    return losses, times, peak
+        _sync(self.device)
+        self.times.append(time.perf_counter() - t0)
+        self.opt.step()
+        self.losses.append(loss.item())
+
+    def result(self):
+        return self.losses, self.times, self.peak
+
+
+def _train(trainers, steps, progress):
+    """Train every one of ``trainers`` for ``steps`` steps, all taking step i before
+    any takes step i+1 (a machine whose speed drifts weighs on all alike)."""
+    for i in range(steps):
+        for trainer in trainers:
+            trainer.step(i)
+            progress.update(1)
+    return [t.result() for t in trainers]
 
 
 def resolve_demo_budget(text, costs):
@@ -191,25 +209,24 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     del probe
 
     bar = tqdm(total=steps * 3 + 2 * n, desc="remat demo", disable=not progress, leave=False)
-    rows = []
-    plain = _train(copy.deepcopy(base), data, ("plain", None), device, bar)
-    rows.append(_row("plain PyTorch", plain, None))
-
     # checkpoint_sequential: its fastest segment count whose peak fits the budget
     best = None
     for segments in range(1, n + 1):
-        trial = _train(copy.deepcopy(base), data[:2], ("checkpoint_sequential", segments), device, bar)
+        trial = _train([_Trainer(base, data[:2], ("checkpoint_sequential", segments), device)], 2, bar)[0]
         if trial[2] <= budget_bytes and (best is None or segments < best):
             best = segments
     chosen = best if best is not None else n
-    seq = _train(copy.deepcopy(base), data, ("checkpoint_sequential", chosen), device, bar)
     note = "" if best is not None else " (none fits the budget)"
-    rows.append(_row(f"checkpoint_sequential, {chosen} segments{note}", seq, None))
 
-    rem = _train(copy.deepcopy(base), data, ("remat", (budget_bytes, "optimal")), device, bar)
+    # the three methods train side by side, each step in turn
+    plain, seq, rem = _train([_Trainer(base, data, ("plain", None), device),
+                              _Trainer(base, data, ("checkpoint_sequential", chosen), device),
+                              _Trainer(base, data, ("remat", (budget_bytes, "optimal")), device)], steps, bar)
     schedule = explain().schedule
     losses, first_seconds = rem[0], rem[1][0]
-    rows.append(_row("remat (optimal)", rem, schedule))
+    rows = [_row("plain PyTorch", plain, None),
+            _row(f"checkpoint_sequential, {chosen} segments{note}", seq, None),
+            _row("remat (optimal)", rem, schedule)]
     bar.close()
 
     base_time = rows[0]["step_seconds"]
