@@ -51,7 +51,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat.bench import MODELS, _Clock, _step, device_name, median_costs  # noqa: E402
+from remat.trials import MODELS, Clock, device_name, median_costs, run_step  # noqa: E402
 from remat.schedule import simulate  # noqa: E402
 from remat.solve import minimum_budget, store_all  # noqa: E402
 
@@ -60,9 +60,9 @@ CASES = {"gpt12": "12-block GPT-style model", "resnet101": "ResNet-101 chain (34
 
 
 def timed(model, spec, method, data, device):
-    clock = _Clock(None, device)
+    clock = Clock(None, device)
     t0 = time.perf_counter()
-    _step(model, spec, method, data, clock)
+    run_step(model, spec, method, data, clock)
     return time.perf_counter() - t0, clock.total
 
 

@@ -3,251 +3,25 @@
 
 For every method it records the peak of the chain's activations during a
 training step (the storage meter on CPU, the CUDA allocator on GPU, gated to
-the chain's forward and backward as in remat/demo.py), the median step time
+the chain's forward and backward, remat/trials.py), the median step time
 and the median time of the chain alone (its forward plus its backward), and
 for remat the schedule's predicted time and peak.
 """
 
 import copy
 import os
-import platform
-import random
 import statistics
 import tempfile
-import time
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint_sequential
 
-from .chain import chain
-from .costs import Costs
-from .demo import _ChainMeter
 from .recording import explain
 from .schedule import simulate
-from .solve import minimum_budget, solve, store_all
+from .solve import best_periodic, minimum_budget, store_all
+from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
 from .units import format_bytes
 
 __all__ = ["MODELS", "run_bench", "write_bench", "device_name", "summarise"]
-
-
-def _gpt(n_layer, n_embd, n_head, length, batch, vocab=256):
-    def build():
-        from .models import GPT
-
-        return GPT(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=length, dropout=0.1)
-
-    def data(step, device):
-        g = torch.Generator().manual_seed(step)
-        seq = torch.randint(0, vocab, (batch, length + 1), generator=g)
-        return seq[:, :-1].to(device), seq[:, 1:].to(device)
-
-    def pre(model, idx):
-        tr = model.transformer
-        return tr.drop(tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device)))
-
-    def post(model, x, targets):
-        logits = model.lm_head(model.transformer.ln_f(x))
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    return build, data, pre, lambda m: list(m.transformer.h), post
-
-
-def _resnet(depth, size, batch, classes=10):
-    def build():
-        from . import models
-
-        return getattr(models, f"resnet{depth}")(num_classes=classes)
-
-    def data(step, device):
-        g = torch.Generator().manual_seed(step)
-        return (torch.randn(batch, 3, size, size, generator=g).to(device),
-                torch.randint(0, classes, (batch,), generator=g).to(device))
-
-    def post(model, x, targets):
-        return F.cross_entropy(model.fc(torch.flatten(model.avgpool(x), 1)), targets)
-
-    return build, data, lambda m, img: img, lambda m: m.stages(), post
-
-
-# name: (cpu spec, gpu spec); each spec builds (build, data, pre, stages, post)
-MODELS = {
-    "gpt12": (lambda: _gpt(12, 128, 4, 128, 8), lambda: _gpt(12, 768, 12, 1024, 8, vocab=50257)),
-    "gpt48": (lambda: _gpt(48, 64, 2, 64, 8), lambda: _gpt(48, 1024, 16, 1024, 4, vocab=50257)),
-    "resnet101": (lambda: _resnet(101, 32, 4), lambda: _resnet(101, 224, 32, classes=1000)),
-    "tiny": (lambda: _gpt(4, 32, 2, 32, 4, vocab=64), lambda: _gpt(4, 32, 2, 32, 4, vocab=64)),
-}
-
-
-def device_name(device):
-    """The machine a figure came from, in words."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
-
-
-class _Clock:
-    """Time spent while the chain's gate is open (its forward and its backward)."""
-
-    def __init__(self, meter, device):
-        self.meter, self.device, self.total, self.t0 = meter, device, 0.0, None
-
-    def gate(self, open_):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        if open_:
-            self.t0 = now
-        elif self.t0 is not None:
-            self.total += now - self.t0
-            self.t0 = None
-        if self.meter is not None:
-            self.meter.gate(open_)
-
-    def enter_backward(self, grad):
-        """The chain's backward starts (``_ChainMeter.enter_backward``)."""
-        if self.meter is not None and self.meter.inst is not None:
-            self.meter.inst.count(grad)
-        self.gate(True)
-
-
-def _step(model, spec, method, batch, clock):
-    _, _, pre, stages, post = spec
-    x = pre(model, batch[0])
-    if x.requires_grad:
-        x.register_hook(lambda g: clock.gate(False))
-    if clock.meter is not None:
-        clock.meter.held = x.untyped_storage().nbytes()
-    clock.gate(True)
-    kind, arg = method
-    blocks = stages(model)
-    if kind == "plain":
-        for b in blocks:
-            x = b(x)
-    elif kind == "checkpoint_sequential":
-        x = checkpoint_sequential(blocks, arg, x, use_reentrant=False)
-    else:
-        with chain(budget=arg[0], algorithm=arg[1], costs=arg[2] if len(arg) > 2 else None):
-            for b in blocks:
-                x = b(x)
-    clock.gate(False)
-    x.register_hook(clock.enter_backward)
-    loss = post(model, x, batch[1])
-    del x
-    loss.backward()
-    clock.gate(False)
-    return loss.item()
-
-
-class _Trial:
-    """One method's figures while the methods take their steps in turn. Each has its own
-    copy of the model's modules (so remat records each apart) sharing the one set of
-    parameters and buffers: a copy each would hold every method's parameters and
-    gradients at once (ResNet-101 times 80 methods does not fit in 24 GiB). Every
-    method computes the same gradients from the same parameters, so the optimizer
-    steps once per round (``_measure_all``)."""
-
-    def __init__(self, base, method):
-        self.method = method
-        memo = {id(t): t for t in [*base.parameters(), *base.buffers()]}
-        self.model = copy.deepcopy(base, memo)
-        self.step_times, self.chain_times, self.losses, self.peak = [], [], [], 0
-        self.grads_equal = True
-        self.schedule = None
-
-    def step(self, spec, i, steps, device, reference):
-        """Step i (0 is the warm-up; the last is metered for the peak). ``reference``
-        holds the first gradients of the round, which this step's must equal."""
-        batch = spec[1](i, device)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        for p in params:
-            p.grad.zero_()
-        meter = _ChainMeter(device) if i == steps else None
-        clock = _Clock(meter, device)
-        torch.manual_seed(1000 + i)   # the same dropout draws for every method
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if meter is not None:
-            with meter:
-                self.losses.append(_step(self.model, spec, self.method, batch, clock))
-            self.peak = meter.peak
-        else:
-            self.losses.append(_step(self.model, spec, self.method, batch, clock))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i > 0:
-            self.step_times.append(time.perf_counter() - t0)
-            self.chain_times.append(clock.total)
-        if self.method[0] == "remat":
-            self.schedule = explain().schedule
-        grads = [p.grad for p in self.model.parameters()]
-        if not reference:
-            reference.extend(None if g is None else g.clone() for g in grads)
-        elif not all((g is None and r is None) or (g is not None and r is not None and torch.equal(g, r))
-                     for g, r in zip(grads, reference)):
-            self.grads_equal = False
-
-    def result(self):
-        out = {"peak_bytes": self.peak, "step_seconds": statistics.median(self.step_times),
-               "chain_seconds": statistics.median(self.chain_times), "losses": self.losses,
-               "grads_equal": self.grads_equal}
-        if self.method[0] == "remat":
-            s = self.schedule
-            out.update(predicted_seconds=s.time, predicted_peak=s.peak, budget=self.method[1][0],
-                       algorithm=self.method[1][1], recomputations=s.recomputations())
-        return out
-
-
-def _measure_all(base, spec, methods, steps, device, bar=None, probe=None):
-    """Median step and chain times of every method over ``steps`` timed steps after one
-    warm-up, the methods taking each step in turn (a machine whose speed drifts over the
-    run weighs on all of them alike), and each one's peak (metered on its last step).
-    ``probe(i)``, if given, runs once among the methods' step i."""
-    base = copy.deepcopy(base)
-    trials = [_Trial(base, m) for m in methods]
-    opt = torch.optim.SGD(base.parameters(), lr=0.01)
-    order = random.Random(0)
-    for i in range(steps + 1):
-        # in a new order each step: what one step leaves behind (the allocator's
-        # free lists, caches, a probe's first call) weighs on no method steadily
-        turn = list(trials) + ([None] if probe is not None else [])
-        order.shuffle(turn)
-        reference = []
-        for trial in turn:
-            if trial is None:
-                probe(i)
-            else:
-                trial.step(spec, i, steps, device, reference)
-        del reference
-        opt.step()   # on the gradients of the round's last method (all are equal)
-        if bar is not None:
-            bar.update(1)
-    return [t.result() for t in trials], [t.schedule for t in trials]
-
-
-def measure_costs(base, spec, step, device):
-    """The costs remat's first call measures on a fresh copy of ``base``."""
-    model = copy.deepcopy(base)
-    _step(model, spec, ("remat", (2**50, "store_all")), spec[1](step, device), _Clock(None, device))
-    return explain().costs
-
-
-def median_costs(measured):
-    """Costs whose times are, stage by stage, the medians of ``measured``'s (their sizes agree)."""
-    data = measured[0].to_dict()
-    for field in ("fwd_time", "fwd_nograd_time", "bwd_time"):
-        data[field] = [statistics.median(getattr(m, field)[i] for m in measured) for i in range(measured[0].length)]
-    return Costs.from_dict(data)
 
 
 def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, out=print):
@@ -265,10 +39,10 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     # measured on a quiet machine): methods differ by their schedules only
     probe = copy.deepcopy(base)
     for i in range(2):
-        _step(probe, spec, ("plain", None), spec[1](i, device), _Clock(None, device))
+        run_step(probe, spec, ("plain", None), spec[1](i, device), Clock(None, device))
     folder = tempfile.TemporaryDirectory()
     path = os.path.join(folder.name, "costs.json")
-    _step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](0, device), _Clock(None, device))
+    run_step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](0, device), Clock(None, device))
     costs = explain().costs
     del probe
     low, high = minimum_budget(costs), simulate(costs, store_all(n)).peak
@@ -279,14 +53,14 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     # of the targets), against the same plain steps
     cs = [("checkpoint_sequential", s) for s in range(1, n + 1)]
     with tqdm(total=2, desc=f"bench {model} (peaks)", disable=not progress, leave=False) as bar:
-        peaks = [r["peak_bytes"] for r in _measure_all(base, spec, cs, 1, device, bar)[0]]
+        peaks = [r["peak_bytes"] for r in measure_all(base, spec, cs, 1, device, bar)[0]]
     methods, tags = [("plain", None)] + cs, [None] * (n + 1)
     for b in grid:
         methods.append(("remat", (b, "optimal", path)))
         tags.append("grid")
-        periodic = _best_periodic(costs, b, n)
+        periodic = best_periodic(costs, b)
         if periodic is not None:
-            methods.append(("remat", (b, periodic, path)))
+            methods.append(("remat", (b, f"periodic({periodic[0]})", path)))
             tags.append("grid")
     at = {}
     for (_, segments), peak in zip(cs, peaks):
@@ -301,7 +75,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     window = []
     with tqdm(total=steps + 1, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
               leave=False) as bar:
-        results, schedules = _measure_all(base, spec, methods, steps, device, bar,
+        results, schedules = measure_all(base, spec, methods, steps, device, bar,
                                           probe=lambda i: window.append(measure_costs(base, spec, i, device)))
     run_costs = median_costs(window[1:])
     for method, r, s in zip(methods, results, schedules):
@@ -322,16 +96,6 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     result["summary"] = summarise(result)
     out(table(result))
     return result
-
-
-def _best_periodic(costs, budget, n):
-    """The fastest periodic(k) (checkpoint_sequential's schedule run by remat) fitting ``budget``."""
-    best = None
-    for k in range(1, n + 1):
-        s = solve(costs, 2**50, f"periodic({k})")
-        if s.peak <= budget and (best is None or s.time < best[0]):
-            best = (s.time, f"periodic({k})")
-    return None if best is None else best[1]
 
 
 def overhead(run):

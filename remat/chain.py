@@ -361,7 +361,6 @@ class _Active:
             # a recomputation holds a copy of the state the stage writes in place
             # (remat/replay.py, restore_tensors) on top of what its forward holds
             row["fwd_tmp"] += sum(t.numel() * t.element_size() for t, _ in originals)
-        if self.given is None and row is not None:
             # run 4 of the Note: the gradient reaching the previous stage is laid
             # out as this stage's backward made it, not as the ones it was measured with
             layout, seen = row.pop("grad_layout", None), row.pop("input_grad_layout", None)

@@ -122,13 +122,17 @@ class Instrument(TorchDispatchMode):
         """Meter ``t``'s storage from now on as if made while the gate was open
         (a tensor made outside the region that the region's budget counts)."""
         st = t.untyped_storage()
+        if not self.created.get(st._cdata):
+            self._track(st, st.nbytes())
+
+    def _track(self, st, nbytes):
+        """Count storage ``st`` as ``nbytes`` live until it is freed."""
         key = st._cdata
-        if self.created.get(key):
-            return
-        nbytes = st.nbytes()
         self.created[key] = nbytes
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+        # PyTorch keeps a storage's Python object alive as long as the storage
         self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes, free=self._free: free(key, nbytes))
 
     def _free(self, key, nbytes):
@@ -183,16 +187,11 @@ class Instrument(TorchDispatchMode):
                 continue
             # storages made while the gate is shut are not metered at all
             nbytes = st.nbytes() if self.gate else 0
-            created[key] = nbytes
-            self.live += nbytes
-            if self.live > self.peak:
-                self.peak = self.live
+            self._track(st, nbytes)
             self.window.add(key)
             self.window_live += nbytes
             if self.window_live > self.window_peak:
                 self.window_peak = self.window_live
-            # PyTorch keeps a storage's Python object alive as long as the storage
-            self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes, free=self._free: free(key, nbytes))
 
     def _note_write(self, t):
         key = storage_key(t)

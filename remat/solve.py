@@ -213,14 +213,26 @@ def _at_least_periodic(costs, budget, ops, sim):
     n = costs.length
     lengths = range(1, n + 1) if n <= 64 else sorted(
         {1, 2, 3, 4, 6, 8, n // 2, n // 4, n // 8} | {max(1, round(math.sqrt(n))) + d for d in (-2, -1, 0, 1, 2)})
-    for k in lengths:
+    best = best_periodic(costs, budget, lengths)
+    if best is not None and best[2].time < sim.time:
+        return best[1], best[2]
+    return ops, sim
+
+
+def best_periodic(costs, budget, lengths=None):
+    """The fastest periodic schedule (``periodic(k)``, checkpoint_sequential's) that
+    fits ``budget`` in bytes, over segment lengths ``lengths`` (all by default), as
+    (k, ops, Simulation); None if none fits."""
+    n = costs.length
+    best = None
+    for k in (range(1, n + 1) if lengths is None else lengths):
         if not 1 <= k <= n:
             continue
-        candidate = periodic(n, k)
-        other = simulate(costs, candidate)
-        if other.peak <= budget and other.time < sim.time:
-            ops, sim = candidate, other
-    return ops, sim
+        ops = periodic(n, k)
+        sim = simulate(costs, ops)
+        if sim.peak <= budget and (best is None or sim.time < best[2].time):
+            best = (k, ops, sim)
+    return best
 
 
 def minimum_budget(costs):

@@ -1,0 +1,304 @@
+"""Training steps of several methods side by side on one model: plain PyTorch,
+``torch.utils.checkpoint.checkpoint_sequential`` and remat, for the demo
+(remat/demo.py) and the benchmarks (remat/bench.py, benchmarks/).
+
+A model is given as a spec, ``(build, data, pre, stages, post)``: ``build()``
+makes it, ``data(step, device)`` the batch of a step, ``pre(model, input)`` the
+chain's input, ``stages(model)`` its blocks, ``post(model, x, targets)`` the loss.
+A method is ``("plain", None)``, ``("checkpoint_sequential", segments)`` or
+``("remat", (budget, algorithm[, costs path]))``.
+
+Memory is the peak of the chain's activations during a training step: the
+storage meter (remat/meter.py) on CPU, the CUDA allocator on GPU, gated so
+that it only looks while the blocks run forward and while their backward runs
+(from the gradient of the chain's output to that of its input), plus the chain
+input.
+"""
+
+import copy
+import platform
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint_sequential
+
+from .chain import chain
+from .costs import Costs
+from .meter import Instrument
+from .recording import explain
+
+__all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "measure_all", "measure_costs",
+           "median_costs", "run_step"]
+
+
+class ChainMeter:
+    """Peak bytes of the chain's tensors: on CPU, storages made while the gate is
+    open (the chain's forward and backward) plus the chain input ``held``; on
+    CUDA, the allocator's peak while the gate is open, everything included."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.inst = None if self.cuda else Instrument()
+        self.peak = 0
+        self.base = 0
+        self.held = 0
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self.open = False
+        else:
+            self.inst.__enter__()
+            self.inst.set_gate(False)
+        return self
+
+    def gate(self, open_):
+        if self.cuda:
+            if open_:
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                self.peak = max(self.peak, torch.cuda.max_memory_allocated() - self.base)
+        else:
+            self.inst.set_gate(open_)
+
+    def enter_backward(self, grad):
+        """The chain's backward starts with ``grad``, its output's gradient, made
+        behind it (by the loss) and counted by the budget; then the gate opens."""
+        if not self.cuda:
+            self.inst.count(grad)
+        self.gate(True)
+
+    def __exit__(self, *exc):
+        if not self.cuda:
+            self.inst.__exit__(*exc)
+            self.peak = self.inst.peak + self.held
+        return False
+
+
+def gpt_spec(n_layer, n_embd, n_head, length, batch, vocab=256):
+    """A GPT-style model (remat/models/gpt.py) on random tokens: its blocks are the chain."""
+    def build():
+        from .models import GPT
+
+        return GPT(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=length, dropout=0.1)
+
+    def data(step, device):
+        g = torch.Generator().manual_seed(step)
+        seq = torch.randint(0, vocab, (batch, length + 1), generator=g)
+        return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+    def pre(model, idx):
+        tr = model.transformer
+        return tr.drop(tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device)))
+
+    def post(model, x, targets):
+        logits = model.lm_head(model.transformer.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    return build, data, pre, lambda m: list(m.transformer.h), post
+
+
+def resnet_spec(depth, size, batch, classes=10):
+    """A ResNet (remat/models/resnet.py) on random images: its stages are the chain."""
+    def build():
+        from . import models
+
+        return getattr(models, f"resnet{depth}")(num_classes=classes)
+
+    def data(step, device):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randn(batch, 3, size, size, generator=g).to(device),
+                torch.randint(0, classes, (batch,), generator=g).to(device))
+
+    def post(model, x, targets):
+        return F.cross_entropy(model.fc(torch.flatten(model.avgpool(x), 1)), targets)
+
+    return build, data, lambda m, img: img, lambda m: m.stages(), post
+
+
+# name: (cpu spec, gpu spec); each spec builds (build, data, pre, stages, post)
+MODELS = {
+    "gpt12": (lambda: gpt_spec(12, 128, 4, 128, 8), lambda: gpt_spec(12, 768, 12, 1024, 8, vocab=50257)),
+    "gpt48": (lambda: gpt_spec(48, 64, 2, 64, 8), lambda: gpt_spec(48, 1024, 16, 1024, 4, vocab=50257)),
+    "resnet101": (lambda: resnet_spec(101, 32, 4), lambda: resnet_spec(101, 224, 32, classes=1000)),
+    "tiny": (lambda: gpt_spec(4, 32, 2, 32, 4, vocab=64), lambda: gpt_spec(4, 32, 2, 32, 4, vocab=64)),
+}
+
+
+def device_name(device):
+    """The machine a figure came from, in words."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+class Clock:
+    """Time spent while the chain's gate is open (its forward and its backward)."""
+
+    def __init__(self, meter, device):
+        self.meter, self.device, self.total, self.t0 = meter, device, 0.0, None
+
+    def gate(self, open_):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if open_:
+            self.t0 = now
+        elif self.t0 is not None:
+            self.total += now - self.t0
+            self.t0 = None
+        if self.meter is not None:
+            self.meter.gate(open_)
+
+    def enter_backward(self, grad):
+        """The chain's backward starts (``ChainMeter.enter_backward``)."""
+        if self.meter is not None and self.meter.inst is not None:
+            self.meter.inst.count(grad)
+        self.gate(True)
+
+
+def run_step(model, spec, method, batch, clock):
+    _, _, pre, stages, post = spec
+    x = pre(model, batch[0])
+    if x.requires_grad:
+        x.register_hook(lambda g: clock.gate(False))
+    if clock.meter is not None:
+        clock.meter.held = x.untyped_storage().nbytes()
+    clock.gate(True)
+    kind, arg = method
+    blocks = stages(model)
+    if kind == "plain":
+        for b in blocks:
+            x = b(x)
+    elif kind == "checkpoint_sequential":
+        x = checkpoint_sequential(blocks, arg, x, use_reentrant=False)
+    else:
+        with chain(budget=arg[0], algorithm=arg[1], costs=arg[2] if len(arg) > 2 else None):
+            for b in blocks:
+                x = b(x)
+    clock.gate(False)
+    x.register_hook(clock.enter_backward)
+    loss = post(model, x, batch[1])
+    del x
+    loss.backward()
+    clock.gate(False)
+    return loss.item()
+
+
+class Trial:
+    """One method's figures while the methods take their steps in turn. Each has its own
+    copy of the model's modules (so remat records each apart) sharing the one set of
+    parameters and buffers: a copy each would hold every method's parameters and
+    gradients at once (ResNet-101 times 80 methods does not fit in 24 GiB). Every
+    method computes the same gradients from the same parameters, so the optimizer
+    steps once per round (``measure_all``)."""
+
+    def __init__(self, base, method):
+        self.method = method
+        memo = {id(t): t for t in [*base.parameters(), *base.buffers()]}
+        self.model = copy.deepcopy(base, memo)
+        self.step_times, self.chain_times, self.losses, self.peak = [], [], [], 0
+        self.grads_equal = True
+        self.schedule = None
+        self.first_seconds = None
+
+    def step(self, spec, i, steps, device, reference):
+        """Step i (0 is the warm-up; the last is metered for the peak). ``reference``
+        holds the first gradients of the round, which this step's must equal."""
+        batch = spec[1](i, device)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in params:
+            p.grad.zero_()
+        meter = ChainMeter(device) if i == steps else None
+        clock = Clock(meter, device)
+        torch.manual_seed(1000 + i)   # the same dropout draws for every method
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if meter is not None:
+            with meter:
+                self.losses.append(run_step(self.model, spec, self.method, batch, clock))
+            self.peak = meter.peak
+        else:
+            self.losses.append(run_step(self.model, spec, self.method, batch, clock))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i > 0:
+            self.step_times.append(time.perf_counter() - t0)
+            self.chain_times.append(clock.total)
+        else:
+            self.first_seconds = time.perf_counter() - t0   # remat's measuring call
+        if self.method[0] == "remat":
+            self.schedule = explain().schedule
+        grads = [p.grad for p in self.model.parameters()]
+        if not reference:
+            reference.extend(None if g is None else g.clone() for g in grads)
+        elif not all((g is None and r is None) or (g is not None and r is not None and torch.equal(g, r))
+                     for g, r in zip(grads, reference)):
+            self.grads_equal = False
+
+    def result(self):
+        out = {"peak_bytes": self.peak, "step_seconds": statistics.median(self.step_times),
+               "chain_seconds": statistics.median(self.chain_times), "losses": self.losses,
+               "grads_equal": self.grads_equal, "first_step_seconds": self.first_seconds}
+        if self.method[0] == "remat":
+            s = self.schedule
+            out.update(predicted_seconds=s.time, predicted_peak=s.peak, budget=self.method[1][0],
+                       algorithm=self.method[1][1], recomputations=s.recomputations())
+        return out
+
+
+def measure_all(base, spec, methods, steps, device, bar=None, probe=None):
+    """Median step and chain times of every method over ``steps`` timed steps after one
+    warm-up, the methods taking each step in turn (a machine whose speed drifts over the
+    run weighs on all of them alike), and each one's peak (metered on its last step).
+    ``probe(i)``, if given, runs once among the methods' step i."""
+    base = copy.deepcopy(base)
+    trials = [Trial(base, m) for m in methods]
+    opt = torch.optim.SGD(base.parameters(), lr=0.01)
+    order = random.Random(0)
+    for i in range(steps + 1):
+        # in a new order each step: what one step leaves behind (the allocator's
+        # free lists, caches, a probe's first call) weighs on no method steadily
+        turn = list(trials) + ([None] if probe is not None else [])
+        order.shuffle(turn)
+        reference = []
+        for trial in turn:
+            if trial is None:
+                probe(i)
+            else:
+                trial.step(spec, i, steps, device, reference)
+        del reference
+        opt.step()   # on the gradients of the round's last method (all are equal)
+        if bar is not None:
+            bar.update(1)
+    return [t.result() for t in trials], [t.schedule for t in trials]
+
+
+def measure_costs(base, spec, step, device):
+    """The costs remat's first call measures on a fresh copy of ``base``."""
+    model = copy.deepcopy(base)
+    run_step(model, spec, ("remat", (2**50, "store_all")), spec[1](step, device), Clock(None, device))
+    return explain().costs
+
+
+def median_costs(measured):
+    """Costs whose times are, stage by stage, the medians of ``measured``'s (their sizes agree)."""
+    data = measured[0].to_dict()
+    for field in ("fwd_time", "fwd_nograd_time", "bwd_time"):
+        data[field] = [statistics.median(getattr(m, field)[i] for m in measured) for i in range(measured[0].length)]
+    return Costs.from_dict(data)
