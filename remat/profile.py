@@ -16,7 +16,7 @@ this order:
 2. The stage's backward on that graph (``retain_graph``), still metered:
    bwd_tmp and bwd_time. It runs as a training step runs it: parameter
    gradients are added into ``.grad`` buffers swapped in for the run and out
-   after (``GradPool``); the gradient of the input copy is made but not
+   after (``GradPool``, remat/leaves.py); the gradient of the input copy is made but not
    kept. The engine stops at the copy, so hooks on the input do not run. A
    parameter also used behind the stage (tied weights, see ``Upstream``) is
    left out, or the engine would run the graph behind the stage to reach
@@ -44,7 +44,7 @@ model's and PyTorch's Python around the ops. Measuring the real forward and
 its own backward, rather than separate timed runs, keeps a first call at
 two to three plain steps (runs 1 to 3, then the backward, which rebuilds
 the stages whose saved tensors did not fit the budget, never the last;
-remat/chain.py ``_keep_saved``). On CUDA the ops run asynchronously and the time
+remat/measuring.py ``_keep_saved``). On CUDA the ops run asynchronously and the time
 inside the mode is launch time: there a forward and backward on a detached
 copy of the input (``timed_step``) give fwd_time and bwd_time, and the
 allocator's peak statistics replace the meter for the peaks.
@@ -54,11 +54,12 @@ import time
 
 import torch
 
+from .leaves import stage_leaves, step_grads
 from .meter import Instrument, storage_key
 from .replay import restore_tensors
 from .runtime import RELEASES
 
-__all__ = ["GradPool", "Timer", "Upstream", "backward_again", "instrumented_run", "timed_step", "stage_leaves"]
+__all__ = ["Timer", "backward_again", "instrumented_run", "timed_step"]
 
 
 class Timer:
@@ -79,64 +80,6 @@ class Timer:
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self._t0
         return False
-
-
-def stage_leaves(out, stop):
-    """Leaf tensors requiring grad reachable from ``out``'s graph without
-    passing the nodes in ``stop``: the parameters a stage's backward reaches."""
-    found, seen, todo = [], set(), [out.grad_fn] if out.grad_fn is not None else []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen or node in stop:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
-            found.append(var)
-            continue
-        todo.extend(n for n, _ in node.next_functions)
-    return found
-
-
-class Upstream:
-    """The leaf tensors behind a chain's stages: reachable from the graphs of
-    their activations and side inputs, which grow stage by stage (each node is
-    visited once). A stage's backward on its real graph (Note [Measuring a
-    stage] 2) leaves such a parameter out: to reach it the engine would run the
-    graph behind the stage."""
-
-    def __init__(self):
-        self._seen = set()
-        self.leaves = set()   # ids
-
-    def held_grads(self, leaves):
-        """{id: gradient bytes} of those of a stage's ``leaves`` also used behind
-        it. The engine sums a leaf's gradients before it accumulates them, so
-        the share from this stage's backward waits, held, until the backward
-        of the first use has run: memory no stage's costs show, which the chain
-        adds to ``input_bytes`` (DESIGN.md section 3 departs here)."""
-        return {id(p): p.numel() * p.element_size() for p in leaves if id(p) in self.leaves}
-
-    def add(self, tensors):
-        """Take in the graphs behind ``tensors``."""
-        todo = []
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                if t.grad_fn is None:
-                    self.leaves.add(id(t))
-                else:
-                    todo.append(t.grad_fn)
-        seen = self._seen
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            var = getattr(node, "variable", None)
-            if var is not None:
-                self.leaves.add(id(var))
-                continue
-            todo.extend(n for n, _ in node.next_functions)
 
 
 def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None, anchor=None):
@@ -204,7 +147,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         # a training step hands the stage a gradient only the engine holds, which
         # it may add into in place (a residual's sum): so does a copy made here
         relay = act.register_hook(_engine_owned)
-        with _step_grads(params, pool) as grads:
+        with step_grads(params, pool) as grads:
             inst.ignore_writes(grads)   # AccumulateGrad adds into them: no state to put back
             if cuda:
                 torch.cuda.synchronize()
@@ -329,60 +272,6 @@ def _backward(out, grad, x, params):
         run((out,), (grad,), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True)
 
 
-class GradPool:
-    """Buffers that stand in for parameters' ``.grad`` in the measuring backwards of
-    one chain, reused from stage to stage. What is added into them is thrown
-    away, so they are zeroed once, when made: fresh zeros for every stage cost a
-    first call the allocation and page faults of all its parameters' size."""
-
-    def __init__(self):
-        self._flat = {}
-
-    def grads(self, params):
-        """A buffer shaped like each of ``params``; buffers of one call do not overlap."""
-        need = {}
-        for p in params:
-            if p.layout == torch.strided and p.is_contiguous():
-                need[(p.dtype, p.device)] = need.get((p.dtype, p.device), 0) + p.numel()
-        for (dtype, device), n in need.items():
-            flat = self._flat.get((dtype, device))
-            if flat is None or flat.numel() < n:
-                self._flat[(dtype, device)] = torch.zeros(n, dtype=dtype, device=device)
-        offsets = dict.fromkeys(need, 0)
-        out = []
-        for p in params:
-            key = (p.dtype, p.device)
-            if key in need and p.layout == torch.strided and p.is_contiguous():
-                start = offsets[key]
-                offsets[key] = start + p.numel()
-                out.append(self._flat[key][start:start + p.numel()].view(p.shape))
-            else:
-                out.append(torch.zeros_like(p))
-        return out
-
-
-class _step_grads:
-    """Backward of one stage as a training step runs it: each parameter gradient is
-    added into an existing ``.grad`` (and freed), and the stage's parameters get
-    their own ``.grad`` back afterwards, untouched."""
-
-    def __init__(self, params, pool=None):
-        self.params = params
-        self.pool = pool
-
-    def __enter__(self):
-        self.old = [p.grad for p in self.params]
-        grads = self.pool.grads(self.params) if self.pool is not None else [torch.zeros_like(p) for p in self.params]
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        return grads
-
-    def __exit__(self, *exc):
-        for p, g in zip(self.params, self.old):
-            p.grad = g
-        return False
-
-
 def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=()):
     """Run 4 of Note [Measuring a stage]: bwd_time and bwd_tmp of a stage measured
     again, its output's gradient laid out with strides ``layout``, on a fresh
@@ -415,7 +304,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             return None
         grad = torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
         relay = act.register_hook(_engine_owned)   # as in instrumented_run
-        with _step_grads(params, pool) as grads:
+        with step_grads(params, pool) as grads:
             inst.ignore_writes(grads)
             if cuda:
                 torch.cuda.synchronize()
@@ -445,7 +334,7 @@ def timed_step(call, x, cuda, rng0, state):
             inputs = [xin] if xin.requires_grad else []
             if inputs or params:
                 grad_out = torch.ones_like(out)
-                with _step_grads(params), Timer(cuda) as timer:
+                with step_grads(params), Timer(cuda) as timer:
                     torch.autograd.backward(out, grad_out, inputs=inputs + params)
                 tb = timer.seconds
     return tf.seconds, tb

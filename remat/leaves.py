@@ -1,0 +1,119 @@
+"""The leaf tensors (parameters) a stage's backward reaches, and the gradient
+buffers the measuring call's stage backwards add into (Note [Measuring a
+stage] 2 in remat/profile.py)."""
+
+import torch
+
+__all__ = ["GradPool", "Upstream", "stage_leaves", "step_grads"]
+
+
+def stage_leaves(out, stop):
+    """Leaf tensors requiring grad reachable from ``out``'s graph without
+    passing the nodes in ``stop``: the parameters a stage's backward reaches."""
+    found, seen, todo = [], set(), [out.grad_fn] if out.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            found.append(var)
+            continue
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+class Upstream:
+    """The leaf tensors behind a chain's stages: reachable from the graphs of
+    their activations and side inputs, which grow stage by stage (each node is
+    visited once). A stage's backward on its real graph (Note [Measuring a
+    stage] 2) leaves such a parameter out: to reach it the engine would run the
+    graph behind the stage."""
+
+    def __init__(self):
+        self._seen = set()
+        self.leaves = set()   # ids
+
+    def held_grads(self, leaves):
+        """{id: gradient bytes} of those of a stage's ``leaves`` also used behind
+        it. The engine sums a leaf's gradients before it accumulates them, so
+        the share from this stage's backward waits, held, until the backward
+        of the first use has run: memory no stage's costs show, which the chain
+        adds to ``input_bytes`` (DESIGN.md section 3 departs here)."""
+        return {id(p): p.numel() * p.element_size() for p in leaves if id(p) in self.leaves}
+
+    def add(self, tensors):
+        """Take in the graphs behind ``tensors``."""
+        todo = []
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                if t.grad_fn is None:
+                    self.leaves.add(id(t))
+                else:
+                    todo.append(t.grad_fn)
+        seen = self._seen
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)
+            if var is not None:
+                self.leaves.add(id(var))
+                continue
+            todo.extend(n for n, _ in node.next_functions)
+
+
+class GradPool:
+    """Buffers that stand in for parameters' ``.grad`` in the measuring backwards of
+    one chain, reused from stage to stage. What is added into them is thrown
+    away, so they are zeroed once, when made: fresh zeros for every stage cost a
+    first call the allocation and page faults of all its parameters' size."""
+
+    def __init__(self):
+        self._flat = {}
+
+    def grads(self, params):
+        """A buffer shaped like each of ``params``; buffers of one call do not overlap."""
+        need = {}
+        for p in params:
+            if p.layout == torch.strided and p.is_contiguous():
+                need[(p.dtype, p.device)] = need.get((p.dtype, p.device), 0) + p.numel()
+        for (dtype, device), n in need.items():
+            flat = self._flat.get((dtype, device))
+            if flat is None or flat.numel() < n:
+                self._flat[(dtype, device)] = torch.zeros(n, dtype=dtype, device=device)
+        offsets = dict.fromkeys(need, 0)
+        out = []
+        for p in params:
+            key = (p.dtype, p.device)
+            if key in need and p.layout == torch.strided and p.is_contiguous():
+                start = offsets[key]
+                offsets[key] = start + p.numel()
+                out.append(self._flat[key][start:start + p.numel()].view(p.shape))
+            else:
+                out.append(torch.zeros_like(p))
+        return out
+
+
+class step_grads:
+    """Backward of one stage as a training step runs it: each parameter gradient is
+    added into an existing ``.grad`` (and freed), and the stage's parameters get
+    their own ``.grad`` back afterwards, untouched."""
+
+    def __init__(self, params, pool=None):
+        self.params = params
+        self.pool = pool
+
+    def __enter__(self):
+        self.old = [p.grad for p in self.params]
+        grads = self.pool.grads(self.params) if self.pool is not None else [torch.zeros_like(p) for p in self.params]
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        return grads
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.old):
+            p.grad = g
+        return False
