@@ -381,3 +381,22 @@ def test_gpt2_output_attentions_on_the_measuring_call(gpt2_setup):
     remat.wrap(model, model.transformer.h, budget="1MiB")
     ids, mask = gpt2_batch(0)
     assert len(model(ids, attention_mask=mask, output_attentions=True).attentions) == 4
+
+
+@needs_transformers
+def test_gpt2_output_attentions_after_the_measuring_call(gpt2_setup):
+    """Calls after the measuring one give one attention map per layer, equal to plain GPT-2's
+    (eval mode, so that attention dropout draws nothing; grad stays on, so the chain runs)."""
+    base, _, _ = gpt2_setup["eager"]
+    base = copy.deepcopy(base).eval()
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    ids, mask = gpt2_batch(0)
+    model(ids, attention_mask=mask, output_attentions=True)   # measures
+    got = model(ids, attention_mask=mask, output_attentions=True).attentions
+    assert remat.explain().schedule is not None   # the chain ran on a schedule
+    want = base(ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
