@@ -25,10 +25,11 @@ import threading
 import torch
 
 from .budget import parse_budget, resolve_budget
-from .costs_source import FIELDS, chain_costs, read_costs
+from .costs_source import FIELDS, chain_costs, distributed, read_costs, write_costs
 from .errors import RematError, StageError
 from .measuring import StageMeasuring, check_output, input_signature
 from .recording import Explanation, Recording, _last, explain
+from .refine import BackwardTimes
 from .replay import capture_autocast, capture_rng, cuda_devices
 from .runtime import FALL, FCK, Run, StageCall, first, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm
@@ -256,6 +257,9 @@ class _Active(StageMeasuring):
         self.entry = entry
         self.budget = resolve_budget(self.spec.budget, x.device)
         if entry is not None and entry.costs is not None:
+            if entry.unsaved:
+                entry.unsaved = False
+                write_costs(entry.costs, entry.costs_file)
             self.plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
             schedule, modes, back, fall_at = self.plan
             self.mode = "run"
@@ -266,6 +270,10 @@ class _Active(StageMeasuring):
             self.run = Run(None, {}, autocast)
             self.rng_start = capture_rng(cuda_devices([x]))
             self.given = read_costs(self.spec.costs_path)
+            if self.given is None and not x.is_cuda and not distributed():
+                # Note [Timing the first backward] (remat/refine.py)
+                self.run.clock = BackwardTimes(self.new)
+                self.new.costs_file = self.spec.costs_path
 
     def _matches(self, k, ident, x):
         entry = self.entry

@@ -10,7 +10,7 @@ import torch
 from .costs import Costs
 from .errors import CostsError, RematError
 
-__all__ = ["chain_costs", "read_costs"]
+__all__ = ["chain_costs", "read_costs", "write_costs"]
 
 FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
 
@@ -63,11 +63,16 @@ def chain_costs(rows, input_bytes, path, given):
         costs = Costs.from_dict(box[0])
         rank = torch.distributed.get_rank()
     if path is not None and rank == 0:
-        try:
-            costs.save(path)
-        except OSError as exc:
-            raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
+        write_costs(costs, path)
     return costs
+
+
+def write_costs(costs, path):
+    """Save measured costs to ``path`` (a CostsError says why it could not)."""
+    try:
+        costs.save(path)
+    except OSError as exc:
+        raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
 
 
 def _check_given(costs, rows, input_bytes, path):

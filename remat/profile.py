@@ -47,7 +47,10 @@ the stages whose saved tensors did not fit the budget, never the last;
 remat/measuring.py ``_keep_saved``). On CUDA the ops run asynchronously and the time
 inside the mode is launch time: there a forward and backward on a detached
 copy of the input (``timed_step``) give fwd_time and bwd_time, and the
-allocator's peak statistics replace the meter for the peaks.
+allocator's peak statistics replace the meter for the peaks. On CPU the
+backward times of run 2 are replaced, once the call's own backward has run,
+by each stage's share of it (Note [Timing the first backward],
+remat/refine.py).
 """
 
 import time

@@ -1,6 +1,9 @@
 """What the measuring call of a chain learned (``Recording``), the plans
 solved from it, and ``explain()`` to show them to a person."""
 
+from .costs import Costs
+from .costs_source import write_costs
+from .errors import CostsError
 from .runtime import BWD, FALL, FCK, FN
 from .schedule import B, Fall, Fck, Fn, Loss
 from .solve import solve
@@ -65,6 +68,25 @@ class Recording:
         self.input_bytes = 0
         self.costs = None
         self.plans = {}
+        self.costs_file = None   # the costs file this process measured for (or None)
+        self.unsaved = False     # refined costs not yet written to it
+
+    def refine_bwd(self, times):
+        """Backward times from the first call's own backward replace the measured
+        ones (Note [Timing the first backward], remat/refine.py): plans are solved
+        again and the costs file this process measured for is written again."""
+        costs = self.costs
+        if costs is None or len(times) != costs.length:
+            return
+        data = costs.to_dict()
+        data["bwd_time"] = list(times)
+        self.costs = Costs.from_dict(data)
+        self.plans = {}
+        if self.costs_file is not None:
+            try:
+                write_costs(self.costs, self.costs_file)
+            except CostsError:
+                self.unsaved = True   # the next call writes it, or says why it cannot
 
     def held_bytes(self):
         """Bytes of the gradients of leaves used by several stages (or by a stage

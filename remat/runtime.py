@@ -39,6 +39,7 @@ Note [The life of a saved tensor]
 """
 
 import threading
+import time
 import weakref
 
 import torch
@@ -173,6 +174,7 @@ class Run:
         self.passed = set()       # such stages the engine has backwarded (``settle``)
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
         self.autocast = autocast
+        self.clock = None         # a measuring call's BackwardTimes (remat/refine.py)
 
     # forward phase ------------------------------------------------------
 
@@ -268,6 +270,17 @@ class Run:
 
     def materialize(self, k):
         """Recompute what stage k's backward needs (Note [The life of a saved tensor], 3-4)."""
+        clock = self.clock
+        if clock is None:
+            self._materialize(k)
+            return
+        t0 = time.perf_counter()
+        try:
+            self._materialize(k)
+        finally:
+            clock.rebuilt(t0, time.perf_counter())
+
+    def _materialize(self, k):
         ops = self.ops
         pos = self.fall_at.get(k) if ops is not None else None
         if pos is not None and pos >= self.cursor:
