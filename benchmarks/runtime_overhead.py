@@ -20,17 +20,14 @@ What the figures can and cannot show:
   Note [Measuring a stage]): about two plain steps of work plus the meter's
   Python per op, which weighs most on small stages (ResNet-101 at 32x32 on
   CPU).
-- (b) The prediction comes from costs timed in first calls (each stage's
-  times the median of five first calls), while the measured chain time is a
-  median of later steps. What separates them: noise in the first calls'
-  samples (it only adds time, so it shows as measured < predicted); their
-  colder caches and memory allocator (same sign); CPU times being the ops'
-  time inside the meter, a few per cent below wall time (opposite sign);
-  per-step work simulate does not charge: remat's hooks (see (a)) and the
-  replay around a recomputation recording a graph (``Fall``; ``Fn``/``Fck``
-  are timed with it). The machine's speed also drifts between the first
-  calls and later steps (on a shared 2-core VM a plain step varies by 10-30%
-  from minute to minute), which scales every prediction alike and leaves the
+- (b) The prediction comes from the costs of five first calls, each stage's
+  times the median of the five, each as the call after the first refined
+  them (its own wall times, remat/refine.py), while the measured chain time
+  is a median of later steps. What separates them: noise in the refining
+  calls' single samples; per-step work simulate does not charge (remat's
+  hooks, see (a)); the machine's speed drifting between the first calls and
+  later steps (on a shared 2-core VM a plain step varies by 10-30% from
+  minute to minute), which scales every prediction alike and leaves the
   schedule unchanged (it depends on the costs' ratios only). The last column
   divides that out: the error of measured/measured-store-all against
   predicted/predicted-store-all, the budgets run in turn within each step.
@@ -85,8 +82,8 @@ def run_case(name, steps, device):
         first = os.path.join(folder.name, f"first{i}.json")
         firsts.append(timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i], device)[0])
         beside.append(timed(plain, spec, ("plain", None), data[i], device)[0])
-        # as written after the call's backward, which times the stages' backward
-        # (remat/refine.py)
+        # the second call refines the times (remat/refine.py) and writes them
+        timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i], device)
         measured.append(remat.Costs.load(first))
     # (b) plans on the median of those first calls' times, stage by stage (saved to
     # a file the chain loads, as a job reuses costs): one call's single samples

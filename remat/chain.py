@@ -21,15 +21,17 @@ import functools
 import os
 import sys
 import threading
+import time
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
 from .costs_source import FIELDS, chain_costs, distributed, read_costs, write_costs
 from .errors import RematError, StageError
 from .measuring import StageMeasuring, check_output, input_signature
 from .recording import Explanation, Recording, _last, explain
-from .refine import BackwardTimes
+from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices
 from .runtime import FALL, FCK, Run, StageCall, first, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm
@@ -264,6 +266,9 @@ class _Active(StageMeasuring):
             schedule, modes, back, fall_at = self.plan
             self.mode = "run"
             self.run = Run(back, fall_at, autocast)
+            if entry.attempts > 0:
+                entry.attempts -= 1
+                self.run.clock = StageTimes(entry)
         else:
             self.mode = "measure"
             self.new = Recording()
@@ -271,8 +276,8 @@ class _Active(StageMeasuring):
             self.rng_start = capture_rng(cuda_devices([x]))
             self.given = read_costs(self.spec.costs_path)
             if self.given is None and not x.is_cuda and not distributed():
-                # Note [Timing the first backward] (remat/refine.py)
-                self.run.clock = BackwardTimes(self.new)
+                # the next call times the stages again (Note [Timing the second call])
+                self.new.attempts = ATTEMPTS
                 self.new.costs_file = self.spec.costs_path
 
     def _matches(self, k, ident, x):
@@ -295,6 +300,17 @@ class _Active(StageMeasuring):
         self.diverged = k
 
     def _run_stage(self, call, x):
+        clock = self.run.clock
+        if clock is None:
+            return self._run_mode(call, x)
+        t0 = time.perf_counter()
+        out = self._run_mode(call, x)
+        clock.ran(call.index, time.perf_counter() - t0, first(out),
+                  [x, *tree_leaves((call.args, call.kwargs))])
+        return out
+
+    def _run_mode(self, call, x):
+        """Stage ``call`` in its forward-phase mode of the plan."""
         entry, run, k = self.entry, self.run, call.index
         call.meta = entry.meta[k - 1]
         call.state = entry.state[k - 1]

@@ -93,10 +93,6 @@ class StageMeasuring:
         run.settle(anchor, len(kept), x)
         if kept:
             run.watch(anchor, first(out))
-        if run.clock is not None:
-            inputs = tree_leaves((x, call.args, call.kwargs))
-            run.clock.watch(k, first(out), {t.grad_fn for t in inputs
-                                            if isinstance(t, torch.Tensor) and t.grad_fn is not None})
         # run 3 of the Note: without recording, from the state the stage started in,
         # replayed as a recomputation is (what it costs is what Fn and Fck cost)
         with rng0.replayed(), torch.no_grad(), restore_tensors(state):

@@ -48,8 +48,7 @@ remat/measuring.py ``_keep_saved``). On CUDA the ops run asynchronously and the 
 inside the mode is launch time: there a forward and backward on a detached
 copy of the input (``timed_step``) give fwd_time and bwd_time, and the
 allocator's peak statistics replace the meter for the peaks. On CPU the
-backward times of run 2 are replaced, once the call's own backward has run,
-by each stage's share of it (Note [Timing the first backward],
+next call's own times replace these (Note [Timing the second call],
 remat/refine.py).
 """
 

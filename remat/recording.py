@@ -68,20 +68,27 @@ class Recording:
         self.input_bytes = 0
         self.costs = None
         self.plans = {}
+        self.attempts = 0        # calls left to refine the times (remat/refine.py)
         self.costs_file = None   # the costs file this process measured for (or None)
         self.unsaved = False     # refined costs not yet written to it
 
-    def refine_bwd(self, times):
-        """Backward times from the first call's own backward replace the measured
-        ones (Note [Timing the first backward], remat/refine.py): plans are solved
-        again and the costs file this process measured for is written again."""
+    def refine(self, forward, backward, nograd):
+        """Times of the call after the measuring one replace the measured ones
+        (Note [Timing the second call], remat/refine.py): ``forward`` and
+        ``nograd`` map stages to seconds, ``backward`` lists them. Plans are
+        solved again and the costs file this process measured for is written again."""
         costs = self.costs
-        if costs is None or len(times) != costs.length:
+        n = costs.length if costs is not None else -1
+        if len(backward) != n or sorted(forward) != list(range(1, n + 1)):
             return
         data = costs.to_dict()
-        data["bwd_time"] = list(times)
+        data["fwd_time"] = [forward[k] for k in range(1, n + 1)]
+        data["bwd_time"] = list(backward)
+        data["fwd_nograd_time"] = [nograd.get(k, data["fwd_time"][k - 1] if self.grad_replay[k - 1] else t)
+                                   for k, t in enumerate(data["fwd_nograd_time"], 1)]
         self.costs = Costs.from_dict(data)
         self.plans = {}
+        self.attempts = 0
         if self.costs_file is not None:
             try:
                 write_costs(self.costs, self.costs_file)

@@ -1,36 +1,45 @@
-"""Refining a chain's backward times with the first call's own backward.
+"""Refining a chain's measured times with the call after the measuring one.
 
-Note [Timing the first backward]
---------------------------------
-The measuring call times each stage's backward under the storage meter (run 2
-of Note [Measuring a stage], remat/profile.py). On CPU the meter is a
-TorchDispatchMode, and entering Python for every op costs more than the meter
-leaves out of its timer: on ResNet-101's small convolutions that run came out
-10-35% slower, stage by stage, than the same backward inside a training
-step, and the predictions of every schedule with it. The call's own backward,
-the one the user runs after the chain, is not metered: it takes what a
-training step takes. ``BackwardTimes`` stamps it:
+Note [Timing the second call]
+-----------------------------
+The measuring call (Note [Measuring a stage], remat/profile.py) times each
+stage once, in a process that is not yet in its stride: its memory is laid
+out for the measuring runs, fresh pages fault on first touch, caches hold
+the other runs' data, and on CPU runs 1 and 2 go through the storage meter,
+which enters Python for every op. On ResNet-101's small stages on CPU the
+stages' backward in the first call, metered or not, came out 12-20% slower
+than in later steps, unevenly (the first stage of the backward up to four
+times), and the schedule's predicted time with it.
 
-1. A pre-hook on the node that made stage k's output notes when stage k's
-   backward begins. On CPU the engine runs a graph on the calling thread,
-   always the ready node made last first, so stage k's nodes run between
-   that mark and the mark of stage k-1 (whose output node waits for all of
-   stage k's gradient). Stage 1 ends with the last of its own nodes (a post
-   hook on each).
-2. Recomputations in that backward (the stages whose saved tensors did not fit
-   the budget, rebuilt by ``Run.materialize``) are timed there and taken out
-   of whichever interval they fall in.
-3. At the end of the backward (an engine callback) the times replace
-   ``bwd_time`` in the recording's costs if the backward went through every
-   stage once, in chain order, and every interval is positive. Anything else
-   (a backward that stops inside the chain, none at all) leaves the measured
-   times. The next call solves again; a costs file this process wrote is
-   written again with them (``Recording.take_refined``).
+The next call runs the schedule as every later one does, and ``StageTimes``
+stamps it:
 
-Not done on CUDA (``timed_step`` already times an unmetered backward there, and
-stamps of asynchronous work would need a synchronisation per stage), under
-torch.distributed (every rank keeps rank 0's costs and so the same schedule),
-nor for costs read from a file.
+1. Forward phase: each stage's wall time, remat's own work around it included
+   (a recording forward, with or without pack hooks): ``fwd_time``.
+2. Backward: a pre-hook on the node that made stage k's output notes when
+   stage k's backward begins. On CPU the engine runs a graph on the calling
+   thread, always the ready node made last first, so stage k's nodes run
+   between that mark and the mark of stage k-1 (whose output node waits for
+   all of stage k's gradient). Stage 1 ends with the last of its own nodes (a
+   post hook on each, a leaf's ``AccumulateGrad`` left out: a tied weight's
+   runs only once its use behind the chain is backwarded). Recomputations in
+   that backward are timed and taken out of whichever interval they fall in:
+   ``bwd_time``.
+3. Recomputations without recording (``Fn``, ``Fck``, rebuilds) time a
+   stage's forward without recording, replay included: ``fwd_nograd_time``
+   of the stages recomputed so (the least of their runs); the others keep
+   the measured one.
+
+At the end of the backward (an engine callback), if it went through every
+stage once, in chain order, and every interval is positive, those times
+replace the measured ones, the next call solves again, and a costs file the
+measuring call wrote is written again. Otherwise (no backward, one that
+stops inside the chain) the next call tries again, up to ``ATTEMPTS`` calls.
+
+Not done on CUDA (``timed_step`` times an unmetered forward and backward
+there, and stamps of asynchronous work would need a synchronisation per
+stage), under torch.distributed (every rank keeps rank 0's costs and so the
+same schedule), nor for costs read from a file.
 """
 
 import time
@@ -38,38 +47,47 @@ import weakref
 
 import torch
 
-__all__ = ["BackwardTimes"]
+__all__ = ["ATTEMPTS", "StageTimes"]
+
+ATTEMPTS = 3
 
 
-class BackwardTimes:
-    """The stamps of Note [Timing the first backward] for one measuring call."""
+class StageTimes:
+    """The stamps of Note [Timing the second call] for one call of a chain."""
 
     def __init__(self, recording):
         self.recording = weakref.ref(recording)
+        self.forward = {}     # stage -> seconds of its forward-phase run
+        self.nograd = {}      # stage -> least seconds of a recomputation without recording
         self.starts = {}      # stage -> when its backward began
         self.end = None       # when the last node of stage 1 ran
-        self.rebuilds = []    # (start, end) of each recomputation
+        self.rebuilds = []    # (start, end) of each recomputation in the backward
         self.stages = 0
         self.queued = False
         self.done = False
 
-    def watch(self, k, act, stop):
-        """Stamp stage ``k`` (output ``act``) in the backward; ``stop`` holds the
-        nodes of the stage's inputs, where its own graph ends."""
+    def ran(self, k, seconds, act, inputs):
+        """Stage ``k`` ran its forward phase in ``seconds`` and returned ``act``;
+        ``inputs`` are its tensor arguments, where its own graph ends."""
+        self.forward[k] = seconds
         node = act.grad_fn
         if node is None:
             return
         self.stages = k
         node.register_prehook(self._start(k))
         if k == 1:
+            stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
             for n in _stage_nodes(node, stop):
-                # not on a leaf's AccumulateGrad: one also used behind the chain
-                # (a tied weight) runs only once that use is backwarded
-                if not hasattr(n, "variable"):
+                if not hasattr(n, "variable"):   # (AccumulateGrad: see the Note, 2)
                     n.register_hook(self._end)
 
+    def recomputed(self, k, seconds):
+        """Stage ``k`` ran without recording in ``seconds`` (a recomputation)."""
+        if not self.done:
+            self.nograd[k] = min(seconds, self.nograd.get(k, seconds))
+
     def rebuilt(self, t0, t1):
-        """A recomputation ran from ``t0`` to ``t1`` (perf_counter seconds)."""
+        """The backward's recomputations ran from ``t0`` to ``t1`` (perf_counter seconds)."""
         if not self.done:
             self.rebuilds.append((t0, t1))
 
@@ -91,17 +109,17 @@ class BackwardTimes:
     def _finish(self):
         self.done = True
         recording = self.recording()
-        times = self.times()
-        if recording is not None and times is not None:
-            recording.refine_bwd(times)
+        backward = self.backward()
+        if recording is not None and backward is not None:
+            recording.refine(self.forward, backward, self.nograd)
 
-    def times(self):
+    def backward(self):
         """Each stage's backward seconds, or None if the backward did not go
-        through the whole chain once in order (Note [Timing the first backward], 3)."""
+        through the whole chain once in order (Note [Timing the second call], 2)."""
         n = self.stages
         if n == 0 or self.end is None or sorted(self.starts) != list(range(1, n + 1)):
             return None
-        bounds = [self.starts[k] for k in range(1, n + 1)]   # stage order: latest first
+        bounds = [self.starts[k] for k in range(1, n + 1)]
         ends = [self.end] + bounds[:-1]
         times = []
         for a, b in zip(bounds, ends):

@@ -174,7 +174,7 @@ class Run:
         self.passed = set()       # such stages the engine has backwarded (``settle``)
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
         self.autocast = autocast
-        self.clock = None         # a measuring call's BackwardTimes (remat/refine.py)
+        self.clock = None         # StageTimes of a call that refines the times (remat/refine.py)
 
     # forward phase ------------------------------------------------------
 
@@ -322,6 +322,15 @@ class Run:
 
     def _forward(self, call, x, grad):
         """Run ``call`` again on ``x`` replaying its state; return its output (detached)."""
+        clock = self.clock
+        if clock is None or grad:
+            return self._replay(call, x, grad)
+        t0 = time.perf_counter()
+        out = self._replay(call, x, grad)
+        clock.recomputed(call.index, time.perf_counter() - t0)
+        return out
+
+    def _replay(self, call, x, grad):
         _local.replaying = True
         try:
             with _Replay(call, self.autocast):
