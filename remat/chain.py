@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from .budget import parse_budget, resolve_budget
 from .costs_source import FIELDS, chain_costs, distributed, read_costs, write_costs
 from .errors import RematError, StageError
-from .measuring import StageMeasuring, check_output, input_signature
+from .measuring import StageMeasuring, check_output, input_signature, signature
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices
@@ -144,18 +144,6 @@ class chain:
         return wrapper
 
 
-def _signature(value):
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return type(value).__name__
-
-
 def _find_activation(args, kwargs, start):
     for i in range(start, len(args)):
         if isinstance(args[i], torch.Tensor):
@@ -193,6 +181,7 @@ class _Active(StageMeasuring):
         self.held_bytes = 0
         self.measured = None    # what run 4 of Note [Measuring a stage] needs of the last stage
         self.relayout = None    # (that of the stage before, the layout its gradient has) due for run 4
+        self.twins = {}         # Note [Twin stages] (remat/measuring.py): key -> stage
 
     # stage calls ---------------------------------------------------------
 
@@ -245,7 +234,7 @@ class _Active(StageMeasuring):
     def _begin(self, ident, args, kwargs, x):
         autocast = capture_autocast()
         training = getattr(ident, "training", None)
-        self.key = (self.site, id(ident), _signature((args[1:] if args and args[0] is ident else args, kwargs)),
+        self.key = (self.site, id(ident), signature((args[1:] if args and args[0] is ident else args, kwargs)),
                     training, autocast)
         self.autocast = autocast
         with _cache_lock:

@@ -5,6 +5,23 @@ remat/profile.py): the forward that counts, metered and backwarded
 their saved tensors for the call's own backward. ``_Active`` (remat/chain.py)
 takes these methods; the checks on what a stage returns live here too, as the
 measuring runs them on every forward it makes.
+
+Note [Twin stages]
+------------------
+Chains are mostly copies of one block (a transformer's layers, a ResNet
+stage's bottlenecks). A stage whose run 1 shows it to be a twin of a stage
+measured before in the call skips runs 2 and 3 and takes that stage's
+backward time and peak, time without recording and grad-mode verdict: the
+most of a first call's work (run 2 is metered op by op). Twins have the same
+code (the function, or the module's class and forward), the same tree of
+submodules with the same configuration (``extra_repr``), training flags,
+parameter and buffer shapes; like inputs (shape, strides, dtype, device,
+requires_grad; side inputs by ``signature``); and, from run 1, the same
+output, saved and transient bytes, saved tensors' shapes, RNG use, in-place
+writes, held gradients, parameters to differentiate and backward graph (node
+types and edges, from the output to the inputs). Same ops on like tensors
+allocate alike, so nothing the budget relies on is guessed. On CPU the
+next call's own times then replace the shared ones (remat/refine.py).
 """
 
 import weakref
@@ -19,7 +36,7 @@ from .profile import Timer, backward_again, instrumented_run, timed_step
 from .replay import capture_rng, cuda_devices, restore_tensors
 from .runtime import _Replay, _Saved, first
 
-__all__ = ["StageMeasuring", "check_output", "input_signature"]
+__all__ = ["StageMeasuring", "check_output", "input_signature", "signature"]
 
 
 class StageMeasuring:
@@ -51,11 +68,14 @@ class StageMeasuring:
         if self.upstream is None:
             self.upstream = Upstream()
         self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
+        twin = None
         if self.given is None:
             if self.grad_pool is None:
                 self.grad_pool = GradPool()
+            twin = _Twin(self.twins, ident, call, x)
             out, row, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, check_output, run.hooks(pack),
-                                                             kept, self.grad_pool, self.upstream, anchor)
+                                                             kept, self.grad_pool, self.upstream, anchor, twin)
+            twin.keep(row)
         else:
             # costs come from a file: learn only what replay needs, from this forward
             detector = Instrument(exclude=[x])
@@ -93,24 +113,17 @@ class StageMeasuring:
         run.settle(anchor, len(kept), x)
         if kept:
             run.watch(anchor, first(out))
-        # run 3 of the Note: without recording, from the state the stage started in,
-        # replayed as a recomputation is (what it costs is what Fn and Fck cost)
-        with rng0.replayed(), torch.no_grad(), restore_tensors(state):
-            for t, old in originals:
-                t.copy_(old)
-            with Timer(cuda) as timer, _Replay(call, self.autocast):
-                nograd_out = call.call(x).detach()
-        if self.given is None:
-            row["fwd_nograd_time"] = timer.seconds
+        if twin is not None and twin.of is not None:
+            # Note [Twin stages]: runs 2 and 3 are the twin's
+            j = twin.of
+            row["fwd_nograd_time"] = new.rows[j - 1]["fwd_nograd_time"]
             if cuda:
-                row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
-        # Note [Replaying a stage] 4: a stage whose forward without recording
-        # differs from the recorded one is recomputed with grad mode on
-        act = out[0] if isinstance(out, tuple) else out
-        call.grad_replay = not (isinstance(act, torch.Tensor) and _bitwise_equal(nograd_out, act))
-        if call.grad_replay and self.given is None:
-            row["fwd_nograd_time"] = row["fwd_time"]
-        del nograd_out
+                row["fwd_time"] = new.rows[j - 1]["fwd_time"]
+            call.grad_replay = new.grad_replay[j - 1]
+        else:
+            self._measure_nograd(call, x, out, row, rng0, originals, cuda)
+            if twin is not None:
+                twin.register(k)
         if k == 1:
             new.input_bytes = x.untyped_storage().nbytes()
         new.idents.append(weakref.ref(ident))
@@ -123,6 +136,27 @@ class StageMeasuring:
         new.rows.append(row)
         new.held.append(held)
         return out
+
+    def _measure_nograd(self, call, x, out, row, rng0, originals, cuda):
+        """Run 3 of Note [Measuring a stage]: without recording, from the state the
+        stage started in, replayed as a recomputation is (what it costs is what Fn
+        and Fck cost); and whether that forward gives the recorded output."""
+        state = [t for t, _ in originals]
+        with rng0.replayed(), torch.no_grad(), restore_tensors(state):
+            for t, old in originals:
+                t.copy_(old)
+            with Timer(cuda) as timer, _Replay(call, self.autocast):
+                nograd_out = call.call(x).detach()
+        if self.given is None:
+            row["fwd_nograd_time"] = timer.seconds
+            if cuda:
+                row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
+        # Note [Replaying a stage] 4: a stage whose forward without recording
+        # differs from the recorded one is recomputed with grad mode on
+        act = first(out)
+        call.grad_replay = not (isinstance(act, torch.Tensor) and _bitwise_equal(nograd_out, act))
+        if call.grad_replay and self.given is None:
+            row["fwd_nograd_time"] = row["fwd_time"]
 
     def _measure_backward_again(self):
         """Run 4 of Note [Measuring a stage] for the stage due (if any), after the
@@ -162,6 +196,71 @@ class StageMeasuring:
             return False
         self.held_bytes += saved
         return True
+
+
+class _Twin:
+    """The twin lookup of one stage (Note [Twin stages]): ``instrumented_run`` hands
+    ``find`` what run 1 showed and gets the twin's run 2 results, or None; ``of`` is
+    then the twin's stage number. Those results are kept as run 2 gave them, before
+    run 4 (another gradient layout) may change the twin's row."""
+
+    RUN2 = ("bwd_time", "bwd_tmp", "grad_layout", "input_grad_layout")
+
+    def __init__(self, twins, ident, call, x):
+        self.twins, self.key, self.of, self.run2 = twins, None, None, None
+        try:
+            base = (_structure(ident, call.fn), tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad,
+                    signature((call.args, call.kwargs)))
+            hash(base)
+        except TypeError:   # an unhashable stage function: no twins
+            base = None
+        self.base = base
+
+    def find(self, seen):
+        if self.base is None:
+            return None
+        self.key = (self.base, seen)
+        found = self.twins.get(self.key)
+        if found is None:
+            return None
+        self.of, run2 = found
+        return run2
+
+    def keep(self, row):
+        """Note the stage's own run 2 results (``row`` as ``instrumented_run`` made it)."""
+        if row is not None:
+            self.run2 = {f: row[f] for f in self.RUN2 if f in row}
+
+    def register(self, k):
+        """Stage ``k``, measured in full, is the one its twins take after."""
+        if self.key is not None and self.run2 is not None:
+            self.twins.setdefault(self.key, (k, self.run2))
+
+
+def _structure(ident, fn):
+    """The code a stage runs and, for a module, its submodules' classes, configuration
+    and training flags and its parameters' and buffers' shapes."""
+    code = getattr(fn, "__func__", fn)
+    if not isinstance(ident, torch.nn.Module):
+        return (code,)
+    return (code,
+            tuple((name, type(m), m.extra_repr(), m.training) for name, m in ident.named_modules()),
+            tuple((name, p.shape, p.dtype, p.device, p.requires_grad) for name, p in ident.named_parameters()),
+            tuple((name, b.shape, b.dtype, b.device) for name, b in ident.named_buffers()))
+
+
+def signature(value):
+    """A hashable summary of a stage's arguments: tensors by shape, dtype, device and
+    requires_grad, small Python values by value, other objects by type."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return tuple(signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, signature(v)) for k, v in value.items())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
 
 
 def _bitwise_equal(a, b):

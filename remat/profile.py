@@ -40,7 +40,9 @@ Run 1 is the one that counts, so RNG streams and BatchNorm statistics end
 where one plain forward leaves them. The times of runs 1 and 2 are those of
 the ops inside them, the meter's own work left out (it would double them on
 small ops): a few per cent below a plain run's wall time, which also has the
-model's and PyTorch's Python around the ops. Measuring the real forward and
+model's and PyTorch's Python around the ops. A twin of a stage measured
+before skips runs 2 and 3 (Note [Twin stages], remat/measuring.py).
+Measuring the real forward and
 its own backward, rather than separate timed runs, keeps a first call at
 two to three plain steps (runs 1 to 3, then the backward, which rebuilds
 the stages whose saved tensors did not fit the budget, never the last;
@@ -84,7 +86,8 @@ class Timer:
         return False
 
 
-def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None, anchor=None):
+def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None, anchor=None,
+                     twin=None):
     """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
     ``Instrument``, then its backward on that graph.
 
@@ -96,6 +99,9 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         anchor: the stage's anchor, whose unpacked tensors a backward that
             frees its graph lets go one by one (remat/runtime.py); the
             backward here keeps the graph and meters as if it did not.
+        twin: a ``_Twin`` (remat/measuring.py, Note [Twin stages]): given what
+            run 1 showed, it may name a stage measured before whose run 2 this
+            one takes instead of running its own.
 
     Returns:
         (what the stage returned, cost row, [(tensor, value before)] of the
@@ -141,7 +147,18 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     if upstream is not None:
         row["held_grads"] = upstream.held_grads(params)
         params = [p for p in params if id(p) not in upstream.leaves]
-    if act.requires_grad and (xin.requires_grad or params):
+    donor = None
+    if twin is not None:
+        stops = stop | {xin.grad_fn}
+        donor = twin.find((out_bytes, saved_bytes, fwd_peak, row["out_freed"], uses_rng,
+                           tuple((t.shape, t.dtype, t.device) for t in saved),
+                           tuple((t.shape, t.dtype) for t, _ in forward_writes.values()),
+                           tuple(sorted(row.get("held_grads", {}).values())),
+                           tuple((p.shape, p.dtype) for p in params),
+                           _graph_shape(act.grad_fn, stops)))
+    if donor is not None:
+        row.update(donor)
+    elif act.requires_grad and (xin.requires_grad or params):
         # the meter is off between the two runs: what is made here is no stage's
         grad_out = torch.ones_like(act)
         row["grad_layout"] = grad_out.stride()
@@ -191,8 +208,26 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["out_bytes"] = out_bytes
     row["saved_bytes"] = saved_bytes
     row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
-    row["bwd_tmp"] = max(0, bwd_delta - in_grad - row["out_freed"])
+    if donor is None:
+        row["bwd_tmp"] = max(0, bwd_delta - in_grad - row["out_freed"])
     return out, row, list(forward_writes.values()), uses_rng
+
+
+def _graph_shape(node, stop):
+    """The backward graph of a stage, from the node of its output down to the nodes
+    in ``stop``, as node types and edges (Note [Twin stages] in remat/measuring.py)."""
+    if node is None:
+        return None
+    order, index, todo = [], {}, [node]
+    while todo:
+        n = todo.pop()
+        if n in index:
+            continue
+        index[n] = len(order)
+        order.append(n)
+        todo.extend(m for m, _ in reversed(n.next_functions) if m is not None and m not in stop and m not in index)
+    return tuple((type(n).__name__, tuple(-1 if m is None else -2 if m in stop else index[m]
+                                          for m, _ in n.next_functions)) for n in order)
 
 
 class _Releases:

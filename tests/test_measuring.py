@@ -10,8 +10,13 @@ import time
 import torch
 import torch.nn as nn
 
+import pytest
+from hypothesis import given, strategies as st
+
 import remat
-from chains import Net, make_input
+from remat import measuring
+from remat.measuring import StageMeasuring
+from chains import IMG_KINDS, SEQ_KINDS, Net, make_input
 from remat.solve import minimum_budget
 
 
@@ -47,16 +52,64 @@ def _first_call_counts(budget):
 
 
 def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
-    """A first call runs each stage's forward twice (metered, then without recording);
-    stages whose saved tensors do not fit the budget a third time, rebuilt in the
-    backward (never the last one); a later call runs each once when everything fits."""
+    """A first call runs the first stage's forward twice (metered, then without
+    recording) and its eleven twins once (Note [Twin stages]); stages whose saved
+    tensors do not fit the budget once more, rebuilt in the backward (never the last
+    one); a later call runs each once when everything fits."""
     counts, costs = _first_call_counts(2**50)
-    assert counts == [[2] * 12, [1] * 12]
+    assert counts == [[2] + [1] * 11, [1] * 12]
     least = minimum_budget(costs)
     assert least < costs.input_bytes + sum(costs.saved_bytes)
     counts, _ = _first_call_counts(least)
     first = counts[0]
-    assert first[-1] == 2 and set(first) <= {2, 3} and 3 in first, first
+    assert first[0] in (2, 3) and first[-1] == 1 and set(first[1:]) <= {1, 2} and 2 in first[1:], first
+
+
+@st.composite
+def blocks(draw):
+    image = draw(st.booleans())
+    return draw(st.lists(st.sampled_from(IMG_KINDS if image else SEQ_KINDS), min_size=1, max_size=5)), image
+
+
+@given(blocks(), st.integers(1, 3))
+def test_twin_stages_cost_what_they_measure(block, repeats):
+    """Note [Twin stages]: a chain of repeated blocks measured with twins gets the sizes,
+    grad-mode verdicts and held gradients it gets with every stage measured in full,
+    and copies of the block from the third on are twins."""
+    kinds, image = block
+    torch.manual_seed(0)
+    net = Net(kinds * repeats, image=image)
+    full, runs = [], []
+    real = StageMeasuring._measure_nograd
+
+    def spy(self, *a, **k):
+        runs.append(1)
+        return real(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StageMeasuring, "_measure_nograd", spy)
+        twins = _measure(net)
+        distinct = len(runs)
+        mp.setattr(measuring._Twin, "find", lambda self, seen: None)
+        full = _measure(net)
+    for field in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp"):
+        assert getattr(twins[0], field) == getattr(full[0], field), field
+    assert twins[0].input_bytes == full[0].input_bytes
+    assert twins[1] == full[1]
+    # the third copy of the block and later ones see what the second saw (the first
+    # copy's input may be laid out otherwise): they are twins
+    assert distinct <= 2 * len(kinds)
+
+
+def _measure(net):
+    remat.clear_cache()
+    probe = copy.deepcopy(net)
+    probe.budget, probe.algorithm = 2**50, "store_all"
+    x, mask = make_input(probe)
+    torch.manual_seed(1)
+    probe(x, mask).sum().backward()
+    entry = next(iter(sys.modules["remat.chain"]._cache.values()))
+    return remat.explain().costs, list(entry.grad_replay)
 
 
 def test_hooks_on_activations_run_once_with_tied_weights():
