@@ -12,12 +12,16 @@ leave no trace:
    rest of the program sees is untouched. Stages measured not to draw random
    numbers skip this.
 2. Autocast: the enabled flag and dtype of every device type, and the cache
-   flag, are captured with the stage and re-entered around a recomputation.
+   flag, are captured with the stage and re-entered around a recomputation
+   when they differ from the state the backward runs in (usually they are
+   the same, and entering them would cost a small stage's recomputation a
+   few percent).
 3. In-place state: while measuring, remat records every tensor that existed
    before the stage and that the stage writes in place (BatchNorm's
    ``running_mean``, ``running_var``, ``num_batches_tracked``, any EMA
-   buffer). A recomputation snapshots those tensors and restores them after,
-   so one step updates them exactly once, as plain PyTorch does.
+   buffer). A recomputation snapshots those tensors and restores them after
+   (one ``_foreach_copy_`` for all), so one step updates them exactly once,
+   as plain PyTorch does.
 4. Grad mode: a recomputation that only rebuilds an activation runs without
    recording, which is cheaper, unless the stage computes something else
    that way: some kernels are chosen by grad mode (scaled_dot_product_attention
@@ -83,6 +87,13 @@ class AutocastState:
     def __init__(self, key):
         self.key = key
 
+    def current(self):
+        """True if this is the autocast state now (entering it would change nothing)."""
+        if torch.is_autocast_cache_enabled() != self.key[0][3]:
+            return False
+        return all(torch.is_autocast_enabled(d) == enabled and torch.get_autocast_dtype(d) == dtype
+                   for d, enabled, dtype, _ in self.key)
+
     def context(self):
         """A context manager that re-enters this autocast state."""
         stack = contextlib.ExitStack()
@@ -112,10 +123,24 @@ def capture_autocast():
 @contextlib.contextmanager
 def restore_tensors(tensors):
     """Run the body, then write back the values ``tensors`` had before it (Note 3)."""
-    saved = [(t, t.detach().clone()) for t in tensors]
+    tensors = list(tensors)
+    if not tensors:
+        yield
+        return
+    with torch.no_grad():
+        saved = [t.clone() for t in tensors]
     try:
         yield
     finally:
         with torch.no_grad():
-            for t, old in saved:
-                t.copy_(old)
+            _copy_all(tensors, saved)
+
+
+def _copy_each(targets, sources):
+    for t, s in zip(targets, sources):
+        t.copy_(s)
+
+
+# one call for all of a stage's buffers (a BatchNorm stage has three per norm):
+# a recomputation of a small stage pays this on every step
+_copy_all = getattr(torch, "_foreach_copy_", None) or _copy_each

@@ -148,6 +148,43 @@ def test_autocast_bfloat16_on_cpu():
     assert_same(r, g)
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_autocast_around_one_phase_only(where):
+    """Autocast around the forward only (the backward outside it, as PyTorch advises), or
+    around the backward only: recomputations run in the forward's autocast state either
+    way (entered when it differs from the backward's, skipped when it is the same), and
+    results are bitwise plain PyTorch's."""
+    import contextlib
+    from chains import make_input
+
+    def bf16(on):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext()
+
+    def steps(net):
+        out = []
+        for step in range(2):
+            x, mask = make_input(net, seed=step)
+            with bf16(where == "forward"):
+                y = net(x, mask)
+            with bf16(where == "backward"):
+                y.float().sum().backward()
+            out.append((y.detach().clone(), x.grad.clone(), [p.grad for p in net.parameters()]))
+            net.zero_grad(set_to_none=True)
+        return out
+
+    base = _fresh(("mlp", "attn", "mlp", "ln", "bn"))
+    ref, net = copy.deepcopy(base), _with_budget(base)
+    steps(net)   # the measuring call
+    torch.manual_seed(0)
+    r = steps(ref)
+    torch.manual_seed(0)
+    g = steps(net)
+    assert remat.explain().schedule.recomputations() > 0
+    for (ya, xa, ga), (yb, xb, gb) in zip(r, g):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ga, gb))
+
+
 def test_new_batch_size_measures_again():
     """A new input shape is a new key: it is measured, and both shapes stay exact."""
     base = _fresh()
