@@ -84,8 +84,10 @@ class Recording:
         data = costs.to_dict()
         data["fwd_time"] = [forward[k] for k in range(1, n + 1)]
         data["bwd_time"] = list(backward)
-        data["fwd_nograd_time"] = [nograd.get(k, data["fwd_time"][k - 1] if self.grad_replay[k - 1] else t)
-                                   for k, t in enumerate(data["fwd_nograd_time"], 1)]
+        # (3 of the Note: a forward without recording does no more than one with it)
+        data["fwd_nograd_time"] = [
+            nograd.get(k, data["fwd_time"][k - 1] if self.grad_replay[k - 1] else min(t, data["fwd_time"][k - 1]))
+            for k, t in enumerate(data["fwd_nograd_time"], 1)]
         self.costs = Costs.from_dict(data)
         self.plans = {}
         self.attempts = 0

@@ -28,7 +28,13 @@ stamps it:
 3. Recomputations without recording (``Fn``, ``Fck``, rebuilds) time a
    stage's forward without recording, replay included: ``fwd_nograd_time``
    of the stages recomputed so (the least of their runs); the others keep
-   the measured one.
+   the measured one, but no more than their new ``fwd_time``: a forward
+   without recording does the same work less the graph, while the measured
+   run (run 3) was the stage's first without recording, cold, and twins
+   (remat/measuring.py) copy the first one's. On ResNet-101 on CPU those
+   measured times summed 1.85x a steady no-grad forward, above the
+   recording forward's, and the solver would have recomputed with grad
+   mode on rather than without.
 
 At the end of the backward (an engine callback), if it went through every
 stage once, in chain order, and every interval is positive, those times
