@@ -54,7 +54,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     # of the targets), against the same plain steps
     cs = [("checkpoint_sequential", s) for s in range(1, n + 1)]
     with tqdm(total=2, desc=f"bench {model} (peaks)", disable=not progress, leave=False) as bar:
-        peaks = [r["peak_bytes"] for r in measure_all(base, spec, cs, 1, device, bar)[0]]
+        peaks = [r["peak_bytes"] for r in measure_all(base, spec, cs, 0, device, bar)[0]]
     methods, tags = [("plain", None)] + cs, [None] * (n + 1)
     for b in grid:
         methods.append(("remat", (b, "optimal", path)))
@@ -74,7 +74,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     # machine's speed of the run, on which each schedule's time is predicted again
     # (the planning costs' single samples carry the speed of their own moment)
     window = []
-    with tqdm(total=steps + 1, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
+    with tqdm(total=steps + 2, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
               leave=False) as bar:
         results, schedules = measure_all(base, spec, methods, steps, device, bar,
                                           probe=lambda i: window.append(measure_costs(base, spec, i, device)))

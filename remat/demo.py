@@ -3,9 +3,9 @@ it with plain PyTorch and ``torch.utils.checkpoint.checkpoint_sequential``,
 all measured in one run (remat/trials.py): the three methods take each step in
 turn, so that a machine whose speed drifts weighs on all of them alike.
 
-Memory is the peak of the chain's activations during a training step. Step time
-is the median over the timed steps, after one warm-up (remat's first, measuring
-call is reported on its own).
+Memory is the peak of the chain's activations during a training step, metered
+on a last, untimed step. Step time is the median over the timed steps, after
+one warm-up (remat's first, measuring call is reported on its own).
 """
 
 import torch
@@ -52,7 +52,8 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
         budget: remat's budget, a size ("6MiB") or a share of the chain's
             store-everything peak ("40%").
         device: "cpu" or "cuda".
-        steps: training steps (the first is a warm-up, at least one more is timed).
+        steps: training steps (the first is a warm-up, the last is metered for
+            memory, at least one between them is timed).
     """
     from tqdm.auto import tqdm
 
@@ -62,16 +63,16 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     torch.manual_seed(0)
     base = spec[0]().to(device)
     n = kw["n_layer"]
-    timed = max(steps - 1, 1)
+    timed = max(steps - 2, 1)
 
     # remat's costs give the budget in bytes (a measuring call on a copy)
     costs = measure_costs(base, spec, 0, device)
     budget_bytes = resolve_demo_budget(budget, costs)
 
-    bar = tqdm(total=2 + timed + 1, desc="remat demo", disable=not progress, leave=False)
+    bar = tqdm(total=2 + timed + 2, desc="remat demo", disable=not progress, leave=False)
     # checkpoint_sequential: its fastest segment count whose peak fits the budget
     segments = [("checkpoint_sequential", s) for s in range(1, n + 1)]
-    peaks = [r["peak_bytes"] for r in measure_all(base, spec, segments, 1, device, bar)[0]]
+    peaks = [r["peak_bytes"] for r in measure_all(base, spec, segments, 0, device, bar)[0]]
     fits = [s for (_, s), peak in zip(segments, peaks) if peak <= budget_bytes]
     chosen = fits[0] if fits else n
     note = "" if fits else " (none fits the budget)"
@@ -88,7 +89,7 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     base_time = rows[0]["step_seconds"]
     lines = [
         f"remat demo: GPT ({n} blocks, width {kw['n_embd']}), batch {kw['batch']} x {kw['length']} tokens, "
-        f"{timed + 1} steps on {device.type}",
+        f"{timed + 2} steps on {device.type}",
         f"budget: {format_bytes(budget_bytes)} ({budget} of storing everything, "
         f"{format_bytes(simulate(costs, store_all(n)).peak)}; chain minimum {format_bytes(minimum_budget(costs))})",
         "",

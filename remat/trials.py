@@ -219,13 +219,14 @@ class Trial:
         self.first_seconds = None
 
     def step(self, spec, i, steps, device, reference):
-        """Step i (0 is the warm-up; the last is metered for the peak). ``reference``
+        """Step i: 0 is the warm-up, 1 to ``steps`` are timed, ``steps + 1`` is metered
+        for the peak (the meter enters Python for every op: its step is not timed). ``reference``
         holds the first gradients of the round, which this step's must equal."""
         batch = spec[1](i, device)
         params = [p for p in self.model.parameters() if p.grad is not None]
         for p in params:
             p.grad.zero_()
-        meter = ChainMeter(device) if i == steps else None
+        meter = ChainMeter(device) if i == steps + 1 else None
         clock = Clock(meter, device)
         torch.manual_seed(1000 + i)   # the same dropout draws for every method
         if device.type == "cuda":
@@ -239,10 +240,10 @@ class Trial:
             self.losses.append(run_step(self.model, spec, self.method, batch, clock))
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if i > 0:
+        if 1 <= i <= steps:
             self.step_times.append(time.perf_counter() - t0)
             self.chain_times.append(clock.total)
-        else:
+        elif i == 0:
             self.first_seconds = time.perf_counter() - t0   # remat's measuring call
         if self.method[0] == "remat":
             self.schedule = explain().schedule
@@ -254,8 +255,9 @@ class Trial:
             self.grads_equal = False
 
     def result(self):
-        out = {"peak_bytes": self.peak, "step_seconds": statistics.median(self.step_times),
-               "chain_seconds": statistics.median(self.chain_times), "losses": self.losses,
+        timed = bool(self.step_times)
+        out = {"peak_bytes": self.peak, "step_seconds": statistics.median(self.step_times) if timed else None,
+               "chain_seconds": statistics.median(self.chain_times) if timed else None, "losses": self.losses,
                "grads_equal": self.grads_equal, "first_step_seconds": self.first_seconds}
         if self.method[0] == "remat":
             s = self.schedule
@@ -267,13 +269,14 @@ class Trial:
 def measure_all(base, spec, methods, steps, device, bar=None, probe=None):
     """Median step and chain times of every method over ``steps`` timed steps after one
     warm-up, the methods taking each step in turn (a machine whose speed drifts over the
-    run weighs on all of them alike), and each one's peak (metered on its last step).
+    run weighs on all of them alike), and each one's peak (metered on one more step,
+    untimed; ``steps=0`` gives peaks only).
     ``probe(i)``, if given, runs once among the methods' step i."""
     base = copy.deepcopy(base)
     trials = [Trial(base, m) for m in methods]
     opt = torch.optim.SGD(base.parameters(), lr=0.01)
     order = random.Random(0)
-    for i in range(steps + 1):
+    for i in range(steps + 2):
         # in a new order each step: what one step leaves behind (the allocator's
         # free lists, caches, a probe's first call) weighs on no method steadily
         turn = list(trials) + ([None] if probe is not None else [])
