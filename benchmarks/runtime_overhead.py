@@ -21,10 +21,10 @@ What the figures can and cannot show:
   Python per op, which weighs most on small stages (ResNet-101 at 32x32 on
   CPU).
 - (b) The prediction comes from the costs of five first calls, each stage's
-  times the median of the five, each as the call after the first refined
-  them (its own wall times, remat/refine.py), while the measured chain time
+  times the median of the five, each as the two calls after the first
+  refined them (their own wall times, remat/refine.py), while the measured chain time
   is a median of later steps. What separates them: noise in the refining
-  calls' single samples; per-step work simulate does not charge (remat's
+  calls' samples; per-step work simulate does not charge (remat's
   hooks, see (a)); the machine's speed drifting between the first calls and
   later steps (on a shared 2-core VM a plain step varies by 10-30% from
   minute to minute), which scales every prediction alike and leaves the
@@ -85,8 +85,9 @@ def run_case(name, steps, device):
         first = os.path.join(folder.name, f"first{i}.json")
         firsts.append(timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i], device)[0])
         beside.append(timed(plain, spec, ("plain", None), data[i], device)[0])
-        # the second call refines the times (remat/refine.py) and writes them
-        timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i], device)
+        # the next two calls refine the times (remat/refine.py) and write them
+        for _ in range(2):
+            timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i], device)
         measured.append(remat.Costs.load(first))
     # (b) plans on the median of those first calls' times, stage by stage (saved to
     # a file the chain loads, as a job reuses costs): one call's single samples

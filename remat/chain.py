@@ -248,6 +248,8 @@ class _Active(StageMeasuring):
         self.entry = entry
         self.budget = resolve_budget(self.spec.budget, x.device)
         if entry is not None and entry.costs is not None:
+            if entry.samples and entry.attempts == 0:
+                entry.refine()   # the last call that could be stamped was not (no whole backward)
             if entry.unsaved:
                 entry.unsaved = False
                 write_costs(entry.costs, entry.costs_file)
@@ -265,7 +267,7 @@ class _Active(StageMeasuring):
             self.rng_start = capture_rng(cuda_devices([x]))
             self.given = read_costs(self.spec.costs_path)
             if self.given is None and not x.is_cuda and not distributed():
-                # the next call times the stages again (Note [Timing the second call])
+                # the next two calls time the stages again (Note [Timing the second call])
                 self.new.attempts = ATTEMPTS
                 self.new.costs_file = self.spec.costs_path
 

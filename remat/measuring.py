@@ -21,7 +21,7 @@ output, saved and transient bytes, saved tensors' shapes, RNG use, in-place
 writes, held gradients, parameters to differentiate and backward graph (node
 types and edges, from the output to the inputs). Same ops on like tensors
 allocate alike, so nothing the budget relies on is guessed. On CPU the
-next call's own times then replace the shared ones (remat/refine.py).
+next two calls' own times then replace the shared ones (remat/refine.py).
 """
 
 import weakref

@@ -50,7 +50,7 @@ remat/measuring.py ``_keep_saved``). On CUDA the ops run asynchronously and the 
 inside the mode is launch time: there a forward and backward on a detached
 copy of the input (``timed_step``) give fwd_time and bwd_time, and the
 allocator's peak statistics replace the meter for the peaks. On CPU the
-next call's own times replace these (Note [Timing the second call],
+next two calls' own times replace these (Note [Timing the second call],
 remat/refine.py).
 """
 

@@ -4,6 +4,7 @@ solved from it, and ``explain()`` to show them to a person."""
 from .costs import Costs
 from .costs_source import write_costs
 from .errors import CostsError
+from .refine import SAMPLES
 from .runtime import BWD, FALL, FCK, FN
 from .schedule import B, Fall, Fck, Fn, Loss
 from .solve import solve
@@ -69,28 +70,45 @@ class Recording:
         self.costs = None
         self.plans = {}
         self.attempts = 0        # calls left to refine the times (remat/refine.py)
+        self.samples = []        # the stamped calls' times so far (remat/refine.py)
         self.costs_file = None   # the costs file this process measured for (or None)
         self.unsaved = False     # refined costs not yet written to it
 
-    def refine(self, forward, backward, nograd):
-        """Times of the call after the measuring one replace the measured ones
-        (Note [Timing the second call], remat/refine.py): ``forward`` and
-        ``nograd`` map stages to seconds, ``backward`` lists them. Plans are
-        solved again and the costs file this process measured for is written again."""
+    def timed(self, forward, backward, nograd):
+        """A call after the measuring one was stamped (Note [Timing the second call],
+        remat/refine.py): ``forward`` and ``nograd`` map stages to seconds,
+        ``backward`` lists them. With ``SAMPLES`` such calls, or none left to try,
+        the times replace the measured ones."""
         costs = self.costs
         n = costs.length if costs is not None else -1
         if len(backward) != n or sorted(forward) != list(range(1, n + 1)):
             return
-        data = costs.to_dict()
-        data["fwd_time"] = [forward[k] for k in range(1, n + 1)]
-        data["bwd_time"] = list(backward)
+        self.samples.append(([forward[k] for k in range(1, n + 1)], list(backward), dict(nograd)))
+        if len(self.samples) >= SAMPLES or self.attempts == 0:
+            self.refine()
+
+    def refine(self):
+        """The least of the samples' times, stage by stage, replace the measured
+        ones; plans are solved again and the costs file this process measured for
+        is written again."""
+        samples, self.samples = self.samples, []
+        self.attempts = 0
+        if not samples:
+            return
+        n = self.costs.length
+        nograd = {}
+        for _, _, times in samples:
+            for k, t in times.items():
+                nograd[k] = min(t, nograd.get(k, t))
+        data = self.costs.to_dict()
+        data["fwd_time"] = [min(f[i] for f, _, _ in samples) for i in range(n)]
+        data["bwd_time"] = [min(b[i] for _, b, _ in samples) for i in range(n)]
         # (3 of the Note: a forward without recording does no more than one with it)
         data["fwd_nograd_time"] = [
             nograd.get(k, data["fwd_time"][k - 1] if self.grad_replay[k - 1] else min(t, data["fwd_time"][k - 1]))
             for k, t in enumerate(data["fwd_nograd_time"], 1)]
         self.costs = Costs.from_dict(data)
         self.plans = {}
-        self.attempts = 0
         if self.costs_file is not None:
             try:
                 write_costs(self.costs, self.costs_file)

@@ -261,8 +261,8 @@ class Sequential(nn.Sequential):
 
     def solve(self, budget=None):
         """The schedule for ``budget``, from the costs measured by ``measure`` or
-        by the first call; later calls run it. The call after the measuring one
-        times the stages again (Note [Timing the second call], remat/refine.py):
+        by the first call; later calls run it. The two calls after the measuring
+        one time the stages again (Note [Timing the second call], remat/refine.py):
         from then on the calls run the schedule ``solve`` gives for those times.
 
         Args:

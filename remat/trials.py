@@ -296,11 +296,11 @@ def measure_all(base, spec, methods, steps, device, bar=None, probe=None):
 
 def measure_costs(base, spec, step, device):
     """The costs remat measures on a fresh copy of ``base`` in a first call, times refined
-    by the second (remat/refine.py), as they are written to the costs file."""
+    by the next two (remat/refine.py), as they are written to the costs file."""
     model = copy.deepcopy(base)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "costs.json")
-        for _ in range(2):
+        for _ in range(3):
             run_step(model, spec, ("remat", (2**50, "store_all", path)), spec[1](step, device), Clock(None, device))
         return Costs.load(path)
 

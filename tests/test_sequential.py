@@ -154,8 +154,8 @@ def test_measure_leaves_no_trace():
 
 def test_measure_then_solve_then_train_matches_plain(monkeypatch):
     """Measuring and solving ahead: the calls give plain PyTorch's results with no second
-    measurement; the first refines the times (remat/refine.py), and solve then gives the
-    schedule the calls run."""
+    measurement; the first two refine the times (remat/refine.py), and solve then gives
+    the schedule the calls run."""
     plain = make_layers()
     seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=None)
     costs = seq.measure(batch(0)[0])
