@@ -242,9 +242,11 @@ class Sleepy(nn.Module):
         return _Sleepy.apply(torch.tanh(self.lin(x)), self.fwd, self.bwd)
 
 
-def _sleepy_chain(fwd, bwd, n=4):
+def _sleepy_chain(fwd, bwd, n=4, stage=Sleepy):
+    """``call(budget, path, backward)`` runs a chain of ``n`` ``stage(16, fwd, bwd)``
+    (``call.stages``) and gives its explanation."""
     torch.manual_seed(0)
-    stages = nn.ModuleList(Sleepy(16, fwd, bwd) for _ in range(n))
+    stages = nn.ModuleList(stage(16, fwd, bwd) for _ in range(n))
     x = torch.randn(8, 16, requires_grad=True)
 
     def call(budget, path=None, backward=True):
@@ -256,6 +258,7 @@ def _sleepy_chain(fwd, bwd, n=4):
             h.sum().backward()
         return remat.explain()
 
+    call.stages = stages
     return call
 
 
@@ -280,14 +283,19 @@ def test_second_call_gives_the_times():
     assert call(2**50).costs is fourth.costs   # once only
 
 
-class Hiccup(Sleepy):
-    """Sleeps ``extra`` seconds more in one forward (the machine busy elsewhere)."""
+class Slowed(Sleepy):
+    """Sleeps ``extra`` seconds more in its next forward (the machine busy
+    elsewhere), and ``cold`` more in its first forward without recording (a
+    kernel's first call, a cold cache: the measuring call's run 3 sees it)."""
 
     extra = 0.0
+    cold = 0.0
 
     @remat.stage
     def forward(self, x):
         extra, self.extra = self.extra, 0.0
+        if not torch.is_grad_enabled():
+            extra, self.cold = extra + self.cold, 0.0
         time.sleep(extra)
         return _Sleepy.apply(torch.tanh(self.lin(x)), self.fwd, self.bwd)
 
@@ -295,23 +303,11 @@ class Hiccup(Sleepy):
 def test_one_slow_sample_is_outvoted():
     """A stage slowed down in one of the two stamped calls keeps its usual time."""
     remat.clear_cache()
-    torch.manual_seed(0)
-    stages = nn.ModuleList(Hiccup(16, 0.01, 0.0) for _ in range(4))
-    x = torch.randn(8, 16, requires_grad=True)
-
-    def call():
-        with remat.chain(budget=2**50):
-            h = x
-            for s in stages:
-                h = s(h)
-        h.sum().backward()
-        return remat.explain().costs
-
-    call()
-    stages[1].extra = 0.2
-    call()
-    call()
-    costs = call()
+    call = _sleepy_chain(0.01, 0.0, stage=Slowed)
+    call(2**50)
+    call.stages[1].extra = 0.2
+    for _ in range(3):
+        costs = call(2**50).costs
     assert all(0.01 <= t < 0.1 for t in costs.fwd_time), costs.fwd_time
 
 
@@ -353,42 +349,18 @@ def test_second_call_times_leave_out_its_recomputations(tmp_path):
     assert changed and all(0.06 <= refined.fwd_nograd_time[i] < 0.1 for i in changed)
 
 
-class ColdStart(Sleepy):
-    """Its first forward without recording sleeps ``cold`` seconds more (a kernel's
-    first call, a cold cache): the measuring call's run 3 sees it, no later step."""
-
-    def __init__(self, d, fwd, cold):
-        super().__init__(d, fwd, 0.0)
-        self.cold = cold
-
-    @remat.stage
-    def forward(self, x):
-        if not torch.is_grad_enabled() and self.cold:
-            time.sleep(self.cold)
-            self.cold = 0.0
-        return _Sleepy.apply(torch.tanh(self.lin(x)), self.fwd, self.bwd)
-
-
 def test_times_without_recording_are_no_more_than_with():
     """A stage's measured time without recording that the second call did not run
     (nothing recomputed) is capped at its refined time with recording (Note
     [Timing the second call], 3)."""
     remat.clear_cache()
-    torch.manual_seed(0)
-    stages = nn.ModuleList(ColdStart(16, 0.005, 0.05) for _ in range(4))
-    x = torch.randn(8, 16, requires_grad=True)
-    seen = []
-    for _ in range(4):
-        with remat.chain(budget=2**50):
-            h = x
-            for s in stages:
-                h = s(h)
-        h.sum().backward()
-        seen.append(remat.explain().costs)
-    first, third = seen[0], seen[3]
+    call = _sleepy_chain(0.005, 0.0, stage=Slowed)
+    for stage in call.stages:
+        stage.cold = 0.05
+    first, _, _, fourth = (call(2**50).costs for _ in range(4))
     assert min(first.fwd_nograd_time[:2]) >= 0.05, first.fwd_nograd_time
-    assert all(0.005 <= t < 0.05 for t in third.fwd_time), third.fwd_time
-    assert all(n <= f for n, f in zip(third.fwd_nograd_time, third.fwd_time)), third.fwd_nograd_time
+    assert all(0.005 <= t < 0.05 for t in fourth.fwd_time), fourth.fwd_time
+    assert all(n <= f for n, f in zip(fourth.fwd_nograd_time, fourth.fwd_time)), fourth.fwd_nograd_time
 
 
 def test_times_stay_measured_without_a_whole_backward(tmp_path):
