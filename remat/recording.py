@@ -4,7 +4,7 @@ solved from it, and ``explain()`` to show them to a person."""
 from .costs import Costs
 from .costs_source import write_costs
 from .errors import CostsError
-from .refine import SAMPLES
+from .refine import SAMPLES, combine
 from .runtime import BWD, FALL, FCK, FN
 from .schedule import B, Fall, Fck, Fn, Loss
 from .solve import solve
@@ -88,7 +88,7 @@ class Recording:
             self.refine()
 
     def refine(self):
-        """The least of the samples' times, stage by stage, replace the measured
+        """The samples' times, stage by stage (``combine``), replace the measured
         ones; plans are solved again and the costs file this process measured for
         is written again."""
         samples, self.samples = self.samples, []
@@ -99,10 +99,11 @@ class Recording:
         nograd = {}
         for _, _, times in samples:
             for k, t in times.items():
-                nograd[k] = min(t, nograd.get(k, t))
+                nograd.setdefault(k, []).append(t)
+        nograd = {k: combine(ts) for k, ts in nograd.items()}
         data = self.costs.to_dict()
-        data["fwd_time"] = [min(f[i] for f, _, _ in samples) for i in range(n)]
-        data["bwd_time"] = [min(b[i] for _, b, _ in samples) for i in range(n)]
+        data["fwd_time"] = [combine([f[i] for f, _, _ in samples]) for i in range(n)]
+        data["bwd_time"] = [combine([b[i] for _, b, _ in samples]) for i in range(n)]
         # (3 of the Note: a forward without recording does no more than one with it)
         data["fwd_nograd_time"] = [
             nograd.get(k, data["fwd_time"][k - 1] if self.grad_replay[k - 1] else min(t, data["fwd_time"][k - 1]))

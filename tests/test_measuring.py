@@ -264,7 +264,7 @@ def _sleepy_chain(fwd, bwd, n=4, stage=Sleepy):
 
 def test_second_call_gives_the_times():
     """Note [Timing the second call]: the two calls after the measuring one,
-    stamped stage by stage, replace the measured times (the lesser of the two),
+    stamped stage by stage, replace the measured times (their mean),
     and the call after them plans on them. The meter times ops only, so it misses
     a stage's Python (sleeps here); a training step does not."""
     remat.clear_cache()
@@ -309,6 +309,17 @@ def test_one_slow_sample_is_outvoted():
     for _ in range(3):
         costs = call(2**50).costs
     assert all(0.01 <= t < 0.1 for t in costs.fwd_time), costs.fwd_time
+
+
+def test_samples_combine_to_their_mean_unless_one_is_an_outlier():
+    """Two like samples give their mean (the least would be biased low); one 1.5x
+    the other gives the lesser (the stage was preempted in that call)."""
+    from remat.refine import combine
+
+    assert combine([0.010, 0.012]) == pytest.approx(0.011)
+    assert combine([0.010, 0.016]) == 0.010
+    assert combine([0.030, 0.010]) == 0.010
+    assert combine([0.004]) == 0.004
 
 
 def test_one_sample_is_used_when_no_second_comes(tmp_path):
