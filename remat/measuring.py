@@ -33,8 +33,8 @@ from .errors import StageError
 from .leaves import GradPool, Upstream, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
-from .replay import capture_rng, cuda_devices, restore_tensors
-from .runtime import _Replay, _Saved, first
+from .replay import Replay, capture_rng, cuda_devices, restore_tensors
+from .runtime import _Saved, first
 
 __all__ = ["StageMeasuring", "check_output", "input_signature", "signature"]
 
@@ -145,7 +145,7 @@ class StageMeasuring:
         with rng0.replayed(), torch.no_grad(), restore_tensors(state):
             for t, old in originals:
                 t.copy_(old)
-            with Timer(cuda) as timer, _Replay(call, self.autocast):
+            with Timer(cuda) as timer, Replay(call, self.autocast):
                 nograd_out = call.call(x).detach()
         if self.given is None:
             row["fwd_nograd_time"] = timer.seconds

@@ -35,7 +35,7 @@ import contextlib
 
 import torch
 
-__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors"]
+__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "Replay"]
 
 
 class RngState:
@@ -144,3 +144,29 @@ def _copy_each(targets, sources):
 # one call for all of a stage's buffers (a BatchNorm stage has three per norm):
 # a recomputation of a small stage pays this on every step
 _copy_all = getattr(torch, "_foreach_copy_", None) or _copy_each
+
+
+class Replay:
+    """Context: the RNG streams, autocast state and in-place state of one stage's
+    call (a ``StageCall``) for a run of it again (the Note, 1-3)."""
+
+    __slots__ = ("call", "autocast", "_stack")
+
+    def __init__(self, call, autocast):
+        self.call = call
+        self.autocast = autocast
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        if self.call.rng is not None:
+            stack.enter_context(self.call.rng.replayed())
+        if self.autocast is not None and not self.autocast.current():
+            stack.enter_context(self.autocast.context())
+        if self.call.state:
+            live = [t for t in (r() for r in self.call.state) if t is not None]
+            stack.enter_context(restore_tensors(live))
+        self._stack = stack.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)

@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from .errors import RecomputeMismatchError, StageError
-from .replay import restore_tensors
+from .replay import Replay
 
 __all__ = ["Run", "StageCall", "replaying", "RELEASES"]
 
@@ -333,7 +333,7 @@ class Run:
     def _replay(self, call, x, grad):
         _local.replaying = True
         try:
-            with _Replay(call, self.autocast):
+            with Replay(call, self.autocast):
                 if grad:
                     return call.call(x)
                 if call.grad_replay:
@@ -370,33 +370,6 @@ class Run:
             return
         anchor.saved = saved
         self._give(k + 1, out.detach())
-
-
-class _Replay:
-    """Context: RNG streams, autocast state and in-place state of one stage (remat/replay.py)."""
-
-    __slots__ = ("call", "autocast", "_stack")
-
-    def __init__(self, call, autocast):
-        self.call = call
-        self.autocast = autocast
-
-    def __enter__(self):
-        import contextlib
-
-        stack = contextlib.ExitStack()
-        if self.call.rng is not None:
-            stack.enter_context(self.call.rng.replayed())
-        if self.autocast is not None and not self.autocast.current():
-            stack.enter_context(self.autocast.context())
-        if self.call.state:
-            live = [t for t in (r() for r in self.call.state) if t is not None]
-            stack.enter_context(restore_tensors(live))
-        self._stack = stack.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._stack.__exit__(*exc)
 
 
 def _check(call, saved):

@@ -1,0 +1,209 @@
+"""Times refined by the calls after the measuring one (remat/refine.py, Note
+[Timing the second call]): stages that sleep show what the storage meter's op
+timer misses and a training step does not."""
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat
+from remat.refine import ATTEMPTS
+from remat.solve import minimum_budget
+
+
+class _Sleepy(torch.autograd.Function):
+    """Sleeps ``fwd`` seconds in its forward and ``bwd`` in its backward: wall time
+    the meter's op timer does not see, but a training step does."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        time.sleep(fwd)
+        ctx.bwd = bwd
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.bwd)
+        return g, None, None
+
+
+class Sleepy(nn.Module):
+    def __init__(self, d, fwd, bwd):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.fwd, self.bwd = fwd, bwd
+
+    @remat.stage
+    def forward(self, x):
+        return _Sleepy.apply(torch.tanh(self.lin(x)), self.fwd, self.bwd)
+
+
+def _sleepy_chain(fwd, bwd, n=4, stage=Sleepy):
+    """``call(budget, path, backward)`` runs a chain of ``n`` ``stage(16, fwd, bwd)``
+    (``call.stages``) and gives its explanation."""
+    torch.manual_seed(0)
+    stages = nn.ModuleList(stage(16, fwd, bwd) for _ in range(n))
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def call(budget, path=None, backward=True):
+        with remat.chain(budget=budget, costs=path):
+            h = x
+            for s in stages:
+                h = s(h)
+        if backward:
+            h.sum().backward()
+        return remat.explain()
+
+    call.stages = stages
+    return call
+
+
+def test_second_call_gives_the_times():
+    """Note [Timing the second call]: the two calls after the measuring one,
+    stamped stage by stage, replace the measured times (their mean),
+    and the call after them plans on them. The meter times ops only, so it misses
+    a stage's Python (sleeps here); a training step does not."""
+    remat.clear_cache()
+    call = _sleepy_chain(0.01, 0.02)
+    first, second, third, fourth = (call(2**50) for _ in range(4))
+    assert all(t < 0.01 for t in first.costs.fwd_time), first.costs.fwd_time
+    assert all(t < 0.02 for t in first.costs.bwd_time), first.costs.bwd_time
+    assert second.costs is first.costs and third.costs is first.costs
+    assert all(0.01 <= t < 0.1 for t in fourth.costs.fwd_time), fourth.costs.fwd_time
+    assert all(0.02 <= t < 0.1 for t in fourth.costs.bwd_time), fourth.costs.bwd_time
+    # nothing was recomputed: the times without recording stay measured, up to
+    # the new times with recording
+    assert list(fourth.costs.fwd_nograd_time) == [
+        min(n, f) for n, f in zip(first.costs.fwd_nograd_time, fourth.costs.fwd_time)]
+    assert fourth.schedule.time > first.schedule.time + 4 * 0.025
+    assert call(2**50).costs is fourth.costs   # once only
+
+
+class Slowed(Sleepy):
+    """Sleeps ``extra`` seconds more in its next forward (the machine busy
+    elsewhere), and ``cold`` more in its first forward without recording (a
+    kernel's first call, a cold cache: the measuring call's run 3 sees it)."""
+
+    extra = 0.0
+    cold = 0.0
+
+    @remat.stage
+    def forward(self, x):
+        extra, self.extra = self.extra, 0.0
+        if not torch.is_grad_enabled():
+            extra, self.cold = extra + self.cold, 0.0
+        time.sleep(extra)
+        return _Sleepy.apply(torch.tanh(self.lin(x)), self.fwd, self.bwd)
+
+
+def test_one_slow_sample_is_outvoted():
+    """A stage slowed down in one of the two stamped calls keeps its usual time."""
+    remat.clear_cache()
+    call = _sleepy_chain(0.01, 0.0, stage=Slowed)
+    call(2**50)
+    call.stages[1].extra = 0.2
+    for _ in range(3):
+        costs = call(2**50).costs
+    assert all(0.01 <= t < 0.1 for t in costs.fwd_time), costs.fwd_time
+
+
+def test_samples_combine_to_their_mean_unless_one_is_an_outlier():
+    """Two like samples give their mean (the least would be biased low); one 1.5x
+    the other gives the lesser (the stage was preempted in that call)."""
+    from remat.refine import combine
+
+    assert combine([0.010, 0.012]) == pytest.approx(0.011)
+    assert combine([0.010, 0.016]) == 0.010
+    assert combine([0.030, 0.010]) == 0.010
+    assert combine([0.004]) == 0.004
+
+
+def test_one_sample_is_used_when_no_second_comes(tmp_path):
+    """If only one of the calls that may be stamped gives a whole backward, its
+    times are used once none is left (at the next call)."""
+    remat.clear_cache()
+    path = str(tmp_path / "costs.json")
+    call = _sleepy_chain(0.01, 0.02)
+    first = call(2**50, path).costs
+    call(2**50, path)                       # a sample
+    for _ in range(ATTEMPTS - 1):           # none
+        assert call(2**50, path, backward=False).costs is first
+    last = call(2**50, path).costs
+    assert last is not first
+    assert all(0.01 <= t < 0.1 for t in last.fwd_time), last.fwd_time
+    assert remat.Costs.load(path).fwd_time == last.fwd_time
+
+
+def test_second_call_times_leave_out_its_recomputations(tmp_path):
+    """At a budget where the backward recomputes, the recomputations (0.06 s of
+    forward each here) are no stage's backward time; they give the times without
+    recording of the stages they ran. The costs file the measuring call wrote is
+    written again with the refined times."""
+    remat.clear_cache()
+    path = str(tmp_path / "costs.json")
+    call = _sleepy_chain(0.06, 0.02)
+    least = minimum_budget(call(2**50, backward=False).costs)
+    remat.clear_cache()
+    metered = call(least, path).costs
+    assert remat.Costs.load(path).bwd_time == metered.bwd_time
+    second = call(least, path)
+    assert second.schedule.recomputations() > 0
+    call(least, path)
+    refined = remat.Costs.load(path)
+    assert all(0.06 <= t < 0.1 for t in refined.fwd_time), refined.fwd_time
+    assert all(0.02 <= t < 0.05 for t in refined.bwd_time), refined.bwd_time
+    changed = [i for i in range(4) if refined.fwd_nograd_time[i] != metered.fwd_nograd_time[i]]
+    assert changed and all(0.06 <= refined.fwd_nograd_time[i] < 0.1 for i in changed)
+
+
+def test_times_without_recording_are_no_more_than_with():
+    """A stage's measured time without recording that the second call did not run
+    (nothing recomputed) is capped at its refined time with recording (Note
+    [Timing the second call], 3)."""
+    remat.clear_cache()
+    call = _sleepy_chain(0.005, 0.0, stage=Slowed)
+    for stage in call.stages:
+        stage.cold = 0.05
+    first, _, _, fourth = (call(2**50).costs for _ in range(4))
+    assert min(first.fwd_nograd_time[:2]) >= 0.05, first.fwd_nograd_time
+    assert all(0.005 <= t < 0.05 for t in fourth.fwd_time), fourth.fwd_time
+    assert all(n <= f for n, f in zip(fourth.fwd_nograd_time, fourth.fwd_time)), fourth.fwd_nograd_time
+
+
+def test_times_stay_measured_without_a_whole_backward(tmp_path):
+    """No backward, or one that stops inside the chain, leaves the measured times
+    (the next call tries again); costs read from a file are never refined."""
+    remat.clear_cache()
+    call = _sleepy_chain(0.0, 0.02)
+    first = call(2**50)
+    assert call(2**50, backward=False).costs is first.costs
+    assert call(2**50).costs is first.costs   # the third call gives a sample
+    assert call(2**50).costs is first.costs   # the fourth the second one
+    assert call(2**50).costs is not first.costs
+    remat.clear_cache()
+    torch.manual_seed(0)
+    stages = nn.ModuleList(Sleepy(16, 0.0, 0.02) for _ in range(4))
+    x = torch.randn(8, 16, requires_grad=True)
+    seen = []
+    for _ in range(3):
+        with remat.chain(budget=2**50):
+            h = x
+            mid = None
+            for i, s in enumerate(stages):
+                h = s(h)
+                if i == 1:
+                    mid = h
+        seen.append(remat.explain().costs)
+        torch.autograd.grad(h.sum(), mid)
+    assert seen[2] is seen[0]
+    remat.clear_cache()
+    path = str(tmp_path / "costs.json")
+    call = _sleepy_chain(0.0, 0.02)
+    call(2**50, path)
+    call(2**50, path)
+    given = remat.Costs.load(path)
+    remat.clear_cache()
+    seen = [call(2**50, path).costs for _ in range(3)]
+    assert all(c.bwd_time == given.bwd_time for c in seen)
