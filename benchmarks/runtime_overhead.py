@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 import remat  # noqa: E402
 from remat.trials import MODELS, Clock, device_name, measure_costs, median_costs, run_step  # noqa: E402
+from remat.refine import SAMPLES  # noqa: E402
 from remat.schedule import simulate  # noqa: E402
 from remat.solve import minimum_budget, store_all  # noqa: E402
 
@@ -85,8 +86,8 @@ def run_case(name, steps, device):
         first = os.path.join(folder.name, f"first{i}.json")
         firsts.append(timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i], device)[0])
         beside.append(timed(plain, spec, ("plain", None), data[i], device)[0])
-        # the next two calls refine the times (remat/refine.py) and write them
-        for _ in range(2):
+        # the calls after it refine the times (remat/refine.py) and write them
+        for _ in range(SAMPLES):
             timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i], device)
         measured.append(remat.Costs.load(first))
     # (b) plans on the median of those first calls' times, stage by stage (saved to

@@ -16,6 +16,7 @@ import tempfile
 import torch
 
 from .costs import Costs
+from .refine import SAMPLES
 from .schedule import simulate
 from .solve import best_periodic, minimum_budget, store_all
 from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
@@ -42,7 +43,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
         run_step(probe, spec, ("plain", None), spec[1](i, device), Clock(None, device))
     folder = tempfile.TemporaryDirectory()
     path = os.path.join(folder.name, "costs.json")
-    for i in range(3):   # the next two calls refine the times (remat/refine.py)
+    for i in range(1 + SAMPLES):   # the calls after the first refine the times (remat/refine.py)
         run_step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](i, device), Clock(None, device))
     costs = Costs.load(path)
     del probe

@@ -31,6 +31,7 @@ from .chain import chain
 from .costs import Costs
 from .meter import Instrument
 from .recording import explain
+from .refine import SAMPLES
 
 __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "measure_all", "measure_costs",
            "median_costs", "run_step"]
@@ -300,7 +301,7 @@ def measure_costs(base, spec, step, device):
     model = copy.deepcopy(base)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "costs.json")
-        for _ in range(3):
+        for _ in range(1 + SAMPLES):
             run_step(model, spec, ("remat", (2**50, "store_all", path)), spec[1](step, device), Clock(None, device))
         return Costs.load(path)
 
