@@ -45,9 +45,11 @@ def _check_costs(costs):
                 )
     for name in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp"):
         for i, v in enumerate(getattr(costs, name)):
-            if not 0 <= v < _MAX_BYTES:
+            least = -costs.out_bytes[i] if name == "bwd_tmp" else 0
+            if not least <= v < _MAX_BYTES:
                 raise SolverError(
-                    f"remat: Costs.{name}[{i}] (stage {i + 1}) is {v}; the solver needs sizes in 0..2^62"
+                    f"remat: Costs.{name}[{i}] (stage {i + 1}) is {v}; the solver needs sizes in "
+                    f"{'-out_bytes' if least else '0'}..2^62"
                 )
     if not 0 <= costs.input_bytes < _MAX_BYTES:
         raise SolverError(f"remat: Costs.input_bytes is {costs.input_bytes}; the solver needs 0..2^62")

@@ -28,14 +28,17 @@ class Costs:
         saved_bytes: size of a-bar^i: a^i plus what autograd saves for the
             stage's backward, without parameters, buffers or the stage input.
         fwd_tmp: transient bytes above input and output during the forward.
-        bwd_tmp: transient bytes above what B(i) holds during the backward.
+        bwd_tmp: transient bytes above what B(i) holds during the backward;
+            down to ``-out_bytes[i]`` where B(i) does not read a^i, which
+            a-bar^i counts but which is gone by then.
         input_bytes: size of a^0, the chain input. A measured chain adds the
             gradients the engine holds across stages (of a leaf used by two
             stages: that of the later use waits for the earlier's, to be summed).
 
     Raises:
         CostsError: a list has the wrong length, a size is not a
-            non-negative int, or a time is not finite and non-negative.
+            non-negative int (a bwd_tmp one of at least ``-out_bytes``),
+            or a time is not finite and non-negative.
 
     Example:
         >>> c = Costs.uniform(3, time=1.0, size=100)
@@ -69,7 +72,12 @@ class Costs:
                 )
             checked = []
             for i, v in enumerate(values):
-                checked.append(_check_time(name, i, v) if name in _TIMES else _check_size(name, i, v))
+                if name in _TIMES:
+                    checked.append(_check_time(name, i, v))
+                elif name == "bwd_tmp":
+                    checked.append(_check_size(name, i, v, -self.out_bytes[i]))
+                else:
+                    checked.append(_check_size(name, i, v))
             object.__setattr__(self, name, tuple(checked))
         object.__setattr__(self, "input_bytes", _check_size("input_bytes", None, self.input_bytes))
 
@@ -156,13 +164,18 @@ def _check_time(name, i, v):
     return v
 
 
-def _check_size(name, i, v):
+def _check_size(name, i, v, least=0):
     if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer() and v >= 0:
+        if isinstance(v, float) and v.is_integer() and v >= least:
             v = int(v)
+        elif least:
+            raise CostsError(f"remat: {_where(name, i)} must be an int of bytes, got {v!r}")
         else:
             raise CostsError(f"remat: {_where(name, i)} must be a non-negative int of bytes, got {v!r}")
-    if v < 0:
+    if v < least:
+        if least:
+            raise CostsError(f"remat: {_where(name, i)} is {v}; it may give back the stage's output "
+                             f"({-least} bytes, out_bytes) but no more")
         raise CostsError(f"remat: {_where(name, i)} is {v}; sizes must be non-negative")
     if v >= 2**62:
         raise CostsError(f"remat: {_where(name, i)} is {v} bytes, beyond any real device; check the unit")

@@ -138,7 +138,8 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     saved_bytes = max(sum(keys.values()), out_bytes)
     # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
     # next stage needs it; by B(i) the next stage's backward has let it go, unless
-    # this stage's own backward reads it: then bwd_tmp gives its bytes back
+    # this stage's own backward reads it: if not, bwd_tmp gives its bytes back
+    # (below zero where the backward's own transient is smaller)
     out_key = storage_key(act)
     row["out_freed"] = 0 if any(storage_key(t) == out_key for t in saved) else out_bytes
     bwd_delta = 0
@@ -209,7 +210,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["saved_bytes"] = saved_bytes
     row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
     if donor is None:
-        row["bwd_tmp"] = max(0, bwd_delta - in_grad - row["out_freed"])
+        row["bwd_tmp"] = max(0, bwd_delta - in_grad) - row["out_freed"]
     return out, row, list(forward_writes.values()), uses_rng
 
 
@@ -355,7 +356,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         relay.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
         in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
-        return seconds, max(0, peak - start - in_grad - out_freed)
+        return seconds, max(0, peak - start - in_grad) - out_freed
 
 
 def timed_step(call, x, cuda, rng0, state):

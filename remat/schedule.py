@@ -18,7 +18,9 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
 5. ``B(i)``: needs a-bar^i, a^(i-1) and the gradient of a^i; peak is
    held + x[i-1] + bwd_tmp[i]; afterwards a-bar^i, the gradient of a^i and a
    separately held a^(i-1) are gone (nothing needs them again) and the
-   gradient of a^(i-1) flows on.
+   gradient of a^(i-1) flows on. bwd_tmp[i] may be as low as -x[i] (a
+   backward that does not read a^i, which a-bar^i counts but which is gone
+   by then), so that peak can be under the held level before the op.
 6. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
    phase (it records the graph, see DESIGN.md section 4) and fwd_nograd_time
    afterwards; ``B`` costs bwd_time.

@@ -13,10 +13,14 @@ With g = x[t] if t < L else 0, and forward cost f_k = fwd_time[k] if t = L
 (the forward phase) else fwd_nograd_time[k]:
 
 * Fall branch: Fall(a), P(a+1, t, m - s[a]), B(a). Needs
-  max(s[a], x[a] + fwd_tmp[a]) <= m and s[a] + x[a] + x[a-1] + bwd_tmp[a] <= m + g
+  max(s[a], x[a] + fwd_tmp[a]) <= m and
+  max(s[a] + x[a] + x[a-1] + bwd_tmp[a], s[a] + x[a]) <= m + g
   (B(a) holds a-bar^a, the gradient of a^a and makes that of a^(a-1); the
   gradient of a^t that the caller held is gone by then). For a = t the middle
-  call is empty.
+  call is empty. The second term of the max is what B(a) starts from; it
+  binds only where bwd_tmp[a] < -x[a-1] (a stage that gives its output back,
+  Costs.bwd_tmp), and then only at a = L: ``Loss`` holds a-bar^L with the
+  gradient of a^L. Elsewhere the ops before B(a) already held as much.
 * Checkpoint branch, for j in a+1..t: Fck(a), Fn(a+1) .. Fn(j-1),
   P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]). Needs x[a] + fwd_tmp[a] <= m
   and x[k-1] + x[k] + fwd_tmp[k] <= m for a < k < j.

@@ -136,7 +136,11 @@ int main(int argc, char **argv)
             x[k] = hostile ? hostile_size(scale) : below(scale + 1);
             s[k] = hostile ? hostile_size(scale) : x[k] + below(scale + 1);
             ft[k] = hostile ? hostile_size(scale) : below(scale / 2 + 1);
-            bt[k] = hostile ? hostile_size(scale) : below(scale / 2 + 1);
+            /* bwd_tmp may be as low as -x[k] (the output given back) */
+            if (hostile)
+                bt[k] = below(2) || x[k] < 0 || x[k] >= (1LL << 62) ? hostile_size(scale) : -x[k] - below(3);
+            else
+                bt[k] = below(scale / 2 + 1) - (below(3) ? 0 : below(x[k] + 1));
         }
         chain.length = n;
         chain.fwd_time = nulls && below(2) ? NULL : tf;

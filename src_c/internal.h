@@ -12,7 +12,8 @@
 
 typedef long long ll;
 
-/* Sums of sizes saturate (solver.c Note [Overflow]). Arguments are >= 0. */
+/* Sums of sizes saturate (solver.c Note [Overflow]). Arguments are >= 0
+ * (bwd_tmp, which may be negative, is added once, without it). */
 static inline ll sadd(ll a, ll b) { return (b > LLONG_MAX - a) ? LLONG_MAX : a + b; }
 static inline ll smax(ll a, ll b) { return a > b ? a : b; }
 static inline ll smin(ll a, ll b) { return a < b ? a : b; }
@@ -27,7 +28,7 @@ typedef struct {
     ll *fa;     /* x[k] + ft[k]: what Fn/Fck(k) need */
     ll *cond;   /* x[k-1] + x[k] + ft[k]: Fn(k) after Fck/Fn(k-1) */
     ll *fneed;  /* max(s[k], x[k] + ft[k]): Fall(k) */
-    ll *bneed;  /* s[k] + x[k] + x[k-1] + bt[k]: B(k), before the gradient credit */
+    ll *bneed;  /* max(s[k] + x[k] + x[k-1] + bt[k], s[k] + x[k]): B(k), before the gradient credit */
     double *tf, *tn, *tb;
     void *mem;
 } problem;

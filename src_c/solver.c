@@ -19,7 +19,8 @@
 
 #include "internal.h"
 
-static ll units(ll v, ll slot) { return v / slot + (v % slot != 0); }
+/* v / slot rounded up (C division truncates: up for v < 0, down for v > 0). */
+static ll units(ll v, ll slot) { return v / slot + (v > 0 && v % slot != 0); }
 
 int remat_problem_init(problem *p, const remat_chain *c, ll slot)
 {
@@ -55,7 +56,11 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
         p->fa[k] = sadd(p->x[k], p->ft[k]);
         p->cond[k] = sadd(p->x[k - 1], p->fa[k]);
         p->fneed[k] = smax(p->s[k], p->fa[k]);
-        p->bneed[k] = sadd(sadd(p->s[k], p->x[k]), sadd(p->x[k - 1], p->bt[k]));
+        /* bt[k] >= -x[k] (check_chain); B(k) starts from a-bar^k and the gradient of
+         * a^k, which at k = n is the level Loss reaches (remat/solve.py Note [The
+         * recurrence]) */
+        p->bneed[k] = smax(sadd(sadd(p->s[k], p->x[k]), p->x[k - 1]) + p->bt[k],
+                           sadd(p->s[k], p->x[k]));
     }
     return REMAT_OK;
 }
@@ -288,7 +293,9 @@ static int check_chain(const remat_chain *c, remat_plan *out)
         }
         for (i = 0; i < 4; i++) {
             ll v = sizes[i][k];
-            if (v < 0 || v >= REMAT_MAX_BYTES) {
+            /* bwd_tmp may give back the output's bytes (Costs.bwd_tmp) */
+            ll least = i == 3 ? -sizes[0][k] : 0;
+            if (v < least || v >= REMAT_MAX_BYTES) {
                 out->bad_stage = k + 1;
                 return REMAT_E_SIZE;
             }
@@ -340,7 +347,7 @@ const char *remat_strerror(int status)
     case REMAT_E_TIME:
         return "a time is NaN, infinite, negative or above 1e18 seconds";
     case REMAT_E_SIZE:
-        return "a size is negative or not below 2^62 bytes";
+        return "a size is negative (a bwd_tmp below minus its stage's out_bytes) or not below 2^62 bytes";
     case REMAT_E_BUDGET:
         return "the budget must be between 0 and 2^62 bytes";
     case REMAT_E_SLOTS:

@@ -18,7 +18,7 @@ enum {
     REMAT_E_NULL = 2,        /* a required pointer is NULL */
     REMAT_E_LENGTH = 3,      /* the chain length is not in 1..REMAT_MAX_LENGTH */
     REMAT_E_TIME = 4,        /* a time is NaN, infinite, negative or absurd */
-    REMAT_E_SIZE = 5,        /* a size is negative or not below 2^62 */
+    REMAT_E_SIZE = 5,        /* a size is negative (a bwd_tmp below -out_bytes) or not below 2^62 */
     REMAT_E_BUDGET = 6,      /* the budget is not in 0..2^62 */
     REMAT_E_SLOTS = 7,       /* slots is not positive */
     REMAT_E_MODE = 8,        /* unknown mode */
@@ -52,7 +52,7 @@ typedef struct {
     const long long *out_bytes;
     const long long *saved_bytes;
     const long long *fwd_tmp;
-    const long long *bwd_tmp;
+    const long long *bwd_tmp;         /* each at least -out_bytes of its stage */
     long long input_bytes;
 } remat_chain;
 

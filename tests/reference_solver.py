@@ -40,7 +40,7 @@ def reference_optimal(costs, budget_units, units):
             return INF, None
         g = x[t] if t < n else 0
         best, choice = INF, None
-        if max(s[a], x[a] + ft[a]) <= m and s[a] + x[a] + x[a - 1] + bt[a] <= m + g:
+        if max(s[a], x[a] + ft[a]) <= m and max(s[a] + x[a] + x[a - 1] + bt[a], s[a] + x[a]) <= m + g:
             if a == t:
                 best, choice = tf[a] + tb[a], ("all",)
             else:

@@ -179,6 +179,7 @@ CASES = {
     "costs-nan-size": lambda t: _costs(saved_bytes=[float("nan"), 32, 32]),
     "costs-fraction-size": lambda t: _costs(fwd_tmp=[1.5, 0, 0]),
     "costs-huge-size": lambda t: _costs(bwd_tmp=[2**63, 0, 0]),
+    "costs-bwd-tmp-below-output": lambda t: _costs(bwd_tmp=[0, -33, 0]),
     "costs-negative-input": lambda t: _costs(input_bytes=-3),
     "costs-short-list": lambda t: _costs(fwd_tmp=[0, 0]),
     "costs-string-list": lambda t: _costs(fwd_time="abc"),

@@ -98,9 +98,11 @@ def test_measured_peak_stays_under_budget(chain, fraction):
 @pytest.mark.parametrize("kinds", [["mlp"] * 6, ["attn", "mlp"] * 4, ["convblock"] * 6, ["linear", "ln"] * 5])
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 1.0])
 def test_measured_peak_close_to_prediction(kinds, fraction):
-    """The real peak is under simulate's by at most one stage output (and 2%): the
-    cost model holds a stage's output with what it saves (a-bar^i includes a^i),
-    which a rebuilt stage whose backward does not need its output lets go at once."""
+    """The real peak is within 10% under simulate's. (a-bar^i counts a^i, which a
+    stage whose backward does not read it lets go by B(i): bwd_tmp gives it back.
+    What the model cannot see is a^i let go in the forward phase, where neither
+    B(i) nor the next stage's backward reads it: chains of dropout or scale
+    stages, docs/limitations.md.)"""
     image = kinds[0].startswith("conv")
     torch.manual_seed(0)
     net = Net(kinds, d=16, image=image)
@@ -112,7 +114,7 @@ def test_measured_peak_close_to_prediction(kinds, fraction):
     explanation = remat.explain()
     predicted = explanation.schedule.peak
     assert peak <= net.budget
-    assert peak >= 0.98 * (predicted - max(explanation.costs.out_bytes)), (peak, predicted)
+    assert peak >= 0.9 * predicted, (peak, predicted)
 
 
 def _fresh(kinds=("mlp", "attn", "bn", "dropout", "mlp"), image=False):

@@ -6,6 +6,7 @@ import random
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 from hypothesis import given, strategies as st
@@ -33,7 +34,9 @@ def random_costs(rng, n, size=20, zero_times=False):
         bwd_time=[t() for _ in range(n)], out_bytes=out,
         saved_bytes=[o + rng.randint(0, size) for o in out],
         fwd_tmp=[rng.randint(0, size // 2) for _ in range(n)],
-        bwd_tmp=[rng.randint(0, size // 2) for _ in range(n)], input_bytes=rng.randint(0, size),
+        # a third of the stages give their output back in the backward (bwd_tmp < 0)
+        bwd_tmp=[rng.randint(0, size // 2) - (rng.randint(0, o) if rng.random() < 1 / 3 else 0) for o in out],
+        input_bytes=rng.randint(0, size),
     )
 
 
@@ -218,6 +221,22 @@ def test_budget_error_names_minimum():
     assert format_bytes(least) in str(info.value)
 
 
+def test_output_given_back_loss_level_binds():
+    """A last stage whose backward gives its output back (bwd_tmp = -out_bytes) still
+    needs, at ``Loss``, a-bar^L with the gradient of a^L: the solvers' B(L) condition
+    counts that level, which B(L)'s own sum (smaller than it here) does not."""
+    costs = Costs(fwd_time=[1.0, 1.0], fwd_nograd_time=[1.0, 1.0], bwd_time=[1.0, 1.0],
+                  out_bytes=[4, 40], saved_bytes=[4, 40], fwd_tmp=[0, 0], bwd_tmp=[0, -40],
+                  input_bytes=4)
+    peak = simulate(costs, store_all(2)).peak
+    assert peak == 4 + 4 + 40 + 40   # Loss: a^0, a-bar^1, a-bar^2 and the gradient of a^2
+    assert minimum_budget(costs) == peak == solve(costs, peak).peak
+    assert reference_optimal(costs, peak, 1)[0] < math.inf
+    assert reference_optimal(costs, peak - 1, 1)[0] == math.inf
+    with pytest.raises(BudgetError):
+        solve(costs, peak - 1)
+
+
 def test_least_memory_is_least():
     """The least-memory schedule fits its minimum, and the reference finds nothing one byte below."""
     for seed in range(30):
@@ -235,6 +254,12 @@ def test_costs_errors_name_field_and_stage():
         Costs(**{**good, "fwd_time": [1.0, float("nan"), 1.0]})
     with pytest.raises(CostsError, match=r"saved_bytes\[2\] \(stage 3\)"):
         Costs(**{**good, "saved_bytes": [1, 1, -4]})
+    # a backward may give back its stage's output (bwd_tmp down to -out_bytes), no more
+    assert Costs(**{**good, "bwd_tmp": [-1, 0, -1]}).bwd_tmp == (-1, 0, -1)
+    with pytest.raises(CostsError, match=r"bwd_tmp\[0\] \(stage 1\) is -2; it may give back"):
+        Costs(**{**good, "bwd_tmp": [-2, 0, 0]})
+    with pytest.raises(SolverError, match=r"bwd_tmp\[1\] \(stage 2\)"):
+        _c_solver._check_costs(types.SimpleNamespace(**{**good, "bwd_tmp": [0, -2, 0], "length": 3}))
 
 
 def test_solver_rejects_absurd_time_naming_stage():
