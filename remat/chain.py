@@ -28,13 +28,13 @@ from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
 from .costs_source import FIELDS, chain_costs, distributed, read_costs, write_costs
-from .errors import RematError, StageError
+from .errors import BudgetError, RematError, StageError
 from .measuring import StageMeasuring, check_output, input_signature, signature
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices
 from .runtime import FALL, FCK, Run, StageCall, first, replaying
-from .solve import DEFAULT_SLOTS, _parse_algorithm
+from .solve import DEFAULT_SLOTS, _parse_algorithm, solve
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 
@@ -331,7 +331,10 @@ class _Active(StageMeasuring):
                 self.run.ops = None
                 with _cache_lock:
                     _cache.pop(self.key, None)
-            _publish(Explanation(self.entry.costs, self.plan[0], self.budget, self.entry.names))
+            else:
+                self.entry.watch_output(self.prev)
+            _publish(Explanation(self.entry.planning_costs(), self.plan[0], self.budget, self.entry.names,
+                                 self.entry.costs))
             return
         new = self.new
         try:
@@ -355,13 +358,24 @@ class _Active(StageMeasuring):
                     del _cache[key]
             while len(_cache) > CACHE_SIZE:
                 _cache.popitem(last=False)
+        new.watch_output(self.prev)
+        costs = new.planning_costs()
         try:
-            schedule = new.plan(self.budget, self.spec.algorithm, self.spec.slots)[0]
+            try:
+                schedule = new.plan(self.budget, self.spec.algorithm, self.spec.slots)[0]
+            except BudgetError:
+                if new.output_held is not None:
+                    raise
+                # this call's own backward may yet show its output let go (Note [The
+                # chain's output], remat/recording.py): the budget may fit from the next
+                # call on, so only a budget under the measured costs' minimum fails now
+                costs = new.costs
+                schedule = solve(costs, self.budget, self.spec.algorithm, self.spec.slots)
         except RematError:
             self._undo()
-            _publish(Explanation(new.costs, None, self.budget, new.names))
+            _publish(Explanation(costs, None, self.budget, new.names, new.costs))
             raise
-        _publish(Explanation(new.costs, schedule, self.budget, new.names))
+        _publish(Explanation(costs, schedule, self.budget, new.names, new.costs))
 
     def _undo(self):
         """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""

@@ -1,9 +1,38 @@
 """What the measuring call of a chain learned (``Recording``), the plans
-solved from it, and ``explain()`` to show them to a person."""
+solved from it, and ``explain()`` to show them to a person.
+
+Note [The chain's output]
+-------------------------
+The cost model lets a^L go at ``B(L)`` with a-bar^L, and where the last
+stage's backward does not read a^L, ``bwd_tmp[L]`` gives its bytes back
+during ``B(L)`` itself (remat/profile.py). That holds where the caller lets
+the chain's output go once it is used (a head that saved it has released it
+by ``B(L)``), not where a training loop keeps it in a variable through
+``loss.backward()``: then a^L stays to the end of the backward, and a step
+went up to one output over the budget (38 of 60 random test chains kept as
+``y = net(x); loss = f(y); loss.backward()``; 26 before the give-back).
+
+So plans are solved as if the caller held a^L through the whole step (its
+bytes added to ``input_bytes``: ``planning_costs``), until a call shows
+otherwise: each call puts a pre-hook on the node that made a^L which has
+the engine ask, at the end of that backward, whether a^L's storage is still
+alive (a weak reference: PyTorch keeps a storage's Python object as long as
+the storage). Not as ``B(L)`` starts: a last stage whose backward reads its
+output (a ReLU) holds it then whoever else does.
+Gone: the next call solves on the costs as measured. Alive, once: the held
+count comes back for good, since a loop that holds the output some of the
+time would go over the budget the next time it does. The costs file keeps
+the costs as measured. Under torch.distributed the held count stays (every
+rank must solve the same plan).
+"""
+
+import weakref
+
+import torch
 
 from .costs import Costs
-from .costs_source import write_costs
-from .errors import CostsError
+from .costs_source import distributed, write_costs
+from .errors import BudgetError, CostsError
 from .refine import SAMPLES, combine
 from .runtime import BWD, FALL, FCK, FN
 from .schedule import B, Fall, Fck, Fn, Loss
@@ -17,13 +46,19 @@ _last = [None]
 
 
 class Explanation:
-    """What remat knows about one chain: costs, budget, schedule."""
+    """What remat knows about one chain: costs, budget, schedule.
 
-    def __init__(self, costs, schedule, budget, names):
+    ``costs`` are those the schedule was solved on; ``measured`` those the
+    chain measured (or read), as its costs file holds them. They differ by
+    the chain's output, counted in ``input_bytes`` while the code around the
+    chain may hold it through the backward (Note [The chain's output])."""
+
+    def __init__(self, costs, schedule, budget, names, measured=None):
         self.costs = costs
         self.schedule = schedule
         self.budget = budget
         self.names = names
+        self.measured = costs if measured is None else measured
 
     def table(self):
         """Per-stage costs and the op each stage gets in the forward phase."""
@@ -73,6 +108,50 @@ class Recording:
         self.samples = []        # the stamped calls' times so far (remat/refine.py)
         self.costs_file = None   # the costs file this process measured for (or None)
         self.unsaved = False     # refined costs not yet written to it
+        self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
+        self._held_costs = None  # (costs, the same with a^L held) for planning_costs
+
+    def planning_costs(self):
+        """The costs plans are solved on: the measured ones, with a^L held through the
+        step unless calls showed it gone by B(L) (Note [The chain's output])."""
+        if self.output_held is False or self.costs is None:
+            return self.costs
+        cached = self._held_costs
+        if cached is None or cached[0] is not self.costs:
+            data = self.costs.to_dict()
+            data["input_bytes"] += data["out_bytes"][-1]
+            cached = self._held_costs = (self.costs, Costs.from_dict(data))
+        return cached[1]
+
+    def watch_output(self, act):
+        """Have ``act``, a^L of this call, tell at the end of its backward whether it is
+        still held."""
+        if self.output_held or not isinstance(act, torch.Tensor) or act.grad_fn is None or distributed():
+            return
+        storage = weakref.ref(act.untyped_storage())
+        entry = weakref.ref(self)
+        queued = [False]
+
+        def seen():
+            e = entry()
+            if e is not None:
+                e.output_seen(storage() is not None)
+
+        def started(_grads):
+            if not queued[0]:
+                queued[0] = True
+                torch.autograd.Variable._execution_engine.queue_callback(seen)
+
+        act.grad_fn.register_prehook(started)
+
+    def output_seen(self, held):
+        """A call's a^L was (``held``) or was not alive at the end of its backward."""
+        was = self.output_held
+        if was or was is held:
+            return
+        self.output_held = held
+        if held or was is None:   # the plans' count of a^L changes
+            self.plans = {}
 
     def timed(self, forward, backward, nograd):
         """A call after the measuring one was stamped (Note [Timing the second call],
@@ -129,7 +208,18 @@ class Recording:
         key = (budget, algorithm, slots)
         plan = self.plans.get(key)
         if plan is None:
-            schedule = solve(self.costs, budget, algorithm, slots)
+            costs = self.planning_costs()
+            try:
+                schedule = solve(costs, budget, algorithm, slots)
+            except BudgetError as exc:
+                if costs is self.costs:
+                    raise
+                why = ("the code around the chain kept it" if self.output_held else
+                       "no backward has shown yet that the code around the chain lets it go")
+                raise BudgetError(
+                    f"{exc}. That counts the chain's output ({format_bytes(self.costs.out_bytes[-1])}) "
+                    f"as held through the backward: {why} (remat/recording.py Note [The chain's output])"
+                ) from None
             ops = schedule.ops
             split = ops.index(Loss)
             modes = [None] + [_CODES[type(op)] for op in ops[:split]]

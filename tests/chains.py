@@ -125,8 +125,10 @@ def make_input(net, batch=4, length=6, seed=0):
     return x.requires_grad_(), mask
 
 
-def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6):
-    """Run ``steps`` training steps; return everything a comparison needs."""
+def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6, hold=True):
+    """Run ``steps`` training steps; return everything a comparison needs. With
+    ``hold``, the loop keeps the net's output through the backward (as
+    ``y = net(x); loss = f(y); loss.backward()`` does), else it lets it go."""
     torch.manual_seed(seed)
     params = list(net.parameters())
     optim = torch.optim.SGD(params, lr=0.01) if opt == "sgd" else torch.optim.Adam(params, lr=0.01)
@@ -136,6 +138,8 @@ def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6):
         target = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 100 + step))
         y = net(x, mask)
         loss = (y * target).sum()
+        if not hold:
+            del y
         optim.zero_grad()
         loss.backward()
         record.append((loss.detach(), x.grad.clone(), [None if p.grad is None else p.grad.clone() for p in params]))

@@ -108,7 +108,9 @@ def test_thousand_steps_hold_constant_memory(runs):
     assert len(set(live[5:])) == 1, f"live bytes after warm-up vary: {sorted(set(live[5:]))[:5]} ..."
     assert len(set(counts[1:])) == 1, f"Python tensor counts grow: {counts}"
     assert cache == [1] * len(cache)
-    assert plans == [1] * len(plans)
+    # (the measuring call's plan goes when its backward shows the chain's output let
+    # go: remat/recording.py Note [The chain's output]; step 1 solves the one kept)
+    assert plans[1:] == [1] * (len(plans) - 1)
     assert alive == [0] * len(alive), f"Run objects alive: {alive}"
 
 
