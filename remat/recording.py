@@ -150,7 +150,7 @@ class Recording:
         if was or was is held:
             return
         self.output_held = held
-        if held or was is None:   # the plans' count of a^L changes
+        if was is not None or not held:   # the plans' count of a^L changes (not None -> held)
             self.plans = {}
 
     def timed(self, forward, backward, nograd):
