@@ -1,6 +1,12 @@
 """remat: train PyTorch models that do not fit in memory by recomputing
 activations on an optimal schedule for a memory budget you choose."""
 
+import torch as _torch
+
+from .torch_version import require_torch as _require_torch
+
+_require_torch(_torch.__version__)
+
 from .chain import chain, clear_cache, explain
 from .costs import Costs
 from .errors import (BudgetError, CostsError, InvalidScheduleError, RecomputeMismatchError, RematError,

@@ -7,6 +7,7 @@ chain (remat/chain.py), which records, measures or runs it on the schedule.
 """
 
 import functools
+import types
 
 import torch
 
@@ -35,7 +36,8 @@ class _StageForward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        # (a bound method made directly: torch 2.5's dynamo fails to trace a function's __get__)
+        forward = self.inner if self.inner is not None else types.MethodType(type(module).forward, module)
         current = _active()
         if current is None:
             return forward(*args, **kwargs)

@@ -102,7 +102,13 @@ def test_compiled_block_inductor_is_close():
     base = _blocks(0.0, n=2)
     ref = [torch.compile(b) for b in copy.deepcopy(base)]
     stages = [torch.compile(remat.stage(b)) for b in copy.deepcopy(base)]
-    _compare(ref, stages, exact=False, steps=2)
+    try:
+        _compare(ref, stages, exact=False, steps=2)
+    finally:
+        # torch 2.5's inductor builds its CPU kernels with -ffast-math, whose start-up
+        # code turns flush-to-zero on for the whole process (and hypothesis, in the
+        # tests after this one, then refuses to draw floats)
+        torch.set_flush_denormal(False)
 
 
 def test_compiled_function_inside_stage_is_exact():

@@ -228,7 +228,11 @@ def _fsdp_model(algorithm, costs):
 
 def _fsdp_worker(rank, port, tmp):
     _init(rank, port)
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:   # torch 2.5: not yet public
+        from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     def full(params):
