@@ -4,10 +4,27 @@ stage of a chain (DESIGN.md section 1).
 Outside a chain, or under ``torch.no_grad()``, a stage is the undecorated
 code plus one thread-local lookup. Inside a chain its call is handed to the
 chain (remat/chain.py), which records, measures or runs it on the schedule.
+
+Note [Compiling around a stage]
+-------------------------------
+``torch.compile(remat.stage(block))`` (or ``block.compile()``) has Dynamo
+trace the stage's call, and through it, inside a chain, remat's own code:
+measuring, hooks, the storage meter. Dynamo compiled that code piece by piece
+(torch 2.13: 13 of the 16 graphs of three calls of a two-stage chain were
+remat's bookkeeping), warned about what it cannot trace, and on some releases
+failed inside it (2.5: an internal error; 2.7: a wrong value on resuming after
+a graph break). So the chain's code is kept from Dynamo
+(``torch.compiler.disable``): inside a chain the stage runs eagerly, with
+exact gradients, and a warning says so once; outside a chain it is compiled
+as usual. ``remat.stage(torch.compile(block))`` runs eagerly inside a chain
+too (torch 2.13): Dynamo gives up on the block under the measuring call's
+dispatch mode and does not try again, and does not compile under saved-tensor
+hooks.
 """
 
 import functools
 import types
+import warnings
 
 import torch
 
@@ -41,7 +58,32 @@ class _StageForward:
         current = _active()
         if current is None:
             return forward(*args, **kwargs)
-        return current.call(module, type(module).__name__, forward, args, kwargs, 0)
+        return _hand_over(current, module, type(module).__name__, forward, args, kwargs)
+
+
+def _hand_over(current, ident, name, fn, args, kwargs):
+    """Hand a stage's call to the open chain ``current``."""
+    if _compiling():
+        return _hand_over_eagerly(current, ident, name, fn, args, kwargs)
+    return current.call(ident, name, fn, args, kwargs, 0)
+
+
+_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_warned = []
+
+
+@torch.compiler.disable
+def _hand_over_eagerly(current, ident, name, fn, args, kwargs):
+    """The chain's code, kept from Dynamo (Note [Compiling around a stage])."""
+    if not _warned:
+        _warned.append(True)
+        warnings.warn(
+            f"remat: stage {name} is compiled (torch.compile(remat.stage(block)) or block.compile()) "
+            f"but runs eagerly inside a chain, where remat's own code is kept from Dynamo; outside "
+            f"a chain it runs compiled. Gradients are exact either way",
+            stacklevel=2,
+        )
+    return current.call(ident, name, fn, args, kwargs, 0)
 
 
 def stage(obj):
@@ -111,8 +153,8 @@ class _StageFunction:
         owner = self.owner
         if owner is not None:
             label = type(owner).__name__ if isinstance(owner, torch.nn.Module) else self.name
-            return current.call(owner, label, self.fn, args, kwargs, 0)
-        return current.call(self.fn, self.name, self.fn, args, kwargs, 0)
+            return _hand_over(current, owner, label, self.fn, args, kwargs)
+        return _hand_over(current, self.fn, self.name, self.fn, args, kwargs)
 
 
 class _BoundStage:
@@ -132,7 +174,7 @@ class _BoundStage:
             return self.fn(*args, **kwargs)
         owner = self.owner
         label = type(owner).__name__ if isinstance(owner, torch.nn.Module) else self.name
-        return current.call(owner, label, self.fn, args, kwargs, 0)
+        return _hand_over(current, owner, label, self.fn, args, kwargs)
 
 
 def is_stage(obj):

@@ -4,17 +4,18 @@ models at once, against plain PyTorch.
 Findings (see docs/hostile-input.md):
 
 * ``torch.compile(remat.stage(block))`` and ``remat.stage(block)`` then
-  ``block.compile()`` work: dynamo breaks the graph at remat's chain code and
-  compiles the block's own forward. With the ``aot_eager`` backend (eager
-  kernels and RNG) gradients are bitwise plain PyTorch's, dropout included.
-  With inductor they agree with a plain compiled model to rounding only
-  (``assert_close``): the measuring call runs the block under a dispatch mode
-  and without grad, which compiles other graph variants with other kernels.
+  ``block.compile()`` work, with exact gradients: inside a chain remat's code
+  is kept from Dynamo and the stage runs eagerly, with one warning (Note
+  [Compiling around a stage] in remat/stage.py); outside a chain the block is
+  compiled. With the ``aot_eager`` backend gradients are bitwise plain
+  PyTorch's, dropout included; against a plain model compiled by inductor
+  they agree to rounding only (``assert_close``).
 * A compiled function called inside a stage is bitwise plain.
 * ``remat.stage(torch.compile(block))`` is a stage with exact gradients.
 """
 
 import copy
+import sys
 import threading
 
 import pytest
@@ -95,6 +96,41 @@ def test_compiled_block_aot_eager_is_exact(how):
         for b in stages:
             remat.stage(b).compile(backend="aot_eager")
     _compare(base, stages, exact=True, steps=2)
+
+
+def _graphs_of(wrap):
+    """The graphs Dynamo compiles over three calls of a chain of two blocks, each
+    made a stage by ``wrap(block, backend)``; how many hold the block's compute."""
+    torch._dynamo.reset()   # (the tests before compiled Block.forward up to Dynamo's cache limit)
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    stages = [wrap(b, backend) for b in _blocks(0.0, n=2)]
+    for seed in range(3):   # the measuring call and two on the schedule
+        _run(stages, True, seed)
+    return len(graphs), sum("tanh" in g for g in graphs)
+
+
+def test_compiling_around_the_stage_keeps_remat_from_dynamo_and_says_so():
+    """torch.compile(remat.stage(block)): inside a chain the stage runs eagerly, remat's
+    code is never traced (Note [Compiling around a stage] in remat/stage.py), and a
+    warning says so once."""
+    sys.modules["remat.stage"]._warned.clear()
+    with pytest.warns(UserWarning, match="runs eagerly inside a chain"):
+        total, _ = _graphs_of(lambda b, backend: torch.compile(remat.stage(b), backend=backend))
+    assert total == 0
+    # outside a chain the same compiled stage is compiled as usual
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    torch.compile(remat.stage(_blocks(0.0, n=1)[0]), backend=backend)(torch.randn(4, D))
+    assert any("tanh" in g for g in graphs)
 
 
 def test_compiled_block_inductor_is_close():

@@ -226,6 +226,11 @@ def _fsdp_model(algorithm, costs):
     return model
 
 
+# FSDP2 runs on CPU from torch 2.7 (2.5: "FSDP requires CUDA for streams"; 2.6: a CPU
+# stream has no record_event)
+FSDP2_ON_CPU = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 7)
+
+
 def _fsdp_worker(rank, port, tmp):
     _init(rank, port)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -253,6 +258,8 @@ def _fsdp_worker(rank, port, tmp):
         "fsdp1_per_stage": lambda m: FSDP(m, device_id=torch.device("cpu"), use_orig_params=True,
                                           auto_wrap_policy=ModuleWrapPolicy({Block})),
     }
+    if not FSDP2_ON_CPU:
+        del setups["fsdp2_root"]
     for name, wrap in setups.items():
         for algorithm in (None, "periodic(2)", "min_memory"):
             model = wrap(_fsdp_model(algorithm, path if name.startswith("fsdp1") else None))
@@ -268,6 +275,8 @@ def _fsdp_worker(rank, port, tmp):
         "fsdp1_measuring": lambda m: FSDP(m, device_id=torch.device("cpu"), use_orig_params=True,
                                           auto_wrap_policy=ModuleWrapPolicy({Block})),
     }
+    if not FSDP2_ON_CPU:
+        del failing["fsdp2_per_stage"]
     for name, wrap in failing.items():
         model = wrap(_fsdp_model("periodic(2)", None))
         try:
@@ -290,11 +299,12 @@ def test_fsdp_matches_plain_fsdp(fsdp_results):
     """FSDP2 on the root module, and FSDP1 with one unit per stage and costs from a file,
     give plain FSDP's losses, input gradients and parameters bitwise."""
     for rank, out in enumerate(fsdp_results):
-        for name in ("fsdp2_root", "fsdp1_per_stage"):
+        for name in ("fsdp2_root", "fsdp1_per_stage") if FSDP2_ON_CPU else ("fsdp1_per_stage",):
             for algorithm in ("periodic(2)", "min_memory"):
                 _assert_same(out[(name, None)], out[(name, algorithm)], f"rank {rank}, {name}, {algorithm}")
 
 
+@pytest.mark.skipif(not FSDP2_ON_CPU, reason="FSDP2 runs on CPU from torch 2.7")
 def test_fsdp2_unit_per_stage_is_a_clear_error(fsdp_results):
     """fully_shard on each stage replaces the tensor a stage returns (FSDP2's post-forward
     hook), which remat refuses with a StageError naming the two stages."""
