@@ -121,7 +121,9 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
     which measures each block by running it more than once: Hugging Face's
     ``output_attentions=True`` then returns extra attention maps from that
     call (``output_hidden_states`` is collected by hooks on the blocks
-    themselves and is right).
+    themselves and is right). With transformers 4, whose blocks return their
+    attention maps, ``output_attentions=True`` while grad is enabled raises
+    ``StageError`` (only a stage's first output may need grad).
 
     Example:
         >>> import torch, remat
