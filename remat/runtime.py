@@ -38,6 +38,7 @@ Note [The life of a saved tensor]
    first forward saved (count, shape, dtype, device).
 """
 
+import sys
 import threading
 import time
 import weakref
@@ -96,12 +97,38 @@ class StageCall:
 
     def invoke(self, x):
         """Run the stage on activation ``x``; return what it returns."""
+        if _STANCES and "torch._dynamo" in sys.modules:
+            # Note [Compiled code in a stage]
+            with torch.compiler.set_stance("force_eager"):
+                return self._invoke(x)
+        return self._invoke(x)
+
+    def _invoke(self, x):
         if self.in_kw is not None:
             kwargs = dict(self.kwargs)
             kwargs[self.in_kw] = x
             return self.fn(*self.args, **kwargs)
         args = self.args
         return self.fn(*args[:self.pos], x, *args[self.pos + 1:], **self.kwargs)
+
+
+# Note [Compiled code in a stage]
+# -------------------------------
+# A stage may be or call code compiled with torch.compile (remat.stage(
+# torch.compile(block)), a compiled function inside a stage). Inside a chain
+# remat runs every stage with Dynamo's stance ``force_eager``: compiled code
+# runs eagerly, unseen by Dynamo. Run otherwise, Dynamo met the compiled frame
+# first under the measuring call's storage meter, a dispatch mode it does not
+# support, and gave up on that frame's code for good: the block, and every
+# block of its class, was never compiled again in the process, in a chain or
+# out (torch 2.13; ``torch.compiler.disable`` does not stop a compiled
+# function). Nor could a stage run eagerly while measured and compiled later:
+# compiled, it saves other tensors than eager code (the determinism guard
+# compares them with the measured ones), and the costs would be another
+# code's. Outside chains compiled blocks run compiled. Each stage call pays
+# the stance (some microseconds) only once Dynamo is loaded; torch 2.5 has no
+# stances and keeps the old behaviour.
+_STANCES = hasattr(torch.compiler, "set_stance")
 
 
 def first(out):

@@ -16,10 +16,9 @@ failed inside it (2.5: an internal error; 2.7: a wrong value on resuming after
 a graph break). So the chain's code is kept from Dynamo
 (``torch.compiler.disable``): inside a chain the stage runs eagerly, with
 exact gradients, and a warning says so once; outside a chain it is compiled
-as usual. ``remat.stage(torch.compile(block))`` runs eagerly inside a chain
-too (torch 2.13): Dynamo gives up on the block under the measuring call's
-dispatch mode and does not try again, and does not compile under saved-tensor
-hooks.
+as usual. Compiled code inside a stage (``remat.stage(torch.compile(block))``)
+runs eagerly inside a chain too: Note [Compiled code in a stage] in
+remat/runtime.py.
 """
 
 import functools

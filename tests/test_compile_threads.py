@@ -11,7 +11,9 @@ Findings (see docs/hostile-input.md):
   PyTorch's, dropout included; against a plain model compiled by inductor
   they agree to rounding only (``assert_close``).
 * A compiled function called inside a stage is bitwise plain.
-* ``remat.stage(torch.compile(block))`` is a stage with exact gradients.
+* ``remat.stage(torch.compile(block))`` is a stage with exact gradients; inside
+  a chain it runs eagerly and stays compilable outside (Note [Compiled code in
+  a stage] in remat/runtime.py).
 """
 
 import copy
@@ -112,6 +114,32 @@ def _graphs_of(wrap):
     for seed in range(3):   # the measuring call and two on the schedule
         _run(stages, True, seed)
     return len(graphs), sum("tanh" in g for g in graphs)
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch 2.5 has no compiler stances")
+def test_a_compiled_block_in_a_chain_runs_eagerly_and_stays_compilable_outside():
+    """remat.stage(torch.compile(block)): inside the chain the block runs eagerly and Dynamo
+    compiles nothing (Note [Compiled code in a stage] in remat/runtime.py); afterwards the
+    same blocks, and a new one of their class, compile outside the chain (Dynamo did not
+    meet them under the storage meter and give up on their code)."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    stages = [remat.stage(torch.compile(b, backend=backend)) for b in _blocks(0.0, n=2)]
+    for seed in range(3):
+        _run(stages, True, seed)
+    assert graphs == []
+    y = torch.randn(3, 5, D)
+    for s in stages:
+        y = s(y)
+    assert any("tanh" in g for g in graphs)
+    graphs.clear()
+    torch.compile(_blocks(0.0, n=1)[0], backend=backend)(torch.randn(2, 7, 3, D))
+    assert any("tanh" in g for g in graphs)
 
 
 def test_compiling_around_the_stage_keeps_remat_from_dynamo_and_says_so():
