@@ -16,13 +16,14 @@ import tempfile
 import torch
 
 from .costs import Costs
+from .errors import BudgetError
 from .refine import SAMPLES
-from .schedule import simulate
-from .solve import best_periodic, minimum_budget, store_all
+from .schedule import B, Fall, Fck, Fn, Loss, simulate
+from .solve import best_periodic, minimum_budget, solve, store_all
 from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
 from .units import format_bytes
 
-__all__ = ["MODELS", "run_bench", "write_bench", "device_name", "summarise"]
+__all__ = ["MODELS", "run_bench", "write_bench", "device_name", "summarise", "checkpoint_sequential_ops"]
 
 
 def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, out=print):
@@ -105,12 +106,39 @@ def overhead(run):
     return run["step_seconds"] / run.get("plain_step_seconds", run["step_seconds"]) - 1
 
 
+def checkpoint_sequential_ops(length, segments):
+    """The schedule ``checkpoint_sequential(segments)`` runs on a chain of ``length``
+    stages, as remat's ops: each of the first ``segments - 1`` segments of
+    ``length // segments`` stages keeps its input and nothing else, the rest of the
+    chain runs plainly; in the backward each kept segment is run again whole,
+    recording, before its backward (non-reentrant checkpointing)."""
+    size = length // segments
+    ops, kept, start = [], [], 1
+    for _ in range(segments - 1):
+        kept.append((start, start + size - 1))
+        ops += [Fck(start)] + [Fn(i) for i in range(start + 1, start + size)]
+        start += size
+    ops += [Fall(i) for i in range(start, length + 1)] + [Loss]
+    ops += [B(i) for i in range(length, start - 1, -1)]
+    for a, b in reversed(kept):
+        ops += [Fall(i) for i in range(a, b + 1)] + [B(i) for i in range(b, a - 1, -1)]
+    return ops
+
+
 def summarise(result):
-    """Targets of the trade-off benchmark, from one result dict."""
+    """Targets of the trade-off benchmark, from one result dict.
+
+    Beside the measured overheads, each ``checkpoint_sequential`` point gets the
+    overheads the cost model predicts on the run's costs: of its schedule, and of
+    the optimal schedule solved on those costs for its measured peak. That is the
+    comparison without the machine's noise, whose size ``repeat_noise`` shows
+    (``checkpoint_sequential(1)`` runs plain PyTorch's computation)."""
     runs = result["runs"]
     plain = next(r for r in runs if r["method"] == "plain")
     optimal = [r for r in runs if r.get("algorithm") == "optimal"]
     cs = [r for r in runs if r["method"].startswith("checkpoint_sequential")]
+    costs = Costs.from_dict(result["run_costs"])
+    plain_predicted = simulate(costs, store_all(costs.length)).time
     points = []
     for c in cs:
         fits = [r for r in optimal if r["peak_bytes"] <= c["peak_bytes"]]
@@ -119,15 +147,28 @@ def summarise(result):
             continue
         best = min(fits, key=overhead)
         oc, orr = overhead(c), overhead(best)
-        points.append({"segments": c["segments"], "cs_overhead": oc, "remat_overhead": orr,
-                       "remat_budget": best["budget"], "remat_not_slower": orr <= oc,
-                       "reduction": (1 - orr / oc) if oc > 0.02 else None})
+        point = {"segments": c["segments"], "cs_overhead": oc, "remat_overhead": orr,
+                 "remat_budget": best["budget"], "remat_not_slower": orr <= oc,
+                 "reduction": (1 - orr / oc) if oc > 0.02 else None}
+        sim = simulate(costs, checkpoint_sequential_ops(costs.length, c["segments"]))
+        try:
+            optimal_there = simulate(costs, solve(costs, c["peak_bytes"], "optimal")).time
+        except BudgetError:
+            optimal_there = None
+        if optimal_there is not None:
+            pc, pr = sim.time / plain_predicted - 1, optimal_there / plain_predicted - 1
+            point.update(cs_overhead_predicted=pc, cs_peak_predicted=sim.peak, remat_overhead_predicted=pr,
+                         reduction_predicted=(1 - pr / pc) if pc > 0.02 else None)
+        points.append(point)
     reductions = [p["reduction"] for p in points if p.get("reduction") is not None]
+    predicted = [p["reduction_predicted"] for p in points if p.get("reduction_predicted") is not None]
     remat = [r for r in runs if r["method"] == "remat"]
     return {
         "points": points,
         "dominates": all(p.get("remat_not_slower", False) for p in points),
         "mean_overhead_reduction": statistics.mean(reductions) if reductions else None,
+        "mean_overhead_reduction_predicted": statistics.mean(predicted) if predicted else None,
+        "repeat_noise": overhead(cs[0]) if cs and cs[0]["segments"] == 1 else None,
         "all_under_budget": all(r["peak_bytes"] <= r["budget"] for r in remat),
         "max_time_error": max(abs(r["chain_seconds"] / r["predicted_seconds"] - 1) for r in remat),
         "max_time_error_run_costs": max(abs(r["chain_seconds"] / r["predicted_seconds_run_costs"] - 1)
@@ -151,8 +192,13 @@ def table(result):
             f"| {r['chain_seconds'] * 1e3:.1f} | {_ms(r, 'predicted_seconds')} | {_ms(r, 'predicted_seconds_run_costs')} |")
     s = result["summary"]
     red = s["mean_overhead_reduction"]
+    pred = s.get("mean_overhead_reduction_predicted")
+    noise = s.get("repeat_noise")
     lines += ["", f"remat dominates checkpoint_sequential: {s['dominates']}; mean overhead reduction: "
-                  f"{'n/a' if red is None else f'{red:.0%}'}; every remat peak under its budget: "
+                  f"{'n/a' if red is None else f'{red:.0%}'} (predicted on the run's costs: "
+                  f"{'n/a' if pred is None else f'{pred:.0%}'}; checkpoint_sequential(1), plain PyTorch's "
+                  f"computation, measured {'n/a' if noise is None else f'{noise:+.1%}'} against plain); "
+                  f"every remat peak under its budget: "
                   f"{s['all_under_budget']}; worst |measured/predicted - 1| of chain time: {s['max_time_error']:.1%} "
                   f"(on costs measured during the run: {s['max_time_error_run_costs']:.1%}); "
                   f"losses equal to plain: {s['losses_equal']}; gradients equal: {s.get('grads_equal')}"]

@@ -50,8 +50,9 @@ from .replay import Replay
 
 __all__ = ["Run", "StageCall", "replaying", "RELEASES"]
 
-# Whether the engine says if the graph it runs is kept (torch >= 2.4 or so):
-# without that, recomputed tensors stay until their stage's backward ends.
+# Whether the engine says if the graph it runs is kept (torch >= 2.5, which
+# remat requires: remat/torch_version.py); without that, recomputed tensors
+# would stay until their stage's backward ends.
 _keep_graph = getattr(getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", None)
 RELEASES = _keep_graph is not None
 

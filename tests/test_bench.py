@@ -38,7 +38,35 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     for field in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp", "input_bytes"):
         assert result["run_costs"][field] == result["costs"][field]
     assert result["summary"]["max_time_error_run_costs"] >= 0
+    # the model's view of each checkpoint_sequential point: its schedule on the run's costs
+    points = [p for p in result["summary"]["points"] if "cs_overhead_predicted" in p]
+    one = next(p for p in points if p["segments"] == 1)
+    assert abs(one["cs_overhead_predicted"]) < 1e-9   # one segment: plain PyTorch's schedule
+    peaks = {r["segments"]: r["peak_bytes"] for r in result["runs"] if "segments" in r}
+    for p in points:   # where the model fits checkpoint_sequential's schedule in its peak,
+        if p["cs_peak_predicted"] <= peaks[p["segments"]]:   # the optimal one is no slower
+            assert p["remat_overhead_predicted"] <= p["cs_overhead_predicted"] + 1e-9, p
+    assert "repeat_noise" in result["summary"]
     assert result["summary"]["all_under_budget"]
     assert result["summary"]["losses_equal"]
     assert result["summary"]["grads_equal"] and all(r["grads_equal"] for r in result["runs"])
     assert (tmp_path / "tiny-cpu.md").read_text().startswith("### tiny")
+
+
+def test_checkpoint_sequential_ops_are_torchs_segments():
+    """checkpoint_sequential(s) as remat's ops: s - 1 kept segments of L // s stages, the
+    rest plain; one segment is plain PyTorch, and each kept stage is recomputed once."""
+    from remat import Costs, simulate
+    from remat.bench import checkpoint_sequential_ops
+    from remat.schedule import Fall, Fck, Fn, Loss
+    from remat.solve import store_all
+
+    assert checkpoint_sequential_ops(5, 1) == list(store_all(5))
+    ops = checkpoint_sequential_ops(12, 5)   # segments of 2: stages 1-8 kept, 9-12 plain
+    forward = ops[:ops.index(Loss)]
+    assert [type(op) for op in forward] == [Fck, Fn] * 4 + [Fall] * 4
+    assert sum(1 for op in ops[ops.index(Loss):] if isinstance(op, Fall)) == 8
+    costs = Costs.uniform(12, time=1.0, size=10)
+    for s in range(1, 13):
+        sim = simulate(costs, checkpoint_sequential_ops(12, s))   # a valid schedule
+        assert sim.time == 36 + (s - 1) * (12 // s)   # plain, plus each kept stage once more
