@@ -63,15 +63,18 @@ class _StageForward:
 def _hand_over(current, ident, name, fn, args, kwargs):
     """Hand a stage's call to the open chain ``current``."""
     if _compiling():
-        return _hand_over_eagerly(current, ident, name, fn, args, kwargs)
+        if not _kept_from_dynamo:
+            # made here, not at import: torch.compiler.disable imports Dynamo (a second)
+            _kept_from_dynamo.append(torch.compiler.disable(_hand_over_eagerly))
+        return _kept_from_dynamo[0](current, ident, name, fn, args, kwargs)
     return current.call(ident, name, fn, args, kwargs, 0)
 
 
 _compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_kept_from_dynamo = []
 _warned = []
 
 
-@torch.compiler.disable
 def _hand_over_eagerly(current, ident, name, fn, args, kwargs):
     """The chain's code, kept from Dynamo (Note [Compiling around a stage])."""
     if not _warned:

@@ -137,13 +137,13 @@ def test_hooks_on_activations_run_once_with_tied_weights():
 
 
 def test_first_call_imports_neither_dynamo_nor_sympy():
-    """Measuring loads neither torch._dynamo nor sympy (over a second of a first call)
-    where the program had not loaded them."""
+    """Importing remat and measuring load neither torch._dynamo nor sympy (over a second
+    of a first call) where the program had not loaded them."""
     code = textwrap.dedent("""
         import sys
         import torch
-        import remat
         before = {m for m in ("torch._dynamo", "sympy") if m in sys.modules}
+        import remat
         layers = [remat.stage(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)))
                   for _ in range(3)]
         x = torch.randn(4, 8, requires_grad=True)
