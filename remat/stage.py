@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from .chain import DYNAMO_SKIPS
 from .chain import active as _active
 
 __all__ = ["stage", "is_stage", "unstage"]
@@ -157,6 +158,9 @@ class _StageFunction:
             label = type(owner).__name__ if isinstance(owner, torch.nn.Module) else self.name
             return _hand_over(current, owner, label, self.fn, args, kwargs)
         return _hand_over(current, self.fn, self.name, self.fn, args, kwargs)
+
+
+DYNAMO_SKIPS.append(_StageFunction.__get__)   # Note [Compiling a model around a chain]
 
 
 class _BoundStage:

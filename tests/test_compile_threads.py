@@ -161,6 +161,57 @@ def test_compiling_around_the_stage_keeps_remat_from_dynamo_and_says_so():
     assert any("tanh" in g for g in graphs)
 
 
+class _MethodBlock(Block):
+    @remat.stage
+    def forward(self, x):
+        return super().forward(x)
+
+
+class _Model(nn.Module):
+    def __init__(self, blocks, chained):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.chained = chained
+
+    def forward(self, x):
+        if self.chained:
+            with remat.chain(budget=2**30, algorithm="min_memory"):
+                for b in self.blocks:
+                    x = b(x)
+        else:
+            for b in self.blocks:
+                x = b(x)
+        return x.square().sum()
+
+
+@pytest.mark.parametrize("form", ["@remat.stage method", "remat.stage(module)"])
+def test_compiling_the_model_that_opens_a_chain_is_exact(form):
+    """torch.compile of the whole model whose forward opens the chain (aot_eager, dropout
+    on): plain PyTorch's losses and gradients bitwise, on a schedule that recomputes
+    (Note [Compiling a model around a chain] in remat/chain.py: compiling the stage
+    method's binding recursed without end)."""
+    torch.manual_seed(0)
+    blocks = [_MethodBlock(0.2) for _ in range(3)]
+    plain = _Model([Block(0.2) for _ in range(3)], chained=False)
+    plain.load_state_dict(_Model(blocks, chained=False).state_dict())
+    staged = [copy.deepcopy(b) for b in blocks] if form == "@remat.stage method" else \
+        [remat.stage(copy.deepcopy(b)) for b in plain.blocks]
+    model = torch.compile(_Model(staged, chained=True), backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(step))
+        torch.manual_seed(step)
+        want = plain(x)
+        want.backward()
+        torch.manual_seed(step)
+        got = model(x)
+        got.backward()
+        assert torch.equal(want, got), step
+        for p, q in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), step
+            p.grad = q.grad = None
+    assert remat.explain().schedule.recomputations() > 0
+
+
 def test_compiled_block_inductor_is_close():
     """A stage block compiled by inductor matches the plain compiled block to rounding."""
     base = _blocks(0.0, n=2)
