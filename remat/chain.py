@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
 from .costs_source import FIELDS, chain_costs, distributed, read_costs, write_costs
+from .dynamo import skip_for_dynamo
 from .errors import BudgetError, RematError, StageError
 from .measuring import StageMeasuring, check_output, input_signature, signature
 from .recording import Explanation, Recording, _last, explain
@@ -58,27 +59,6 @@ def _publish(explanation):
 def active():
     """The chain being recorded or run on this thread, or None."""
     return getattr(_local, "active", None)
-
-
-# Note [Compiling a model around a chain]
-# ---------------------------------------
-# torch.compile of a model whose forward opens a chain: Dynamo breaks its graph
-# at the chain and runs the rest frame by frame, and compiling the frame of a
-# stage method's binding (``_StageFunction.__get__``, remat/stage.py) recursed
-# without end (RecursionError, torch 2.13). Functions listed here are marked
-# for Dynamo to skip, once Dynamo is loaded, when a chain opens (not at import:
-# importing Dynamo takes a second).
-DYNAMO_SKIPS = []
-_skips_done = [False]
-
-
-def _skip_for_dynamo():
-    if _skips_done[0] or "torch._dynamo" not in sys.modules:
-        return
-    _skips_done[0] = True
-    from torch._dynamo.decorators import skip
-    for fn in DYNAMO_SKIPS:
-        skip(fn)
 
 
 class chain:
@@ -132,7 +112,7 @@ class chain:
         self._site = None
 
     def __enter__(self):
-        _skip_for_dynamo()
+        skip_for_dynamo()
         if active() is not None:
             raise StageError(
                 "remat: chains cannot be nested; a chain is already open on this thread. Remove "

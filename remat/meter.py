@@ -15,7 +15,7 @@ Dynamo, and so imports Dynamo on the first op it sees: over a second of a
 first call. No compiled code can be running before Dynamo is imported, so
 ``Instrument`` asks for that only when Dynamo is already loaded
 (``_DynamoSafeInstrument``). Compiled code never runs under the meter: see
-Note [Compiled code in a stage] in remat/runtime.py.
+Note [Compiled code in a stage] in remat/dynamo.py.
 """
 
 import sys

@@ -45,14 +45,14 @@ import weakref
 
 import torch
 
+from .dynamo import STANCES
 from .errors import RecomputeMismatchError, StageError
 from .replay import Replay
 
 __all__ = ["Run", "StageCall", "replaying", "RELEASES"]
 
-# Whether the engine says if the graph it runs is kept (torch >= 2.5, which
-# remat requires: remat/torch_version.py); without that, recomputed tensors
-# would stay until their stage's backward ends.
+# Whether the engine says if the graph it runs is kept (torch >= 2.5, which remat
+# requires); without that, recomputed tensors would stay until their stage's backward ends.
 _keep_graph = getattr(getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", None)
 RELEASES = _keep_graph is not None
 
@@ -98,39 +98,16 @@ class StageCall:
 
     def invoke(self, x):
         """Run the stage on activation ``x``; return what it returns."""
-        if _STANCES and "torch._dynamo" in sys.modules:
-            # Note [Compiled code in a stage]
-            with torch.compiler.set_stance("force_eager"):
-                return self._invoke(x)
-        return self._invoke(x)
-
-    def _invoke(self, x):
+        args, kwargs = self.args, self.kwargs
         if self.in_kw is not None:
-            kwargs = dict(self.kwargs)
+            kwargs = dict(kwargs)
             kwargs[self.in_kw] = x
-            return self.fn(*self.args, **kwargs)
-        args = self.args
-        return self.fn(*args[:self.pos], x, *args[self.pos + 1:], **self.kwargs)
-
-
-# Note [Compiled code in a stage]
-# -------------------------------
-# A stage may be or call code compiled with torch.compile (remat.stage(
-# torch.compile(block)), a compiled function inside a stage). Inside a chain
-# remat runs every stage with Dynamo's stance ``force_eager``: compiled code
-# runs eagerly, unseen by Dynamo. Run otherwise, Dynamo met the compiled frame
-# first under the measuring call's storage meter, a dispatch mode it does not
-# support, and gave up on that frame's code for good: the block, and every
-# block of its class, was never compiled again in the process, in a chain or
-# out (torch 2.13; ``torch.compiler.disable`` does not stop a compiled
-# function). Nor could a stage run eagerly while measured and compiled later:
-# compiled, it saves other tensors than eager code (the determinism guard
-# compares them with the measured ones), and the costs would be another
-# code's. Outside chains compiled blocks run compiled. Each stage call pays
-# the stance (some microseconds) only once Dynamo is loaded; torch 2.5 has no
-# stances and keeps the old behaviour.
-_STANCES = hasattr(torch.compiler, "set_stance")
-
+        else:
+            args = args[:self.pos] + (x,) + args[self.pos + 1:]
+        if STANCES and "torch._dynamo" in sys.modules:   # Note [Compiled code in a stage] (remat/dynamo.py)
+            with torch.compiler.set_stance("force_eager"):
+                return self.fn(*args, **kwargs)
+        return self.fn(*args, **kwargs)
 
 def first(out):
     """The activation of what a stage returned."""

@@ -18,7 +18,7 @@ a graph break). So the chain's code is kept from Dynamo
 exact gradients, and a warning says so once; outside a chain it is compiled
 as usual. Compiled code inside a stage (``remat.stage(torch.compile(block))``)
 runs eagerly inside a chain too: Note [Compiled code in a stage] in
-remat/runtime.py.
+remat/dynamo.py.
 """
 
 import functools
@@ -27,8 +27,8 @@ import warnings
 
 import torch
 
-from .chain import DYNAMO_SKIPS
 from .chain import active as _active
+from .dynamo import DYNAMO_SKIPS
 
 __all__ = ["stage", "is_stage", "unstage"]
 
@@ -160,7 +160,7 @@ class _StageFunction:
         return _hand_over(current, self.fn, self.name, self.fn, args, kwargs)
 
 
-DYNAMO_SKIPS.append(_StageFunction.__get__)   # Note [Compiling a model around a chain]
+DYNAMO_SKIPS.append(_StageFunction.__get__)   # Note [Compiling a model around a chain] in remat/dynamo.py
 
 
 class _BoundStage:

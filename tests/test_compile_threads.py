@@ -119,7 +119,7 @@ def _graphs_of(wrap):
 @pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch 2.5 has no compiler stances")
 def test_a_compiled_block_in_a_chain_runs_eagerly_and_stays_compilable_outside():
     """remat.stage(torch.compile(block)): inside the chain the block runs eagerly and Dynamo
-    compiles nothing (Note [Compiled code in a stage] in remat/runtime.py); afterwards the
+    compiles nothing (Note [Compiled code in a stage] in remat/dynamo.py); afterwards the
     same blocks, and a new one of their class, compile outside the chain (Dynamo did not
     meet them under the storage meter and give up on their code)."""
     torch._dynamo.reset()
@@ -188,7 +188,7 @@ class _Model(nn.Module):
 def test_compiling_the_model_that_opens_a_chain_is_exact(form):
     """torch.compile of the whole model whose forward opens the chain (aot_eager, dropout
     on): plain PyTorch's losses and gradients bitwise, on a schedule that recomputes
-    (Note [Compiling a model around a chain] in remat/chain.py: compiling the stage
+    (Note [Compiling a model around a chain] in remat/dynamo.py: compiling the stage
     method's binding recursed without end)."""
     torch.manual_seed(0)
     blocks = [_MethodBlock(0.2) for _ in range(3)]

@@ -1,0 +1,51 @@
+"""How remat meets Dynamo (``torch.compile``): what it keeps Dynamo away from,
+and when. Nothing here imports Dynamo: it is loaded only by a program that
+compiles (importing it takes a second), so each measure applies once
+``torch._dynamo`` is in ``sys.modules``. Note [Compiling around a stage] in
+remat/stage.py covers ``torch.compile(remat.stage(block))``.
+
+Note [Compiled code in a stage]
+-------------------------------
+A stage may be or call code compiled with torch.compile (remat.stage(
+torch.compile(block)), a compiled function inside a stage). Inside a chain
+remat runs every stage with Dynamo's stance ``force_eager`` (``StageCall.invoke``
+in remat/runtime.py): compiled code runs eagerly, unseen by Dynamo. Run
+otherwise, Dynamo met the compiled frame first under the measuring call's
+storage meter, a dispatch mode it does not support, and gave up on that
+frame's code for good: the block, and every block of its class, was never
+compiled again in the process, in a chain or out (torch 2.13;
+``torch.compiler.disable`` does not stop a compiled function). Nor could a
+stage run eagerly while measured and compiled later: compiled, it saves other
+tensors than eager code (the determinism guard compares them with the
+measured ones), and the costs would be another code's. Outside chains compiled
+blocks run compiled. Each stage call pays the stance (some microseconds) only
+once Dynamo is loaded; torch 2.5 has no stances and keeps the old behaviour.
+
+Note [Compiling a model around a chain]
+---------------------------------------
+torch.compile of a model whose forward opens a chain: Dynamo breaks its graph
+at the chain and runs the rest frame by frame, and compiling the frame of a
+stage method's binding (``_StageFunction.__get__``, remat/stage.py) recursed
+without end (RecursionError, torch 2.13). Functions in ``DYNAMO_SKIPS`` are
+marked for Dynamo to skip when a chain first opens with Dynamo loaded.
+"""
+
+import sys
+
+import torch
+
+__all__ = ["STANCES", "DYNAMO_SKIPS", "skip_for_dynamo"]
+
+STANCES = hasattr(torch.compiler, "set_stance")   # (torch >= 2.6)
+DYNAMO_SKIPS = []
+_skips_done = [False]
+
+
+def skip_for_dynamo():
+    """Mark ``DYNAMO_SKIPS`` for Dynamo to skip, once, if Dynamo is loaded."""
+    if _skips_done[0] or "torch._dynamo" not in sys.modules:
+        return
+    _skips_done[0] = True
+    from torch._dynamo.decorators import skip
+    for fn in DYNAMO_SKIPS:
+        skip(fn)
