@@ -30,10 +30,10 @@ from .budget import parse_budget, resolve_budget
 from .costs_source import FIELDS, chain_costs, distributed, read_costs, write_costs
 from .dynamo import skip_for_dynamo
 from .errors import BudgetError, RematError, StageError
-from .measuring import StageMeasuring, check_output, input_signature, signature
+from .measuring import StageMeasuring, check_output, handed_on, input_signature, signature
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
-from .replay import capture_autocast, capture_rng, cuda_devices
+from .replay import capture_autocast, capture_rng, cuda_devices, snapshot
 from .runtime import FALL, FCK, Run, StageCall, first, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm, solve
 
@@ -199,7 +199,7 @@ class _Active(StageMeasuring):
         k = self.k + 1
         if k == 1:
             self._begin(ident, args, kwargs, x)
-        elif x is not self.prev:
+        elif not handed_on(x, self.prev):
             raise StageError(
                 f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({self.prev_name}) "
                 f"returned; code between the two stages changed the activation. Move that code into "
@@ -283,7 +283,7 @@ class _Active(StageMeasuring):
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "held"):
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "reads_state", "held"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = [{f: getattr(old.costs, f)[i] for f in FIELDS} for i in range(k - 1)]
         new.input_bytes = old.input_bytes
@@ -307,6 +307,8 @@ class _Active(StageMeasuring):
         entry, run, k = self.entry, self.run, call.index
         call.meta = entry.meta[k - 1]
         call.state = entry.state[k - 1]
+        if entry.reads_state[k - 1]:
+            call.before = snapshot(call.state)
         call.grad_replay = entry.grad_replay[k - 1]
         mode = self.plan[1][k]
         if mode == FALL:

@@ -73,7 +73,7 @@ class StageMeasuring:
             if self.grad_pool is None:
                 self.grad_pool = GradPool()
             twin = _Twin(self.twins, ident, call, x)
-            out, row, originals, uses_rng = instrumented_run(call, ident, x, cuda, rng0, check_output, run.hooks(pack),
+            out, row, originals, uses_rng, reads_state = instrumented_run(call, ident, x, cuda, rng0, check_output, run.hooks(pack),
                                                              kept, self.grad_pool, self.upstream, anchor, twin)
             twin.keep(row)
         else:
@@ -84,6 +84,7 @@ class StageMeasuring:
                 out = call.invoke(x)
             detector.note_changed(buffers)
             originals = list(detector.mutated.values())
+            reads_state = detector.reads_state()
             uses_rng = rng0.changed()
             act = out[0] if isinstance(out, tuple) else out
             row = {"out_bytes": act.untyped_storage().nbytes()} if isinstance(act, torch.Tensor) else None
@@ -109,6 +110,11 @@ class StageMeasuring:
         meta = tuple((t.shape, t.dtype, t.device) for t in kept)
         call.meta = meta
         call.state = [weakref.ref(t) for t in state]
+        call.before = [old for _, old in originals] if reads_state else None
+        if reads_state:
+            # each call keeps the values the stage started from (remat/replay.py Note
+            # [Replaying a stage] 3) through its step: held on top of the activations
+            held[("state", k)] = sum(old.untyped_storage().nbytes() for old in call.before)
         call.rng = rng0 if uses_rng else None
         run.settle(anchor, len(kept), x)
         if kept:
@@ -133,6 +139,7 @@ class StageMeasuring:
         new.uses_rng.append(uses_rng)
         new.grad_replay.append(call.grad_replay)
         new.state.append(call.state)
+        new.reads_state.append(reads_state)
         new.rows.append(row)
         new.held.append(held)
         return out
@@ -300,3 +307,19 @@ def check_output(call, out, x, version):
             f"stage. Make that op out of place or move it to the end of stage {call.index - 1}"
         )
     return act
+
+
+def handed_on(x, prev):
+    """True if stage input ``x`` is ``prev``, the previous stage's output, or that
+    tensor as ``torch.nn.Module`` passes it on around a module with full backward
+    hooks: an identity view (same storage, layout and values) made by one
+    ``BackwardHookFunction`` per hooked call, whose graph node leads to ``prev``'s."""
+    if x is prev:
+        return True
+    if (x.data_ptr() != prev.data_ptr() or x.shape != prev.shape or x.stride() != prev.stride()
+            or x.dtype != prev.dtype or x.device != prev.device):
+        return False
+    node, nr = x.grad_fn, x.output_nr
+    while node is not None and type(node).__name__ == "BackwardHookFunctionBackward":
+        node, nr = node.next_functions[nr]
+    return node is prev.grad_fn and (node is None or nr == prev.output_nr)

@@ -95,6 +95,8 @@ class Instrument(TorchDispatchMode):
         self.window_peak = 0
         self.created = {}
         self.mutated = {}
+        self.reads = set()    # storages an op took as an input it does not write
+        self._blind = set()   # writes seen only by their effect (``note_changed``)
         self.op_seconds = 0.0   # time inside the ops it let through
         self._refs = {}
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
@@ -155,36 +157,37 @@ class Instrument(TorchDispatchMode):
             out = func(*args, **kwargs)
             self.op_seconds += time.perf_counter() - t0
             return out
-        for i, name in writes:
-            value = args[i] if i < len(args) else kwargs.get(name)
-            if isinstance(value, torch.Tensor):
-                self._note_write(value)
-            elif isinstance(value, (list, tuple)):
-                for t in value:
-                    if isinstance(t, torch.Tensor):
-                        self._note_write(t)
+        inputs = _storage_keys(args, kwargs)
+        if writes:
+            written = set()
+            for i, name in writes:
+                value = args[i] if i < len(args) else kwargs.get(name)
+                if isinstance(value, torch.Tensor):
+                    written.add(self._note_write(value))
+                elif isinstance(value, (list, tuple)):
+                    for t in value:
+                        if isinstance(t, torch.Tensor):
+                            written.add(self._note_write(t))
+            self.reads.update(inputs - written)
+        else:
+            self.reads.update(inputs)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         self.op_seconds += time.perf_counter() - t0
         if isinstance(out, torch.Tensor):
-            self._note_outputs((out,), args, kwargs)
+            self._note_outputs((out,), inputs)
         elif out is not None:
-            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], args, kwargs)
+            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs)
         return out
 
-    def _note_outputs(self, outs, args, kwargs):
-        inputs = None
+    def _note_outputs(self, outs, inputs):
         created = self.created
         for t in outs:
             if t.is_meta:
                 continue
             st = t.untyped_storage()
             key = st._cdata
-            if key in created:
-                continue
-            if inputs is None:
-                inputs = _storage_keys(args, kwargs)
-            if key in inputs:
+            if key in created or key in inputs:
                 continue
             # storages made while the gate is shut are not metered at all
             nbytes = st.nbytes() if self.gate else 0
@@ -196,9 +199,9 @@ class Instrument(TorchDispatchMode):
 
     def _note_write(self, t):
         key = storage_key(t)
-        if key in self.created or key in self.mutated or key in self._exclude:
-            return
-        self.mutated[key] = (t, t.detach().clone())
+        if key not in self.created and key not in self.mutated and key not in self._exclude:
+            self.mutated[key] = (t, t.detach().clone())
+        return key
 
     def note_changed(self, before):
         """Add tensors of ``before`` (tensor, clone) pairs whose values changed."""
@@ -206,6 +209,15 @@ class Instrument(TorchDispatchMode):
             key = storage_key(t)
             if key not in self.mutated and not torch.equal(t, old):
                 self.mutated[key] = (t, old)
+                self._blind.add(key)
+
+    def reads_state(self):
+        """True if the region's result may depend on the values it found in the
+        tensors it writes in place (``mutated``): an op read one without writing
+        it (spectral norm's power iteration vectors, a quantisation observer's
+        range), or a write was only seen by its effect. BatchNorm's running
+        statistics are read only by the op that updates them: False."""
+        return any(key in self.reads or key in self._blind for key in self.mutated)
 
 
 class _DynamoSafeInstrument(Instrument):

@@ -105,7 +105,8 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
 
     Returns:
         (what the stage returned, cost row, [(tensor, value before)] of the
-        state it updates in place, whether it draws random numbers).
+        state it updates in place, whether it draws random numbers, whether
+        what it computes may depend on that state's values: ``Instrument.reads_state``).
     """
     # a copy of the input: a stage writing its input in place is caught by the
     # version check without touching x, and the backward below stops at the
@@ -129,6 +130,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     uses_rng = rng0.changed()
     inst.note_changed(buffers)
     forward_writes = dict(inst.mutated)
+    reads_state = inst.reads_state()
     out_bytes = act.untyped_storage().nbytes()
     keys = {}
     for t in saved + [act]:
@@ -211,7 +213,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
     if donor is None:
         row["bwd_tmp"] = max(0, bwd_delta - in_grad) - row["out_freed"]
-    return out, row, list(forward_writes.values()), uses_rng
+    return out, row, list(forward_writes.values()), uses_rng, reads_state
 
 
 def _graph_shape(node, stop):

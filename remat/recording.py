@@ -99,6 +99,7 @@ class Recording:
         self.uses_rng = []
         self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
         self.state = []       # per stage: weak references to tensors it writes in place
+        self.reads_state = []  # per stage: its result may depend on their values (Instrument.reads_state)
         self.rows = []        # per stage: dict of cost fields
         self.held = []        # per stage: {id: bytes} of gradients held past it (Upstream.held_grads)
         self.input_bytes = 0

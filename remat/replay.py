@@ -21,7 +21,14 @@ leave no trace:
    ``running_mean``, ``running_var``, ``num_batches_tracked``, any EMA
    buffer). A recomputation snapshots those tensors and restores them after
    (one ``_foreach_copy_`` for all), so one step updates them exactly once,
-   as plain PyTorch does.
+   as plain PyTorch does. Where the stage also reads their values (an op
+   takes one as an input it does not write: spectral norm's power iteration
+   vectors, a quantisation observer's range; ``Instrument.reads_state``),
+   what it computes depends on them: each call keeps the values they had
+   before the stage's first forward (``snapshot``, counted as held in the
+   budget) and a recomputation starts from those. BatchNorm's statistics are
+   read only by the op that updates them, and the output in training does
+   not depend on them: no copy is kept.
 4. Grad mode: a recomputation that only rebuilds an activation runs without
    recording, which is cheaper, unless the stage computes something else
    that way: some kernels are chosen by grad mode (scaled_dot_product_attention
@@ -35,7 +42,7 @@ import contextlib
 
 import torch
 
-__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "Replay"]
+__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "Replay"]
 
 
 class RngState:
@@ -136,6 +143,12 @@ def restore_tensors(tensors):
             _copy_all(tensors, saved)
 
 
+def snapshot(refs):
+    """Copies of the live tensors among weak references ``refs`` (None for a dead one)."""
+    with torch.no_grad():
+        return [None if t is None else t.detach().clone() for t in (r() for r in refs)]
+
+
 def _copy_each(targets, sources):
     for t, s in zip(targets, sources):
         t.copy_(s)
@@ -162,9 +175,15 @@ class Replay:
             stack.enter_context(self.call.rng.replayed())
         if self.autocast is not None and not self.autocast.current():
             stack.enter_context(self.autocast.context())
-        if self.call.state:
-            live = [t for t in (r() for r in self.call.state) if t is not None]
+        call = self.call
+        if call.state:
+            live = [t for t in (r() for r in call.state) if t is not None]
             stack.enter_context(restore_tensors(live))
+            if call.before is not None:   # Note 3: start from the values the first forward found
+                pairs = [(t, b) for t, b in zip((r() for r in call.state), call.before)
+                         if t is not None and b is not None]
+                with torch.no_grad():
+                    _copy_all([t for t, _ in pairs], [b for _, b in pairs])
         self._stack = stack.__enter__()
         return self
 

@@ -69,7 +69,7 @@ def replaying():
 class StageCall:
     """One stage's call in one run: what it needs to run again."""
 
-    __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "meta",
+    __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "before", "meta",
                  "input_requires_grad", "grad_replay")
 
     def __init__(self, index, name, fn, args, kwargs, pos, in_kw, input_requires_grad):
@@ -88,6 +88,7 @@ class StageCall:
         self.in_kw = in_kw
         self.rng = None
         self.state = ()
+        self.before = None   # the values of ``state`` before the stage's first forward, if it reads them
         self.meta = None
         self.grad_replay = False
         self.input_requires_grad = input_requires_grad

@@ -1,0 +1,191 @@
+"""What users put on the modules a chain runs: parametrizations whose forward
+updates and reads buffers (spectral norm), stages whose output depends on state
+they update in place, module forward and backward hooks. Each against plain
+PyTorch, bit for bit (the same ops in the same order on CPU)."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.nn.utils.parametrizations as P
+
+import remat
+from remat.solve import minimum_budget
+
+chain_module = importlib.import_module("remat.chain")
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.l1 = nn.Linear(d, 2 * d)
+        self.l2 = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.2)
+
+    @remat.stage
+    def forward(self, x):
+        return x + self.l2(self.drop(F.gelu(self.l1(self.ln(x)))))
+
+
+class Counting(nn.Module):
+    """A stage whose output depends on a buffer it updates in place."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(()))
+
+    @remat.stage
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x)) * self.calls
+
+
+class Net(nn.Module):
+    def __init__(self, blocks, d=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(d, 3)
+        self.budget = None
+
+    def forward(self, x):
+        if self.budget is None:
+            for b in self.blocks:
+                x = b(x)
+        else:
+            with remat.chain(budget=self.budget):
+                for b in self.blocks:
+                    x = b(x)
+        return self.head(x)
+
+
+def _net(kind, n=5, d=16):
+    torch.manual_seed(0)
+    if kind == "counting":
+        return Net([Counting(d) if i % 2 else Block(d) for i in range(n)], d)
+    net = Net([Block(d) for _ in range(n)], d)
+    for b in net.blocks:
+        if kind == "spectral":
+            P.spectral_norm(b.l1)
+        elif kind == "spectral_hook":
+            torch.nn.utils.spectral_norm(b.l1)
+        elif kind == "weight_norm":
+            P.weight_norm(b.l1)
+    return net
+
+
+def _train(net, x, steps=3, seed=1):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        torch.manual_seed(seed + step)
+        net(x).square().mean().backward()
+        opt.step()
+
+
+def _budgets(net, x):
+    """The chain's minimum and the middle of minimum..store-all, from a measuring call
+    on a copy (the model itself stays untouched)."""
+    probe = copy.deepcopy(net)
+    probe.budget = 2**40
+    _train(probe, x, steps=1)
+    costs = remat.explain().costs
+    low, high = minimum_budget(costs), remat.explain().schedule.peak
+    remat.clear_cache()
+    return low, (low + high) // 2
+
+
+def _assert_same(ref, net):
+    for (name, a), b in zip(ref.named_parameters(), net.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(ref.named_buffers(), net.buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kind", ["spectral", "spectral_hook", "weight_norm", "counting"])
+@pytest.mark.parametrize("where", [0, 1])
+def test_stage_reading_state_it_updates_matches_plain(kind, where):
+    """Spectral norm's power iteration updates its vectors in place and then reads
+    them: a recomputation starting from the updated values computes another weight.
+    remat starts it from the values the first forward found (remat/replay.py Note
+    [Replaying a stage] 3); parameters, gradients and buffers stay plain PyTorch's."""
+    x = torch.randn(4, 8, 16)
+    ref = _net(kind)
+    net = copy.deepcopy(ref)
+    net.budget = _budgets(net, x)[where]
+    _train(ref, x)
+    _train(net, x)
+    assert remat.explain().schedule.recomputations() > 0
+    _assert_same(ref, net)
+    entry = next(iter(chain_module._cache.values()))
+    reads = [kind != "weight_norm" and (kind != "counting" or i % 2 == 1) for i in range(5)]
+    assert entry.reads_state == reads
+
+
+def test_batchnorm_statistics_need_no_copy():
+    """BatchNorm's running statistics are read only by the op that updates them: no
+    stage of a BatchNorm chain keeps a copy of its state through the step."""
+    remat.clear_cache()
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+                          for _ in range(3)])
+    for m in net:
+        remat.stage(m)
+    with remat.chain(budget=2**40):
+        y = net(torch.randn(2, 4, 6, 6))
+    y.sum().backward()
+    entry = next(iter(chain_module._cache.values()))
+    assert entry.reads_state == [False, False, False]
+    assert entry.held_bytes() == 0
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_module_backward_hooks(pre):
+    """A module with full backward hooks gets its input and output through identity
+    views (``BackwardHookFunction``): the chain takes them as the activation handed
+    on, and the hooks see plain PyTorch's gradients, once per step."""
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    ref = _net("plain")
+    net = copy.deepcopy(ref)
+    net.budget = _budgets(net, x)[0]
+    seen = {id(ref): [], id(net): []}
+    for model in (ref, net):
+        for b in model.blocks:
+            record = (lambda mod, go, m=model: seen[id(m)].append(go[0].clone())) if pre else \
+                (lambda mod, gi, go, m=model: seen[id(m)].append(go[0].clone()))
+            (b.register_full_backward_pre_hook if pre else b.register_full_backward_hook)(record)
+    _train(ref, x)
+    _train(net, x)
+    assert remat.explain().schedule.recomputations() > 0
+    _assert_same(ref, net)
+    assert len(seen[id(net)]) == 15
+    assert all(torch.equal(a, b) for a, b in zip(seen[id(ref)], seen[id(net)]))
+
+
+def test_module_forward_hooks_run_once_per_call():
+    """Forward hooks and pre-hooks run around the module's call, once per forward:
+    a recomputation runs the stage's forward alone."""
+    x = torch.randn(4, 8, 16)
+    ref = _net("plain")
+    net = copy.deepcopy(ref)
+    net.budget = _budgets(net, x)[0]
+    calls = {id(ref): 0, id(net): 0}
+
+    def count(model):
+        def hook(*_):
+            calls[id(model)] += 1
+        return hook
+
+    for model in (ref, net):
+        for b in model.blocks:
+            b.register_forward_hook(count(model))
+            b.register_forward_pre_hook(count(model))
+    _train(ref, x)
+    _train(net, x)
+    _assert_same(ref, net)
+    assert calls[id(net)] == calls[id(ref)] == 30
