@@ -24,6 +24,7 @@ allocate alike, so nothing the budget relies on is guessed. On CPU the
 next two calls' own times then replace the shared ones (remat/refine.py).
 """
 
+import warnings
 import weakref
 
 import torch
@@ -35,6 +36,7 @@ from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
 from .replay import Replay, capture_rng, cuda_devices, restore_tensors
 from .runtime import _Saved, first
+from .units import format_bytes
 
 __all__ = ["StageMeasuring", "check_output", "input_signature", "signature"]
 
@@ -78,7 +80,7 @@ class StageMeasuring:
             twin.keep(row)
         else:
             # costs come from a file: learn only what replay needs, from this forward
-            detector = Instrument(exclude=[x])
+            detector = Instrument(exclude=[x], sources=[x])
             buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
             with detector, run.hooks(pack):
                 out = call.invoke(x)
@@ -91,7 +93,20 @@ class StageMeasuring:
             if row is not None and act.requires_grad:
                 stop = {a.grad_fn for a in (x, *call.args) if isinstance(a, torch.Tensor) and a.grad_fn is not None}
                 row["held_grads"] = self.upstream.held_grads(p for p in stage_leaves(act, stop) if p is not x)
+            if row is not None:
+                row["held_outside"] = detector.alive_bytes(kept + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
         held = row.pop("held_grads", {}) if row is not None else {}
+        outside = row.pop("held_outside", 0) if row is not None else 0
+        if outside:
+            held[("outside", k)] = outside
+            if not any(isinstance(key, tuple) and key[0] == "outside" for h in new.held for key in h):
+                warnings.warn(
+                    f"remat: stage {k} ({call.name}) still holds {format_bytes(outside)} it made after its "
+                    f"forward, outside what autograd saves (tensors stored as attributes of a custom "
+                    f"autograd.Function's ctx, or cached on a module). remat can neither drop nor "
+                    f"recompute them and counts them, for this stage and any other that does the same, "
+                    f"as held through the step; save them with ctx.save_for_backward to have them "
+                    f"managed", RuntimeWarning, stacklevel=2)
         if self.given is None and row is not None:
             # a recomputation holds a copy of the state the stage writes in place
             # (remat/replay.py, restore_tensors) on top of what its forward holds

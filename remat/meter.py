@@ -85,7 +85,7 @@ class Instrument(TorchDispatchMode):
     def _should_skip_dynamo(cls):
         return False
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), sources=()):
         super().__init__()
         self.live = 0
         self.peak = 0
@@ -100,6 +100,10 @@ class Instrument(TorchDispatchMode):
         self.op_seconds = 0.0   # time inside the ops it let through
         self._refs = {}
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+        # storages made from older tensors alone (parameters, buffers), not from
+        # ``sources``, what the region made or nothing: autocast's cached casts of the weights
+        self._sources = {storage_key(t) for t in sources if isinstance(t, torch.Tensor)}
+        self._from_params = set()
 
     def ignore_writes(self, tensors):
         """Writes into ``tensors`` from now on are not state of the region (not noted)."""
@@ -140,6 +144,7 @@ class Instrument(TorchDispatchMode):
 
     def _free(self, key, nbytes):
         self._refs.pop(key, None)
+        self._from_params.discard(key)
         if self.created.pop(key, None) is not None:
             self.live -= nbytes
             if key in self.window:
@@ -182,6 +187,7 @@ class Instrument(TorchDispatchMode):
 
     def _note_outputs(self, outs, inputs):
         created = self.created
+        made = None
         for t in outs:
             if t.is_meta:
                 continue
@@ -192,6 +198,10 @@ class Instrument(TorchDispatchMode):
             # storages made while the gate is shut are not metered at all
             nbytes = st.nbytes() if self.gate else 0
             self._track(st, nbytes)
+            if made is None:
+                made = not inputs or any(k in created or k in self._sources for k in inputs)
+            if not made:
+                self._from_params.add(key)
             self.window.add(key)
             self.window_live += nbytes
             if self.window_live > self.window_peak:
@@ -210,6 +220,12 @@ class Instrument(TorchDispatchMode):
             if key not in self.mutated and not torch.equal(t, old):
                 self.mutated[key] = (t, old)
                 self._blind.add(key)
+
+    def alive_bytes(self, besides=()):
+        """Bytes of the storages the region made from ``sources`` (or from what it
+        made) that are still alive, but those of the tensors ``besides``."""
+        skip = {storage_key(t) for t in besides} | self._from_params
+        return sum(n for key, n in self.created.items() if key not in skip)
 
     def reads_state(self):
         """True if the region's result may depend on the values it found in the

@@ -57,6 +57,7 @@ remat/refine.py).
 import time
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .leaves import stage_leaves, step_grads
 from .meter import Instrument, storage_key
@@ -112,7 +113,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     # version check without touching x, and the backward below stops at the
     # copy, so hooks on x do not run
     xin = x.clone()
-    inst = Instrument(exclude=[x, xin])
+    inst = Instrument(exclude=[x, xin], sources=[xin])
     buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
     version = xin._version
     stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
@@ -132,6 +133,11 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     forward_writes = dict(inst.mutated)
     reads_state = inst.reads_state()
     out_bytes = act.untyped_storage().nbytes()
+    # what the stage made and still holds after its forward, other than what autograd
+    # saved (through the hooks) and what it returned: tensors on a custom Function's
+    # ctx, a module's cache; no mode of the schedule lets them go before B(i)
+    returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    row["held_outside"] = inst.alive_bytes(saved + returned)
     keys = {}
     for t in saved + [act]:
         key = storage_key(t)
@@ -330,7 +336,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
     """
     xin = x.detach().requires_grad_(x.requires_grad)
     stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-    inst = Instrument(exclude=[x, xin])
+    inst = Instrument(exclude=[x, xin], sources=[xin])
     state = [t for t, _ in originals]
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
         with torch.no_grad():
