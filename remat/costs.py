@@ -34,6 +34,13 @@ class Costs:
         input_bytes: size of a^0, the chain input. A measured chain adds the
             gradients the engine holds across stages (of a leaf used by two
             stages: that of the later use waits for the earlier's, to be summed).
+        fwd_drop: bytes of a^i let go in the forward phase once stage i+1 has
+            run recording (``Fall``), where a^i is held on its own (after
+            ``Fn``/``Fck`` of stage i): stage i+1's recording does not keep its
+            input, nor does the code around the chain. 0 (the default): kept
+            until B(i+1). At most ``out_bytes[i]``; 0 for the last stage.
+        fwd_drop_whole: the same where a^i is inside a-bar^i (after ``Fall(i)``):
+            also needs B(i) not to read a^i. Either 0 or ``fwd_drop[i]``.
 
     Raises:
         CostsError: a list has the wrong length, a size is not a
@@ -54,6 +61,8 @@ class Costs:
     fwd_tmp: tuple
     bwd_tmp: tuple
     input_bytes: int
+    fwd_drop: tuple = None
+    fwd_drop_whole: tuple = None
 
     def __post_init__(self):
         length = None
@@ -80,6 +89,28 @@ class Costs:
                     checked.append(_check_size(name, i, v))
             object.__setattr__(self, name, tuple(checked))
         object.__setattr__(self, "input_bytes", _check_size("input_bytes", None, self.input_bytes))
+        for name, bound in (("fwd_drop", self.out_bytes), ("fwd_drop_whole", None)):
+            raw = getattr(self, name)
+            if raw is None:
+                object.__setattr__(self, name, (0,) * length)
+                continue
+            try:
+                values = tuple(raw)
+            except TypeError:
+                raise CostsError(f"remat: Costs.{name} must be a list, got {type(raw).__name__}") from None
+            if len(values) != length:
+                raise CostsError(f"remat: Costs.{name} has {len(values)} entries but fwd_time has {length}; "
+                                 f"every per-stage list needs one entry per stage")
+            bound = bound if bound is not None else self.fwd_drop
+            checked = tuple(_check_size(name, i, v) for i, v in enumerate(values))
+            for i, v in enumerate(checked):
+                bad = v > bound[i] if name == "fwd_drop" else v not in (0, bound[i])
+                if bad or (v and i == length - 1):
+                    what = "at most the stage's out_bytes" if name == "fwd_drop" else "0 or the stage's fwd_drop"
+                    raise CostsError(
+                        f"remat: {_where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
+                        f"the last stage (no stage after it lets a^L go)")
+            object.__setattr__(self, name, checked)
 
     @property
     def length(self):
@@ -112,13 +143,14 @@ class Costs:
         if not isinstance(data, dict):
             raise CostsError(f"remat: costs must be a JSON object, got {type(data).__name__}")
         names = {f.name for f in fields(cls)}
-        missing, extra = names - set(data), set(data) - names - {"format"}
+        optional = {f.name for f in fields(cls) if f.default is None}   # absent from older files
+        missing, extra = names - optional - set(data), set(data) - names - {"format"}
         if missing or extra:
             raise CostsError(
                 f"remat: costs record has missing fields {sorted(missing)} and unknown fields "
                 f"{sorted(extra)}; it was not written by Costs.save"
             )
-        return cls(**{k: data[k] for k in names})
+        return cls(**{k: data[k] for k in names if k in data})
 
     def save(self, path):
         """Write the costs to ``path`` as JSON."""

@@ -21,7 +21,15 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    gradient of a^(i-1) flows on. bwd_tmp[i] may be as low as -x[i] (a
    backward that does not read a^i, which a-bar^i counts but which is gone
    by then), so that peak can be under the held level before the op.
-6. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
+6. Dropped in the forward phase: a forward-phase ``Fall(i+1)`` whose input
+   a^i is held on its own lets go of fwd_drop[i] bytes of it, one whose a^i
+   is inside a held a-bar^i fwd_drop_whole[i] (stage i+1's recording does
+   not keep its input, nor B(i) it). a^i stays usable in the rules (B(i+1)
+   reads no more of it), and frees no more later: ``B(i+1)`` lets go of x[i]
+   less what was dropped, ``B(i)`` of s[i] less it, and ``B(i)``'s peak adds
+   it back (bwd_tmp[i] gives back a^i's bytes where B(i) does not read it,
+   and they are already gone).
+7. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
    phase (it records the graph, see DESIGN.md section 4) and fwd_nograd_time
    afterwards; ``B`` costs bwd_time.
 
@@ -193,6 +201,8 @@ def simulate(costs, schedule, trace=None):
     x = costs.sizes()
     s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
     tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
+    fd, fdw = costs.fwd_drop, costs.fwd_drop_whole
+    gone = [0] * (n + 1)        # bytes of a^j let go in the forward phase (rule 6)
     alone = [False] * (n + 1)   # a^j held on its own
     whole = [False] * (n + 1)   # a-bar^j held (index 0 unused)
     alone[0] = True
@@ -238,16 +248,18 @@ def simulate(costs, schedule, trace=None):
                 bad(pos, op, f"a-bar^{i} is not held (run Fall({i}) first)")
             if not (alone[i - 1] or whole[i - 1]):
                 bad(pos, op, f"a^{i - 1} is not held")
-            during = mem + x[i - 1] + bt[i - 1]
+            during = mem + gone[i] + x[i - 1] + bt[i - 1]
             peak = max(peak, during)
             time += tb[i - 1]
             whole[i] = False
             alone[i] = False
-            mem -= s[i - 1] + x[i]
+            mem -= s[i - 1] - gone[i] + x[i]
+            gone[i] = 0
             if alone[i - 1]:
                 alone[i - 1] = False
                 if not whole[i - 1]:
-                    mem -= x[i - 1]
+                    mem -= x[i - 1] - gone[i - 1]
+                    gone[i - 1] = 0
             mem += x[i - 1]
             grad = i - 1
             continue
@@ -268,6 +280,11 @@ def simulate(costs, schedule, trace=None):
             time += tf[i - 1]
             whole[i] = True
             mem += s[i - 1]
+            if forward and i > 1:
+                drop = fdw[i - 2] if whole[i - 1] else fd[i - 2] if alone[i - 1] else 0
+                if drop and not gone[i - 1]:
+                    gone[i - 1] = drop
+                    mem -= drop
         else:
             during = mem + x[i] + ft[i - 1]
             peak = max(peak, during)

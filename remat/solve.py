@@ -14,13 +14,20 @@ With g = x[t] if t < L else 0, and forward cost f_k = fwd_time[k] if t = L
 
 * Fall branch: Fall(a), P(a+1, t, m - s[a]), B(a). Needs
   max(s[a], x[a] + fwd_tmp[a]) <= m and
-  max(s[a] + x[a] + x[a-1] + bwd_tmp[a], s[a] + x[a]) <= m + g
+  s[a] + x[a] + x[a-1] + bwd_tmp[a] <= m + g
   (B(a) holds a-bar^a, the gradient of a^a and makes that of a^(a-1); the
-  gradient of a^t that the caller held is gone by then). For a = t the middle
-  call is empty. The second term of the max is what B(a) starts from; it
-  binds only where bwd_tmp[a] < -x[a-1] (a stage that gives its output back,
-  Costs.bwd_tmp), and then only at a = L: ``Loss`` holds a-bar^L with the
-  gradient of a^L. Elsewhere the ops before B(a) already held as much.
+  gradient of a^t that the caller held is gone by then), and at a = L also
+  s[L] + x[L] <= m: ``Loss`` holds a-bar^L with the gradient of a^L, more
+  than B(L)'s peak where bwd_tmp[L] < -x[L-1] (a stage that gives its output
+  back, Costs.bwd_tmp); elsewhere the ops before B(a) held as much. For a = t
+  the middle call is empty.
+* Drops (forward phase, t = L; Note [Accounting] 6 in remat/schedule.py): in
+  P(a, L) whose caller holds a^(a-1) on its own with fwd_drop[a-1] > 0, or
+  inside a-bar^(a-1) with fwd_drop_whole[a-1] > 0, a Fall(a) lets go of
+  r = fwd_drop[a-1] of it: the rest of the Fall branch has headroom m - s[a]
+  + r and B(a) needs its condition with m + g + r. The checkpoint branch is
+  unchanged (Fck(a) keeps a^(a-1)); its P(j, L) drops after Fn/Fck(j-1) as
+  above. Sizes dropped round down to slots.
 * Checkpoint branch, for j in a+1..t: Fck(a), Fn(a+1) .. Fn(j-1),
   P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]). Needs x[a] + fwd_tmp[a] <= m
   and x[k-1] + x[k] + fwd_tmp[k] <= m for a < k < j.
@@ -49,13 +56,16 @@ MAX_TABLE_BYTES = 2 * 2**30
 
 
 def discretise(costs, slot):
-    """``costs`` with every size rounded up to whole slots of ``slot`` bytes."""
+    """``costs`` with every size rounded up to whole slots of ``slot`` bytes (what the
+    forward phase drops, down)."""
     up = lambda v: -(-v // slot)
     return Costs(
         fwd_time=costs.fwd_time, fwd_nograd_time=costs.fwd_nograd_time, bwd_time=costs.bwd_time,
         out_bytes=[up(v) for v in costs.out_bytes], saved_bytes=[up(v) for v in costs.saved_bytes],
         fwd_tmp=[up(v) for v in costs.fwd_tmp], bwd_tmp=[up(v) for v in costs.bwd_tmp],
         input_bytes=up(costs.input_bytes),
+        # what is let go rounds down: held less dropped stays at least the bytes
+        fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
     )
 
 

@@ -104,7 +104,7 @@ int main(int argc, char **argv)
         long long n, alloc, k, scale, budget, slots, cap, limit;
         int mode, status, nulls;
         double *tf, *tn, *tb;
-        long long *x, *s, *ft, *bt;
+        long long *x, *s, *ft, *bt, *dr, *drw;
         int *codes, *stages;
         remat_chain chain;
         remat_plan plan;
@@ -125,7 +125,9 @@ int main(int argc, char **argv)
         s = malloc(alloc * sizeof *s);
         ft = malloc(alloc * sizeof *ft);
         bt = malloc(alloc * sizeof *bt);
-        if (!tf || !tn || !tb || !x || !s || !ft || !bt)
+        dr = malloc(alloc * sizeof *dr);
+        drw = malloc(alloc * sizeof *drw);
+        if (!tf || !tn || !tb || !x || !s || !ft || !bt || !dr || !drw)
             fail(iter, "the driver's own malloc failed");
         nulls = below(8) == 0;
         for (k = 0; k < alloc; k++) {
@@ -141,6 +143,9 @@ int main(int argc, char **argv)
                 bt[k] = below(2) || x[k] < 0 || x[k] >= (1LL << 62) ? hostile_size(scale) : -x[k] - below(3);
             else
                 bt[k] = below(scale / 2 + 1) - (below(3) ? 0 : below(x[k] + 1));
+            /* what the forward phase drops of a^k: 0 or (up to) a^k, none of the last */
+            dr[k] = hostile ? hostile_size(scale) : (k + 1 < alloc && below(2) ? x[k] - (below(4) ? 0 : below(x[k] + 1)) : 0);
+            drw[k] = hostile && below(2) ? hostile_size(scale) : (below(2) ? dr[k] : 0);
         }
         chain.length = n;
         chain.fwd_time = nulls && below(2) ? NULL : tf;
@@ -151,6 +156,8 @@ int main(int argc, char **argv)
         chain.fwd_tmp = ft;
         chain.bwd_tmp = nulls && below(2) ? NULL : bt;
         chain.input_bytes = below(20) ? below(scale + 1) : hostile_size(scale);
+        chain.fwd_drop = below(3) ? NULL : dr;
+        chain.fwd_drop_whole = below(3) ? NULL : drw;
         switch (below(8)) {
         case 0: budget = -below(3); break;
         case 1: budget = 1LL << 62; break;
@@ -182,7 +189,7 @@ int main(int argc, char **argv)
         if (status == REMAT_OK)
             check_plan(iter, &plan, n);
         counts[status]++;
-        free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt);
+        free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt); free(dr); free(drw);
         free(codes); free(stages);
     }
     printf("fuzz: %llu calls;", iter);

@@ -28,7 +28,10 @@ typedef struct {
     ll *fa;     /* x[k] + ft[k]: what Fn/Fck(k) need */
     ll *cond;   /* x[k-1] + x[k] + ft[k]: Fn(k) after Fck/Fn(k-1) */
     ll *fneed;  /* max(s[k], x[k] + ft[k]): Fall(k) */
-    ll *bneed;  /* max(s[k] + x[k] + x[k-1] + bt[k], s[k] + x[k]): B(k), before the gradient credit */
+    ll *bneed;  /* s[k] + x[k] + x[k-1] + bt[k] (at k = n at least s[k] + x[k]): B(k), before the gradient credit */
+    ll *fd;     /* fd[k]: slots of a^k a forward-phase Fall(k+1) lets go (rounded down) */
+    ll *fdw;    /* fdw[k]: fd[k] if that also holds with a^k inside a-bar^k, else 0 */
+    int drops;  /* some fd[k] > 0: column n has drop rows (mintime.c Note [Drops]) */
     double *tf, *tn, *tb;
     void *mem;
 } problem;
@@ -44,8 +47,13 @@ static inline ll fall_need(const problem *p, ll a, ll t)
     return smax(p->fneed[a], p->bneed[a] - grad(p, t));
 }
 
-/* Picks the branch at (a, t, m): 0 for Fall, 1 for a split at *j, -1 if none fits. */
-typedef int (*remat_chooser)(const void *ctx, ll a, ll t, ll m, ll *j);
+/* Picks the branch at (a, t, m): 0 for Fall, 1 for a split at *j, -1 if none fits.
+ * `drop`: a Fall(a) lets go of fd[a-1] of a^(a-1) (t = n only; Note [Drops]). */
+typedef int (*remat_chooser)(const void *ctx, ll a, ll t, ll m, int drop, ll *j);
+
+/* Whether P(a+1, n) after Fall(a), and P(j, n) after Fn/Fck(j-1), drop their input. */
+static inline int drop_after_fall(const problem *p, ll a, ll t) { return t == p->n && p->fdw[a] > 0; }
+static inline int drop_after_split(const problem *p, ll j, ll t) { return t == p->n && p->fd[j - 1] > 0; }
 
 /* Writes the schedule of P(1, n, m0) into out (headrooms capped at mcap). */
 int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, ll mcap, remat_plan *out);

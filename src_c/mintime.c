@@ -60,6 +60,18 @@
  * finite headroom (lo), so the first lines from there are prefetched AHEAD
  * splits early: about 1.3x faster at L=1000.
  *
+ * Note [Drops]
+ * ------------
+ * In the forward phase (column n) a Fall(a) may let go of a^(a-1)
+ * (remat/schedule.py Note [Accounting] 6): P(a, n) then depends on how
+ * the caller holds a^(a-1), so column n has a second row per a, D(a): P(a, n)
+ * where Fall(a) drops fd[a-1], which frees that much headroom from there on
+ * (its split branch is P(a, n)'s: Fck(a) keeps a^(a-1)). After Fall(a) the
+ * rest reads D(a+1) if fdw[a], after Fck/Fn(j-1) it reads D(j) if fd[j-1].
+ * When a chain has drops, fill leaves column n alone and fill_last computes
+ * P(a, n) and D(a), a = n..1, every m and split j (the same bound on j as
+ * compute_row): O(n^2 M) next to the table's O(n^3 M).
+ *
  * Note [Threads]
  * --------------
  * fill takes sweeps LANES at a time (a block) and runs them interleaved by
@@ -136,6 +148,9 @@ typedef struct {
     row *sweep;       /* sweep[t]: a copy of row (a, t) */
 } lane;
 
+/* Row D(a) of Note [Drops], after the triangle. */
+static ll didx(const problem *p, ll a) { return pidx(1, p->n + 1) + (a - 1); }
+
 static double cell(const table *T, const row *r, ll m)
 {
     ll i;
@@ -209,6 +224,22 @@ static ll layout(table *T, int full, ll limit, ll *scratch, ll *summaries, ll *s
                 sweep[a] += len;
                 ssweep[a] += ns;
             }
+        }
+    }
+    for (a = 1; p->drops && a <= n; a++) {   /* Note [Drops]: laid out as P(a, n) */
+        row *d = &T->rows[didx(p, a)];
+        *d = T->rows[pidx(a, n)];
+        d->off = total;
+        d->soff = 0;
+        if (a == 1 || p->fd[a - 1] == 0) {
+            d->top = d->lb - 1;   /* never read */
+        } else if (d->top >= d->lb) {
+            ll len = d->top - d->lb + 1;
+            if (len > limit - total - nsum) {
+                free(sweep);
+                return -1;
+            }
+            total += len;
         }
     }
     *scratch = 1;
@@ -490,21 +521,25 @@ static void compute_row_naive(const table *T, ll a, ll t, double *buf)
     }
 }
 
-/* remat_emit's chooser: the first branch of least value, as the DP found it. */
-static int choose_time(const void *ctx, ll a, ll t, ll m, ll *jout)
+/* P(a, t, m), or D(a, m) with `drop` (Note [Drops]). */
+static double dvalue(const table *T, ll a, ll t, int drop, ll m)
 {
-    const table *T = (const table *)ctx;
+    return drop ? cell(T, &T->rows[didx(T->p, a)], m) : value(T, a, t, m);
+}
+
+/* The value of branch choices at (a, t, m) for fill_last and remat_emit's chooser:
+ * the first of least value, as the DP finds it (0 Fall, 1 a split at *jout, -1 none). */
+static int branch(const table *T, ll a, ll t, ll m, int drop, double bound, double *value_out, ll *jout)
+{
     const problem *p = T->p;
-    ll g = grad(p, t), j;
+    ll g = grad(p, t), j, r = drop ? p->fd[a - 1] : 0;
     const double *f = (t == p->n) ? p->tf : p->tn;
     double best = INF, fsum = 0.0;
     int choice = -1;
-    if (m < 0)
-        return -1;
-    if (m >= fall_need(p, a, t)) {
+    if (m >= p->fneed[a] && sadd(m, g + r) >= p->bneed[a]) {
         double v = p->tf[a] + p->tb[a];
         if (a < t)
-            v = (p->tf[a] + value(T, a + 1, t, m - p->s[a])) + p->tb[a];
+            v = (p->tf[a] + dvalue(T, a + 1, t, drop_after_fall(p, a, t), smin(m - p->s[a] + r, T->M))) + p->tb[a];
         if (v < best) {
             best = v;
             choice = 0;
@@ -517,7 +552,9 @@ static int choose_time(const void *ctx, ll a, ll t, ll m, ll *jout)
             if (k > a && p->cond[k] > m)
                 break;
             fsum += f[k];
-            v = (fsum + value(T, j, t, m - xj)) + value(T, a, j - 1, smin(m - xj + g, T->M));
+            if (best <= (fsum + bound) * BOUND_SLACK)
+                break;   /* no later split can win (as in compute_row) */
+            v = (fsum + dvalue(T, j, t, drop_after_split(p, j, t), m - xj)) + value(T, a, j - 1, smin(m - xj + g, T->M));
             if (v < best) {
                 best = v;
                 choice = 1;
@@ -525,7 +562,54 @@ static int choose_time(const void *ctx, ll a, ll t, ll m, ll *jout)
             }
         }
     }
+    *value_out = best;
     return best < INF ? choice : -1;
+}
+
+static int choose_time(const void *ctx, ll a, ll t, ll m, int drop, ll *jout)
+{
+    const table *T = (const table *)ctx;
+    double v;
+    if (m < 0)
+        return -1;
+    return branch(T, a, t, m, drop, -INF, &v, jout);
+}
+
+/* Stores buf as row r's values (the pool only: nothing reads column n's summaries). */
+static void store_last(table *T, row *r, const double *buf)
+{
+    ll len = r->top - r->lb + 1, m;
+    for (m = 0; m < len; m++) {
+        if (T->use_float)
+            ((float *)T->pool)[r->off + m] = (float)buf[m];
+        else
+            ((double *)T->pool)[r->off + m] = buf[m];
+    }
+    for (m = 0; m < len && buf[m] == INF; m++)
+        ;
+    r->lo = m < len ? r->lb + m : LLONG_MAX;
+    r->least = len > 0 ? cell(T, r, r->top) : INF;
+}
+
+/* Column n with drops, and the drop rows D(a) (Note [Drops]). */
+static void fill_last(table *T, double *buf)
+{
+    const problem *p = T->p;
+    ll n = p->n, a, m, j;
+    int drop;
+    for (a = n; a >= 1; a--) {
+        for (drop = 0; drop <= 1; drop++) {
+            row *r = drop ? &T->rows[didx(p, a)] : &T->rows[pidx(a, n)];
+            double v;
+            if (r->top < r->lb)
+                continue;
+            for (m = r->lb; m <= r->top; m++) {
+                branch(T, a, n, m, drop, r->all, &v, &j);
+                buf[m - r->lb] = v;
+            }
+            store_last(T, r, buf);
+        }
+    }
 }
 
 /* Computes row (a, t) and stores it in the pool and the sweep's lane. */
@@ -632,8 +716,8 @@ static void fill(table *T, lane *all_lanes, int naive, double *bufs, ll buflen, 
                         done = progress[mine - 1];
                     } while (done < t);
                 }
-                for (a = smin(hi, t); a >= lo; a--)
-                    finish_row(T, &lanes[a - lo], naive, a, t, buf);
+                for (a = smin(hi, t); a >= lo && !(p->drops && t == n); a--)
+                    finish_row(T, &lanes[a - lo], naive, a, t, buf);   /* Note [Drops]: fill_last */
 #ifdef _OPENMP
 #pragma omp atomic write seq_cst
 #endif
@@ -666,7 +750,7 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
         threads = 1;
     threads = (int)smax(1, smin(smin(threads, REMAT_MAX_THREADS), blocks));
     per_thread = LANES * ((n + 1) * (ll)(2 * sizeof(ll) + sizeof(row)) + (ll)sizeof(lane));
-    meta = (n * (n + 1) / 2) * (ll)sizeof(row) + threads * per_thread + blocks * (ll)sizeof(ll);
+    meta = (n * (n + 1) / 2 + n) * (ll)sizeof(row) + threads * per_thread + blocks * (ll)sizeof(ll);
     if (meta > max_bytes)
         return REMAT_E_TOO_LARGE;
     st = remat_problem_init(&p, c, slot);
@@ -679,7 +763,7 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
     memset(&T, 0, sizeof T);
     T.p = &p;
     T.M = M;
-    T.rows = (row *)malloc((size_t)(n * (n + 1) / 2) * sizeof(row));
+    T.rows = (row *)malloc((size_t)(n * (n + 1) / 2 + (p.drops ? n : 0)) * sizeof(row));
     lanes_mem = malloc((size_t)(threads * per_thread));
     progress = (ll *)malloc((size_t)blocks * sizeof(ll));
     if (!T.rows || !lanes_mem || !progress) {
@@ -741,6 +825,8 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
         lanes[i].summary = (char *)lane_summaries + (size_t)(i * ssum) * (T.use_float ? sizeof(float) : sizeof(double));
     }
     fill(&T, lanes, naive, bufs, buflen, threads, progress);
+    if (p.drops)
+        fill_last(&T, bufs);
     {
         ll m0 = M - p.x[0];
         double best = value(&T, 1, p.n, m0);

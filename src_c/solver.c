@@ -26,7 +26,7 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
 {
     ll n = c->length, k;
     p->n = n;
-    p->mem = malloc((size_t)(n + 1) * (8 * sizeof(ll) + 3 * sizeof(double)));
+    p->mem = malloc((size_t)(n + 1) * (10 * sizeof(ll) + 3 * sizeof(double)));
     if (!p->mem)
         return REMAT_E_NOMEM;
     p->x = (ll *)p->mem;
@@ -37,11 +37,15 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
     p->cond = p->fa + (n + 1);
     p->fneed = p->cond + (n + 1);
     p->bneed = p->fneed + (n + 1);
-    p->tf = (double *)(void *)(p->bneed + (n + 1));
+    p->fd = p->bneed + (n + 1);
+    p->fdw = p->fd + (n + 1);
+    p->tf = (double *)(void *)(p->fdw + (n + 1));
     p->tn = p->tf + (n + 1);
     p->tb = p->tn + (n + 1);
     p->x[0] = units(c->input_bytes, slot);
     p->s[0] = p->ft[0] = p->bt[0] = p->fa[0] = p->cond[0] = p->fneed[0] = p->bneed[0] = 0;
+    p->fd[0] = p->fdw[0] = 0;
+    p->drops = 0;
     p->tf[0] = p->tn[0] = p->tb[0] = 0.0;
     for (k = 1; k <= n; k++) {
         p->x[k] = units(c->out_bytes[k - 1], slot);
@@ -51,16 +55,22 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
         p->tf[k] = c->fwd_time[k - 1];
         p->tn[k] = c->fwd_nograd_time[k - 1];
         p->tb[k] = c->bwd_time[k - 1];
+        /* what is let go rounds down, so held less dropped stays at least the bytes */
+        p->fd[k] = c->fwd_drop ? c->fwd_drop[k - 1] / slot : 0;
+        p->fdw[k] = (c->fwd_drop_whole && c->fwd_drop_whole[k - 1]) ? p->fd[k] : 0;
+        if (p->fd[k] > 0)
+            p->drops = 1;
     }
     for (k = 1; k <= n; k++) {
         p->fa[k] = sadd(p->x[k], p->ft[k]);
         p->cond[k] = sadd(p->x[k - 1], p->fa[k]);
         p->fneed[k] = smax(p->s[k], p->fa[k]);
-        /* bt[k] >= -x[k] (check_chain); B(k) starts from a-bar^k and the gradient of
-         * a^k, which at k = n is the level Loss reaches (remat/solve.py Note [The
+        /* bt[k] >= -x[k] (check_chain); at k = n, B(k) starts from the level Loss
+         * reaches, a-bar^n and the gradient of a^n (remat/solve.py Note [The
          * recurrence]) */
-        p->bneed[k] = smax(sadd(sadd(p->s[k], p->x[k]), p->x[k - 1]) + p->bt[k],
-                           sadd(p->s[k], p->x[k]));
+        p->bneed[k] = sadd(sadd(p->s[k], p->x[k]), p->x[k - 1]) + p->bt[k];
+        if (k == n)
+            p->bneed[k] = smax(p->bneed[k], sadd(p->s[k], p->x[k]));
     }
     return REMAT_OK;
 }
@@ -71,7 +81,7 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
 enum { TASK = 5 };
 
 typedef struct {
-    int kind;
+    int kind, drop;
     ll a, t, m;
 } item;
 
@@ -103,11 +113,12 @@ static void put(emitter *e, int code, ll stage)
         e->time += p->tn[stage];
 }
 
-static int push(emitter *e, int kind, ll a, ll t, ll m)
+static int push(emitter *e, int kind, ll a, ll t, ll m, int drop)
 {
     if (e->depth >= e->max_depth)
         return REMAT_E_INTERNAL;
     e->stack[e->depth].kind = kind;
+    e->stack[e->depth].drop = drop;
     e->stack[e->depth].a = a;
     e->stack[e->depth].t = t;
     e->stack[e->depth].m = m;
@@ -129,7 +140,7 @@ int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, l
     e.stack = (item *)malloc((size_t)e.max_depth * sizeof(item));
     if (!e.stack)
         return REMAT_E_NOMEM;
-    st = push(&e, TASK, 1, p->n, m0);
+    st = push(&e, TASK, 1, p->n, m0, 0);
     while (st == REMAT_OK && e.depth > 0) {
         item it = e.stack[--e.depth];
         ll a = it.a, t = it.t, m = it.m, j = 0, k;
@@ -138,26 +149,27 @@ int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, l
             put(&e, it.kind, a);
             continue;
         }
-        r = choose(ctx, a, t, m, &j);
+        r = choose(ctx, a, t, m, it.drop, &j);
         if (r < 0 || (r == 1 && (j <= a || j > t))) {
             st = REMAT_E_INTERNAL;
             break;
         }
         if (r == 0) {
+            ll m1 = m - p->s[a] + (it.drop ? p->fd[a - 1] : 0);
             put(&e, REMAT_OP_FALL, a);
-            st = push(&e, REMAT_OP_B, a, 0, 0);
+            st = push(&e, REMAT_OP_B, a, 0, 0, 0);
             if (st == REMAT_OK && a == t && t == p->n)
-                st = push(&e, REMAT_OP_LOSS, 0, 0, 0);
+                st = push(&e, REMAT_OP_LOSS, 0, 0, 0, 0);
             else if (st == REMAT_OK && a < t)
-                st = push(&e, TASK, a + 1, t, m - p->s[a]);
+                st = push(&e, TASK, a + 1, t, smin(m1, mcap), drop_after_fall(p, a, t));
         } else {
             ll m2 = m - p->x[j - 1] + grad(p, t);
             put(&e, REMAT_OP_FCK, a);
             for (k = a + 1; k < j; k++)
                 put(&e, REMAT_OP_FN, k);
-            st = push(&e, TASK, a, j - 1, smin(m2, mcap));
+            st = push(&e, TASK, a, j - 1, smin(m2, mcap), 0);
             if (st == REMAT_OK)
-                st = push(&e, TASK, j, t, m - p->x[j - 1]);
+                st = push(&e, TASK, j, t, m - p->x[j - 1], drop_after_split(p, j, t));
         }
     }
     free(e.stack);
@@ -173,13 +185,24 @@ int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, l
 typedef struct {
     const problem *p;
     ll *lo;
+    ll *lod;   /* lod[a]: lo(a, n) where a Fall(a) drops a^(a-1) (mintime.c Note [Drops]) */
 } lotable;
 
-static ll fall_lo(const lotable *L, ll a, ll t)
+static ll lo_of(const lotable *L, ll a, ll t, int drop)
 {
-    ll need = fall_need(L->p, a, t);
-    if (a < t)
-        need = smax(need, sadd(L->lo[pidx(a + 1, t)], L->p->s[a]));
+    return drop ? L->lod[a] : L->lo[pidx(a, t)];
+}
+
+static ll fall_lo(const lotable *L, ll a, ll t, int drop)
+{
+    const problem *p = L->p;
+    ll r = drop ? p->fd[a - 1] : 0, need = smax(p->fneed[a], p->bneed[a] - grad(p, t) - r);
+    if (a < t) {
+        ll after = lo_of(L, a + 1, t, drop_after_fall(p, a, t));
+        if (after != LLONG_MAX)
+            after = smax(0, sadd(after, p->s[a]) - r);
+        need = smax(need, after);
+    }
     return smax(need, 0);
 }
 
@@ -187,17 +210,17 @@ static ll split_lo(const lotable *L, ll a, ll t, ll j)
 {
     const problem *p = L->p;
     ll xj = p->x[j - 1];
-    return smax(sadd(L->lo[pidx(j, t)], xj), sadd(L->lo[pidx(a, j - 1)], xj) - grad(p, t));
+    return smax(sadd(lo_of(L, j, t, drop_after_split(p, j, t)), xj), sadd(L->lo[pidx(a, j - 1)], xj) - grad(p, t));
 }
 
-static int choose_memory(const void *ctx, ll a, ll t, ll m, ll *jout)
+static int choose_memory(const void *ctx, ll a, ll t, ll m, int drop, ll *jout)
 {
     const lotable *L = (const lotable *)ctx;
     const problem *p = L->p;
     ll j, need;
     if (m < 0)
         return -1;
-    if (fall_lo(L, a, t) <= m)
+    if (fall_lo(L, a, t, drop) <= m)
         return 0;
     need = p->fa[a];
     for (j = a + 1; j <= t; j++) {
@@ -227,21 +250,27 @@ static int solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
         return st;
     L.p = &p;
     L.lo = (ll *)malloc((size_t)bytes);
-    if (!L.lo) {
+    L.lod = (ll *)malloc((size_t)(n + 1) * sizeof(ll));
+    if (!L.lo || !L.lod) {
+        free(L.lo);
+        free(L.lod);
         free(p.mem);
         return REMAT_E_NOMEM;
     }
     for (d = 0; d < n; d++) {
         for (a = 1; a + d <= n; a++) {
-            ll t = a + d, best = fall_lo(&L, a, t), need = p.fa[a], j;
+            ll t = a + d, split = LLONG_MAX, need = p.fa[a], j;
+            /* the split branch is the same with or without the drop: Fck(a) keeps a^(a-1) */
             for (j = a + 1; j <= t; j++) {
                 if (j - 1 > a)
                     need = smax(need, p.cond[j - 1]);
-                if (need >= best)
+                if (need >= split)
                     break;
-                best = smin(best, smax(need, split_lo(&L, a, t, j)));
+                split = smin(split, smax(need, split_lo(&L, a, t, j)));
             }
-            L.lo[pidx(a, t)] = best;
+            L.lo[pidx(a, t)] = smin(fall_lo(&L, a, t, 0), split);
+            if (t == n)
+                L.lod[a] = (a > 1 && p.fd[a - 1] > 0) ? smin(fall_lo(&L, a, t, 1), split) : LLONG_MAX;
         }
     }
     m0 = L.lo[pidx(1, n)];
@@ -252,11 +281,17 @@ static int solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
         st = remat_emit(&p, choose_memory, &L, m0, REMAT_MAX_BYTES, out);
     }
     free(L.lo);
+    free(L.lod);
     free(p.mem);
     return st;
 }
 
 /* ---- the entry point ----------------------------------------------------- */
+
+static long long chain_drop(const long long *v, ll k)
+{
+    return v ? v[k] : 0;
+}
 
 static int check_chain(const remat_chain *c, remat_plan *out)
 {
@@ -284,6 +319,12 @@ static int check_chain(const remat_chain *c, remat_plan *out)
         return REMAT_E_SIZE;
     }
     for (k = 0; k < n; k++) {
+        long long drop = chain_drop(c->fwd_drop, k), whole = chain_drop(c->fwd_drop_whole, k);
+        /* what the forward phase drops of a^k: at most a^k, whole 0 or the same, none of a^L */
+        if (drop < 0 || drop > sizes[0][k] || (whole != 0 && whole != drop) || (k == n - 1 && drop != 0)) {
+            out->bad_stage = k + 1;
+            return REMAT_E_SIZE;
+        }
         for (i = 0; i < 3; i++) {
             double v = times[i][k];
             if (!(v >= 0.0 && v <= REMAT_MAX_TIME)) {   /* false for NaN too */

@@ -18,7 +18,7 @@ enum {
     REMAT_E_NULL = 2,        /* a required pointer is NULL */
     REMAT_E_LENGTH = 3,      /* the chain length is not in 1..REMAT_MAX_LENGTH */
     REMAT_E_TIME = 4,        /* a time is NaN, infinite, negative or absurd */
-    REMAT_E_SIZE = 5,        /* a size is negative (a bwd_tmp below -out_bytes) or not below 2^62 */
+    REMAT_E_SIZE = 5,        /* a size is negative (a bwd_tmp below -out_bytes), not below 2^62, or a fwd_drop out of range */
     REMAT_E_BUDGET = 6,      /* the budget is not in 0..2^62 */
     REMAT_E_SLOTS = 7,       /* slots is not positive */
     REMAT_E_MODE = 8,        /* unknown mode */
@@ -54,6 +54,11 @@ typedef struct {
     const long long *fwd_tmp;
     const long long *bwd_tmp;         /* each at least -out_bytes of its stage */
     long long input_bytes;
+    /* NULL, or L entries: bytes of a^i a forward-phase Fall(i+1) lets go when a^i
+     * is held on its own (at most out_bytes, 0 for stage L), and when it is inside
+     * a-bar^i (0 or fwd_drop); remat/schedule.py Note [Accounting] 6 */
+    const long long *fwd_drop;
+    const long long *fwd_drop_whole;
 } remat_chain;
 
 typedef struct {

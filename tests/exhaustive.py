@@ -19,8 +19,10 @@ def best_schedule(costs, budget, persistent):
     x = costs.sizes()
     s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
     tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
-    # state: (forward?, next_fwd, grad, alone bitmask, whole bitmask, previous op)
-    start = (True, 1, -1, 1, 0, None)
+    fd, fdw = (0,) + costs.fwd_drop, (0,) + costs.fwd_drop_whole
+    # state: (forward?, next_fwd, grad, alone bitmask, whole bitmask, previous op,
+    # gone bitmask: a^j let go in the forward phase, rule 6 of Note [Accounting])
+    start = (True, 1, -1, 1, 0, None, 0)
     if x[0] > budget:
         return math.inf, None
     dist = {start: 0.0}
@@ -31,17 +33,17 @@ def best_schedule(costs, budget, persistent):
         d, _, st = heapq.heappop(heap)
         if d > dist.get(st, math.inf):
             continue
-        forward, nf, grad, alone, whole, prev = st
+        forward, nf, grad, alone, whole, prev, gone = st
         if not forward and grad == 0:
             ops = []
             while st in back:
                 st, op = back[st]
                 ops.append(op)
             return d, tuple(reversed(ops))
-        mem = _held(x, s, alone, whole, grad)
+        mem = _held(x, s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1)
         moves = []
         if forward and nf == n + 1 and mem + x[n] <= budget:
-            moves.append((Loss, 0.0, (False, nf, n, alone, whole, None)))
+            moves.append((Loss, 0.0, (False, nf, n, alone, whole, None, gone)))
         stages = [nf] if forward and nf <= n else ([] if forward else range(1, grad + 1))
         for i in stages:
             have_in = (alone >> (i - 1)) & 1 or (whole >> (i - 1)) & 1
@@ -50,19 +52,24 @@ def best_schedule(costs, budget, persistent):
                 continue
             nf2 = nf + 1 if forward else nf
             if mem + max(s[i - 1], x[i] + ft[i - 1]) <= budget:
-                moves.append((Fall(i), tf[i - 1], (forward, nf2, grad, alone, whole | (1 << i), "all")))
+                g2 = gone
+                if forward and i > 1 and (fdw[i - 1] if (whole >> (i - 1)) & 1 else fd[i - 1]):
+                    g2 |= 1 << (i - 1)
+                moves.append((Fall(i), tf[i - 1], (forward, nf2, grad, alone, whole | (1 << i), "all", g2)))
             if mem + x[i] + ft[i - 1] <= budget:
                 t = tf[i - 1] if forward else tn[i - 1]
-                moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i))))
+                moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i), gone)))
                 if not persistent or prev == ("f", i - 1):
-                    moves.append((Fn(i), t, (forward, nf2, grad, (alone | (1 << i)) & ~(1 << (i - 1)), whole, ("f", i))))
+                    moves.append((Fn(i), t, (forward, nf2, grad, (alone | (1 << i)) & ~(1 << (i - 1)), whole,
+                                             ("f", i), gone)))
         if not forward and grad >= 1:
             i = grad
             have_in = (alone >> (i - 1)) & 1 or (whole >> (i - 1)) & 1
-            if (whole >> i) & 1 and have_in and mem + x[i - 1] + bt[i - 1] <= budget:
+            back_in = fd[i] if (gone >> i) & 1 else 0   # rule 6: B(i)'s peak adds it back
+            if (whole >> i) & 1 and have_in and mem + back_in + x[i - 1] + bt[i - 1] <= budget:
                 a2 = alone & ~(1 << i) & ~(1 << (i - 1))
                 w2 = whole & ~(1 << i)
-                moves.append((B(i), tb[i - 1], (False, nf, i - 1, a2, w2, "b")))
+                moves.append((B(i), tb[i - 1], (False, nf, i - 1, a2, w2, "b", gone & (a2 | w2))))
         for op, cost, nxt in moves:
             nd = d + cost
             if nd < dist.get(nxt, math.inf):

@@ -26,10 +26,11 @@ STATUSES = set(range(lib.REMAT_OK, lib.REMAT_E_INTERNAL))   # INTERNAL is a bug
 
 
 def random_costs(rng, n, size=20, zero_times=False):
-    """A chain of n stages with small random times and sizes."""
+    """A chain of n stages with small random times and sizes; in half of them the
+    forward phase drops some stage outputs (Costs.fwd_drop)."""
     t = (lambda: rng.choice([0.0, rng.uniform(0, 3)])) if zero_times else (lambda: rng.uniform(0.1, 3))
     out = [rng.randint(0, size) for _ in range(n)]
-    return Costs(
+    costs = Costs(
         fwd_time=[t() for _ in range(n)], fwd_nograd_time=[t() for _ in range(n)],
         bwd_time=[t() for _ in range(n)], out_bytes=out,
         saved_bytes=[o + rng.randint(0, size) for o in out],
@@ -38,6 +39,11 @@ def random_costs(rng, n, size=20, zero_times=False):
         bwd_tmp=[rng.randint(0, size // 2) - (rng.randint(0, o) if rng.random() < 1 / 3 else 0) for o in out],
         input_bytes=rng.randint(0, size),
     )
+    if rng.random() < 0.5:
+        return costs
+    drop = [o if i < n - 1 and rng.random() < 0.6 else 0 for i, o in enumerate(out)]
+    whole = [d if rng.random() < 0.6 else 0 for d in drop]
+    return Costs(**{**costs.to_dict(), "fwd_drop": drop, "fwd_drop_whole": whole})
 
 
 def reference_optimal(costs, budget_units, units):
@@ -260,6 +266,26 @@ def test_costs_errors_name_field_and_stage():
         Costs(**{**good, "bwd_tmp": [-2, 0, 0]})
     with pytest.raises(SolverError, match=r"bwd_tmp\[1\] \(stage 2\)"):
         _c_solver._check_costs(types.SimpleNamespace(**{**good, "bwd_tmp": [0, -2, 0], "length": 3}))
+
+
+def test_forward_drops_are_checked_and_optional(tmp_path):
+    """fwd_drop is at most out_bytes and 0 for the last stage, fwd_drop_whole 0 or
+    fwd_drop; both default to nothing dropped, and a costs file from before them loads."""
+    good = Costs.uniform(3, size=10).to_dict()
+    for field, values, match in (("fwd_drop", [11, 0, 0], r"fwd_drop\[0\] \(stage 1\) is 11; it must be at most"),
+                                 ("fwd_drop", [0, 0, 10], r"fwd_drop\[2\] \(stage 3\) .* 0 for the last stage"),
+                                 ("fwd_drop_whole", [0, 5, 0], r"fwd_drop_whole\[1\] \(stage 2\) is 5; it must be 0 or")):
+        with pytest.raises(CostsError, match=match):
+            Costs(**{**good, **({"fwd_drop": [0, 10, 0]} if field == "fwd_drop_whole" else {}), field: values})
+    old = {k: v for k, v in good.items() if not k.startswith("fwd_drop")}
+    path = tmp_path / "old.json"
+    path.write_text(__import__("json").dumps({"format": "remat.costs/1", **old}))
+    assert Costs.load(path) == Costs(**good) and Costs.load(path).fwd_drop == (0, 0, 0)
+    dropping = Costs(**{**good, "fwd_drop": [10, 10, 0], "fwd_drop_whole": [10, 0, 0]})
+    dropping.save(tmp_path / "new.json")
+    assert Costs.load(tmp_path / "new.json") == dropping
+    # storing everything: a^1 goes once Fall(2) has run (it is inside a-bar^1)
+    assert simulate(dropping, store_all(3)).peak == simulate(Costs(**good), store_all(3)).peak - 10
 
 
 def test_solver_rejects_absurd_time_naming_stage():
