@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -184,6 +185,9 @@ class _Active(StageMeasuring):
         self.measured = None    # what run 4 of Note [Measuring a stage] needs of the last stage
         self.relayout = None    # (that of the stage before, the layout its gradient has) due for run 4
         self.twins = {}         # Note [Twin stages] (remat/measuring.py): key -> stage
+        self.outs = {}          # measuring: stage -> weak reference to the activation it returned
+        self.dropped = []       # running: (i, weak reference to a^i's storage) the plan lets go
+        self.acts = []          # running: (i, weak reference to a^i's storage), each stage
 
     # stage calls ---------------------------------------------------------
 
@@ -228,6 +232,10 @@ class _Active(StageMeasuring):
         finally:
             self.in_stage = False
         act = check_output(call, out, x, version)
+        if self.mode == "measure":
+            self.outs[k] = weakref.ref(act)
+        elif k not in self.entry.caller:
+            self.acts.append((k, weakref.ref(act.untyped_storage()), act.grad_fn if k == 1 else None))
         self.prev = act
         self.prev_version = act._version
         self.prev_name = name
@@ -285,7 +293,10 @@ class _Active(StageMeasuring):
         new = Recording()
         for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "reads_state", "held"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
-        new.rows = [{f: getattr(old.costs, f)[i] for f in FIELDS} for i in range(k - 1)]
+        c = old.costs   # what decides the drops, as far as the costs tell (unknown: kept)
+        new.rows = [{**{f: getattr(c, f)[i] for f in FIELDS}, "out_freed": c.fwd_drop_whole[i],
+                     "input_kept": i == 0 or not c.fwd_drop[i - 1], "caller_holds": not c.fwd_drop[i]}
+                    for i in range(k - 1)]
         new.input_bytes = old.input_bytes
         self.new = new
         self.mode = "measure"
@@ -313,6 +324,8 @@ class _Active(StageMeasuring):
         mode = self.plan[1][k]
         if mode == FALL:
             run.add_whole(call)
+            if k > 1 and entry.drops_input(k, run.whole[k - 1]):
+                self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
             return call.invoke(x)
         if entry.uses_rng[k - 1]:
             call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]))
@@ -320,6 +333,10 @@ class _Active(StageMeasuring):
         anchor, pack, count = run.new_anchor(call, keep, x)
         with run.hooks(pack):
             out = call.invoke(x)
+        if not keep and k > 1 and k - 1 not in entry.caller:   # Fn lets a^(k-1) go (Note [What the ...])
+            storage = x.untyped_storage()
+            if first(out).untyped_storage() is not storage:   # (unless its output is a view of it)
+                self.dropped.append((k - 1, weakref.ref(storage)))
         run.settle(anchor, count[0], x)
         if count[0]:
             run.watch(anchor, first(out))
@@ -336,7 +353,12 @@ class _Active(StageMeasuring):
                 with _cache_lock:
                     _cache.pop(self.key, None)
             else:
-                self.entry.watch_output(self.prev)
+                acts = self.acts
+                first = acts[0][2] if acts and acts[0][0] == 1 else None
+                self.entry.watch_output(self.prev, [(i, ref) for i, ref, _ in acts[:-1]], first)
+                kept = [i for i, storage in self.dropped if storage() is not None]
+                if kept:
+                    self.entry.caller_kept(kept)
             _publish(Explanation(self.entry.planning_costs(), self.plan[0], self.budget, self.entry.names,
                                  self.entry.costs))
             return
@@ -348,6 +370,13 @@ class _Active(StageMeasuring):
             finally:
                 self.in_stage = False
                 self.measured = self.grad_pool = self.upstream = None
+            # Note [What the forward phase drops] (remat/recording.py): which
+            # outputs the code around the chain still holds (a^L aside, remat's)
+            held = [k for k, ref in self.outs.items() if k < self.k and ref() is not None]
+            for k in self.outs:
+                if new.rows[k - 1] is not None:
+                    new.rows[k - 1]["caller_holds"] = k == self.k or k in held
+            new.caller_holds(held)
             new.costs = chain_costs(new.rows, new.input_bytes + new.held_bytes(), self.spec.costs_path,
                                     self.given)
         except BaseException:

@@ -55,7 +55,9 @@ def chain_costs(rows, input_bytes, path, given):
     if given is not None:
         _check_given(given, rows, input_bytes, path)
         return given
-    costs = Costs(**{f: [row[f] for row in rows] for f in FIELDS}, input_bytes=input_bytes)
+    drop, whole = forward_drops(rows)
+    costs = Costs(**{f: [row[f] for row in rows] for f in FIELDS}, input_bytes=input_bytes,
+                  fwd_drop=drop, fwd_drop_whole=whole)
     rank = 0
     if distributed():
         box = [costs.to_dict()]
@@ -65,6 +67,21 @@ def chain_costs(rows, input_bytes, path, given):
     if path is not None and rank == 0:
         write_costs(costs, path)
     return costs
+
+
+def forward_drops(rows):
+    """``Costs.fwd_drop`` and ``fwd_drop_whole`` from the measured rows: a^i goes once
+    stage i+1 has run recording if that stage keeps no part of its input
+    (``input_kept``) and the code around the chain does not hold it
+    (``caller_holds``, remat/chain.py); inside a-bar^i only if B(i) does not read it
+    either (``out_freed``). Unknown is kept."""
+    n = len(rows)
+    drop = [0] * n
+    for i in range(n - 1):
+        if rows[i + 1].get("input_kept", True) is False and rows[i].get("caller_holds", True) is False:
+            drop[i] = rows[i]["out_bytes"]
+    whole = [d if rows[i].get("out_freed", 0) else 0 for i, d in enumerate(drop)]
+    return drop, whole
 
 
 def write_costs(costs, path):

@@ -138,6 +138,10 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     # ctx, a module's cache; no mode of the schedule lets them go before B(i)
     returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     row["held_outside"] = inst.alive_bytes(saved + returned)
+    # whether the stage, recorded, keeps its input's storage (saved, or returned as a
+    # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
+    in_key = storage_key(xin)
+    row["input_kept"] = any(storage_key(t) == in_key for t in saved + returned)
     keys = {}
     for t in saved + [act]:
         key = storage_key(t)

@@ -172,6 +172,7 @@ def test_times_without_recording_are_no_more_than_with():
     assert all(n <= f for n, f in zip(fourth.fwd_nograd_time, fourth.fwd_time)), fourth.fwd_nograd_time
 
 
+@pytest.mark.filterwarnings("ignore:remat. the code around the chain keeps")   # (the loop keeps ``mid``)
 def test_times_stay_measured_without_a_whole_backward(tmp_path):
     """No backward, or one that stops inside the chain, leaves the measured times
     (the next call tries again); costs read from a file are never refined."""

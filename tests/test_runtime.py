@@ -87,7 +87,11 @@ def _physical_peak(net, batch=4, length=6, seed=7, hold=True):
 def test_measured_peak_stays_under_budget(chain, fraction, hold):
     """The storage meter's peak of a real training step never exceeds the budget,
     whether the loop keeps the chain's output through the backward or not
-    (remat/recording.py Note [The chain's output])."""
+    (remat/recording.py Note [The chain's output]), and where it does not, is
+    within 10% of simulate's. (A loop that keeps the output is counted as
+    holding it through the whole step, beside a-bar^L and, at B(L), the
+    gradient's give-back, which count it too: up to twice its bytes more,
+    which on one- or two-stage chains is a quarter of the peak.)"""
     kinds, image = chain
     torch.manual_seed(0)
     net = Net(kinds, image=image)
@@ -96,20 +100,21 @@ def test_measured_peak_stays_under_budget(chain, fraction, hold):
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
     peak = _physical_peak(net, hold=hold)
-    predicted = remat.explain().schedule.peak
+    explanation = remat.explain()
+    predicted = explanation.schedule.peak
     assert peak <= net.budget
     assert peak <= predicted
+    assert hold or peak >= 0.9 * predicted, (peak, predicted)
 
 
 @pytest.mark.parametrize("kinds", [["mlp"] * 6, ["attn", "mlp"] * 4, ["convblock"] * 6, ["linear", "ln"] * 5])
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 1.0])
 @pytest.mark.parametrize("hold", [True, False])
 def test_measured_peak_close_to_prediction(kinds, fraction, hold):
-    """The real peak is within 10% under simulate's. (a-bar^i counts a^i, which a
-    stage whose backward does not read it lets go by B(i): bwd_tmp gives it back.
-    What the model cannot see is a^i let go in the forward phase, where neither
-    B(i) nor the next stage's backward reads it: chains of dropout or scale
-    stages, docs/limitations.md.)"""
+    """The real peak is within 10% under simulate's on chains of realistic blocks.
+    (a-bar^i counts a^i, which a stage whose backward does not read it lets go by
+    B(i): bwd_tmp gives it back; one the next stage's recording does not keep
+    either goes in the forward phase: Costs.fwd_drop.)"""
     image = kinds[0].startswith("conv")
     torch.manual_seed(0)
     net = Net(kinds, d=16, image=image)

@@ -1,0 +1,112 @@
+"""What the forward phase lets go (remat/recording.py Note [What the forward phase
+drops]): a^i of a stage whose successor's recording keeps no part of it, unless
+the code around the chain holds it."""
+
+import copy
+import importlib
+import warnings
+
+import pytest
+import torch
+
+import remat
+from chains import Net, assert_same, measured_costs, train
+from test_runtime import _physical_peak, budget_for
+
+KINDS = ["linear", "dropout", "scale", "dropout", "relu", "scale", "linear"]
+
+
+class Keeping(Net):
+    """A loop that keeps every activation (``how``: the tensor itself, as a list of
+    hidden states does, or an alias of it, which no weak reference to it sees)."""
+
+    def __init__(self, kinds, how):
+        super().__init__(kinds)
+        self.how = how
+        self.kept = []
+
+    def forward(self, x, mask):
+        self.kept = []
+        if self.budget is None:
+            return self._loop(x, mask)
+        with remat.chain(budget=self.budget, algorithm=self.algorithm):
+            return self._loop(x, mask)
+
+    def _loop(self, x, mask):
+        for s in self.stages:
+            x = s(x, mask)
+            self.kept.append(x if self.how == "tensor" else x.detach())
+        return x
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_stages_keeping_nothing_of_their_input(fraction):
+    """Dropout and scale stages keep nothing of their input: the plan counts it gone
+    once the next stage has run, and the real peak stays under the budget and
+    within 10% of the prediction; results are plain PyTorch's."""
+    torch.manual_seed(0)
+    base = Net(KINDS)
+    costs = measured_costs(base)
+    # a^1 (linear's output) goes: dropout keeps only its mask, linear's backward reads it not
+    assert costs.fwd_drop[0] == costs.out_bytes[0] and costs.fwd_drop_whole[0] == costs.out_bytes[0]
+    # a^4 (dropout's output) is kept: the relu after it... keeps its own output, not its input,
+    # so a^4 goes too; a^5 (relu's output) is read by relu's backward: gone alone, not whole
+    assert costs.fwd_drop[4] > 0 and costs.fwd_drop_whole[4] == 0
+    assert costs.fwd_drop[-1] == 0
+    net = copy.deepcopy(base)
+    net.budget = budget_for(costs, "optimal", fraction)
+    assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    peak = _physical_peak(net, hold=False)
+    predicted = remat.explain().schedule.peak
+    assert 0.9 * predicted <= peak <= net.budget
+
+
+def test_loop_keeping_its_activations_is_seen_while_measuring():
+    """A loop that keeps every activation (a list of hidden states): the measuring
+    call sees them alive as the chain ends, says so, and counts them as held
+    through the step; nothing is counted as let go, and the budget holds."""
+    torch.manual_seed(0)
+    net = Keeping(KINDS, "tensor")
+    with pytest.warns(RuntimeWarning, match=r"keeps the outputs of stages 1-6 \(4.50 KiB\)"):
+        costs = measured_costs(net)
+    assert not any(costs.fwd_drop)
+    assert costs.input_bytes >= sum(costs.out_bytes[:-1])
+    net.budget = budget_for(costs, "optimal", 0.3)
+    with pytest.warns(RuntimeWarning, match="keeps the outputs"):   # net's own measuring call
+        train(net, steps=1, hold=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(net, steps=2, hold=False)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    assert _physical_peak(net, hold=False) <= net.budget
+
+
+def test_loop_keeping_aliases_is_caught_by_the_first_run():
+    """A loop that keeps aliases of its activations (``detach()``): measuring cannot
+    see them, the first call that runs the plan finds storages alive as the chain
+    ends that its schedule let go, warns, and from then on counts them as held:
+    later calls plan with them and stay under the budget, silently."""
+    torch.manual_seed(0)
+    net = Keeping(KINDS, "alias")
+    costs = measured_costs(net)
+    measured = remat.explain().measured   # (costs: as planned, with a^L held)
+    assert any(costs.fwd_drop)
+    net.budget = budget_for(costs, "optimal", 1.0)   # store-all: every stage records
+    with pytest.warns(RuntimeWarning) as seen:
+        train(net, steps=2, hold=False)
+    said = " ".join(str(w.message) for w in seen)
+    assert "kept the outputs of stages 1-4 after the next stage had run" in said
+    assert "kept the outputs of stages 5-6 through its backward" in said
+    entry = next(e for e in importlib.import_module("remat.chain")._cache.values() if e.idents[0]() is net.stages[0])
+    now = entry.costs
+    assert not any(now.fwd_drop) and now.input_bytes == measured.input_bytes + sum(costs.out_bytes[:-1])
+    net.budget = budget_for(entry.planning_costs(), "optimal", 0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(net, steps=2, hold=False)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    assert _physical_peak(net, hold=False) <= net.budget
