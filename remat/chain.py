@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
-from .costs_source import FIELDS, chain_costs, distributed, read_costs, write_costs
+from .costs_source import chain_costs, distributed, read_costs, rows_of, write_costs
 from .dynamo import skip_for_dynamo
 from .errors import BudgetError, RematError, StageError
 from .measuring import StageMeasuring, check_output, handed_on, input_signature, signature
@@ -293,10 +293,7 @@ class _Active(StageMeasuring):
         new = Recording()
         for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "reads_state", "held"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
-        c = old.costs   # what decides the drops, as far as the costs tell (unknown: kept)
-        new.rows = [{**{f: getattr(c, f)[i] for f in FIELDS}, "out_freed": c.fwd_drop_whole[i],
-                     "input_kept": i == 0 or not c.fwd_drop[i - 1], "caller_holds": not c.fwd_drop[i]}
-                    for i in range(k - 1)]
+        new.rows = rows_of(old.costs, k - 1)
         new.input_bytes = old.input_bytes
         self.new = new
         self.mode = "measure"
@@ -353,12 +350,7 @@ class _Active(StageMeasuring):
                 with _cache_lock:
                     _cache.pop(self.key, None)
             else:
-                acts = self.acts
-                first = acts[0][2] if acts and acts[0][0] == 1 else None
-                self.entry.watch_output(self.prev, [(i, ref) for i, ref, _ in acts[:-1]], first)
-                kept = [i for i, storage in self.dropped if storage() is not None]
-                if kept:
-                    self.entry.caller_kept(kept)
+                self.entry.ran(self.prev, self.dropped, self.acts)
             _publish(Explanation(self.entry.planning_costs(), self.plan[0], self.budget, self.entry.names,
                                  self.entry.costs))
             return
@@ -370,13 +362,7 @@ class _Active(StageMeasuring):
             finally:
                 self.in_stage = False
                 self.measured = self.grad_pool = self.upstream = None
-            # Note [What the forward phase drops] (remat/recording.py): which
-            # outputs the code around the chain still holds (a^L aside, remat's)
-            held = [k for k, ref in self.outs.items() if k < self.k and ref() is not None]
-            for k in self.outs:
-                if new.rows[k - 1] is not None:
-                    new.rows[k - 1]["caller_holds"] = k == self.k or k in held
-            new.caller_holds(held)
+            new.caller_holds(self.outs, self.k)
             new.costs = chain_costs(new.rows, new.input_bytes + new.held_bytes(), self.spec.costs_path,
                                     self.given)
         except BaseException:

@@ -69,6 +69,15 @@ def chain_costs(rows, input_bytes, path, given):
     return costs
 
 
+def rows_of(costs, count):
+    """The rows of ``costs``' first ``count`` stages, as measuring makes them, for a
+    chain measured again from stage count+1 on; what decides the drops only as far
+    as the costs tell (``forward_drops``: unknown is kept)."""
+    return [{**{f: getattr(costs, f)[i] for f in FIELDS}, "out_freed": costs.fwd_drop_whole[i],
+             "input_kept": i == 0 or not costs.fwd_drop[i - 1], "caller_holds": not costs.fwd_drop[i]}
+            for i in range(count)]
+
+
 def forward_drops(rows):
     """``Costs.fwd_drop`` and ``fwd_drop_whole`` from the measured rows: a^i goes once
     stage i+1 has run recording if that stage keeps no part of its input

@@ -57,6 +57,7 @@ import torch
 
 from .costs import Costs
 from .costs_source import distributed, write_costs
+from .dynamo import DYNAMO_SKIPS
 from .errors import BudgetError, CostsError
 from .refine import SAMPLES, combine
 from .runtime import BWD, FALL, FCK, FN, _releasing
@@ -163,6 +164,18 @@ class Recording:
             cached = self._held_costs = (self.costs, Costs.from_dict(data))
         return cached[1]
 
+    def ran(self, act, dropped, acts):
+        """A call ran the plan to its end with ``act`` its a^L; ``dropped`` and ``acts``
+        are (i, weak reference to a^i's storage) of the a^i its forward phase let go
+        and of every stage (``acts`` with the node that made a^1 for stage 1): check
+        them as the chain ends and as the backward ends (Note [What the forward phase
+        drops])."""
+        first = acts[0][2] if acts and acts[0][0] == 1 else None
+        self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1]], first)
+        kept = [i for i, storage in dropped if storage() is not None]
+        if kept:
+            self.caller_kept(kept)
+
     def watch_output(self, act, inner=(), first=None):
         """Have ``act``, a^L of this call, tell at the end of its backward whether it is
         still held, and ``inner``, (i, weak reference to the storage of a^i), which of
@@ -256,10 +269,15 @@ class Recording:
         c = self.costs
         return (c.fwd_drop_whole if whole else c.fwd_drop)[k - 2] > 0
 
-    def caller_holds(self, stages):
-        """The measuring call saw the code around the chain hold the outputs of
-        ``stages`` as the chain ended: no schedule can let them go, so they count as
+    def caller_holds(self, outs, last):
+        """The measuring call's chain ends at stage ``last``; ``outs`` maps stages to
+        weak references to the activations they returned. Those the code around the
+        chain still holds (a^L aside: remat's) no schedule can let go: they count as
         held through the step (Note [What the forward phase drops])."""
+        stages = [k for k, ref in outs.items() if k < last and ref() is not None]
+        for k in outs:
+            if self.rows[k - 1] is not None:
+                self.rows[k - 1]["caller_holds"] = k == last or k in stages
         if not stages:
             return
         for i in stages:
@@ -335,3 +353,7 @@ class Recording:
                 self.plans.clear()
             self.plans[key] = plan
         return plan
+
+
+# weak references Dynamo would trace into their referents (remat/dynamo.py)
+DYNAMO_SKIPS.extend([Recording.ran, Recording.caller_holds])
