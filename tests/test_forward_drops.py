@@ -47,12 +47,13 @@ def test_stages_keeping_nothing_of_their_input(fraction):
     torch.manual_seed(0)
     base = Net(KINDS)
     costs = measured_costs(base)
-    # a^1 (linear's output) goes: dropout keeps only its mask, linear's backward reads it not
-    assert costs.fwd_drop[0] == costs.out_bytes[0] and costs.fwd_drop_whole[0] == costs.out_bytes[0]
-    # a^4 (dropout's output) is kept: the relu after it... keeps its own output, not its input,
-    # so a^4 goes too; a^5 (relu's output) is read by relu's backward: gone alone, not whole
-    assert costs.fwd_drop[4] > 0 and costs.fwd_drop_whole[4] == 0
-    assert costs.fwd_drop[-1] == 0
+    # a^1 (linear's output) goes: dropout keeps only its mask, and linear's backward
+    # does not read its output
+    assert costs.fwd_drop[0] == costs.fwd_drop_whole[0] == costs.out_bytes[0]
+    # a^5 (relu's output) goes on its own (scale keeps nothing), but relu's backward
+    # reads it: not inside a-bar^5; a^6 stays (linear saves its input)
+    assert costs.fwd_drop[4] == costs.out_bytes[4] and costs.fwd_drop_whole[4] == 0
+    assert costs.fwd_drop[5] == 0 and costs.fwd_drop[-1] == 0
     net = copy.deepcopy(base)
     net.budget = budget_for(costs, "optimal", fraction)
     assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
