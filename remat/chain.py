@@ -31,7 +31,7 @@ from .budget import parse_budget, resolve_budget
 from .costs_source import chain_costs, distributed, read_costs, rows_of, write_costs
 from .dynamo import skip_for_dynamo
 from .errors import BudgetError, RematError, StageError
-from .measuring import StageMeasuring, check_output, handed_on, input_signature, signature
+from .measuring import StageMeasuring, check_output, find_activation, handed_on, input_signature, signature
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices, snapshot
@@ -147,16 +147,6 @@ class chain:
         return wrapper
 
 
-def _find_activation(args, kwargs, start):
-    for i in range(start, len(args)):
-        if isinstance(args[i], torch.Tensor):
-            return i, None, args[i]
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            return None, name, value
-    return None, None, None
-
-
 class _Active(StageMeasuring):
     """One open chain on one thread (one call of the user's forward)."""
 
@@ -194,7 +184,7 @@ class _Active(StageMeasuring):
     def call(self, ident, name, fn, args, kwargs, start):
         if self.in_stage or replaying() or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        pos, in_kw, x = _find_activation(args, kwargs, start)
+        pos, in_kw, x = find_activation(args, kwargs, start)
         if x is None:
             raise StageError(
                 f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor "

@@ -324,6 +324,18 @@ def check_output(call, out, x, version):
     return act
 
 
+def find_activation(args, kwargs, start):
+    """(position, keyword, tensor) of a stage call's activation: its first tensor
+    argument from ``start`` on, else its first tensor keyword argument."""
+    for i in range(start, len(args)):
+        if isinstance(args[i], torch.Tensor):
+            return i, None, args[i]
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            return None, name, value
+    return None, None, None
+
+
 def handed_on(x, prev):
     """True if stage input ``x`` is ``prev``, the previous stage's output, or that
     tensor as ``torch.nn.Module`` passes it on around a module with full backward

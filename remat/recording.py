@@ -171,7 +171,9 @@ class Recording:
         them as the chain ends and as the backward ends (Note [What the forward phase
         drops])."""
         first = acts[0][2] if acts and acts[0][0] == 1 else None
-        self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1]], first)
+        last = act.untyped_storage() if isinstance(act, torch.Tensor) else None
+        # (a last stage returning a view of its input shares a^(L-1)'s storage with a^L)
+        self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1] if ref() is not last], first)
         kept = [i for i, storage in dropped if storage() is not None]
         if kept:
             self.caller_kept(kept)
