@@ -31,7 +31,8 @@ from .budget import parse_budget, resolve_budget
 from .costs_source import chain_costs, distributed, read_costs, rows_of, write_costs
 from .dynamo import skip_for_dynamo
 from .errors import BudgetError, RematError, StageError
-from .measuring import StageMeasuring, check_output, find_activation, handed_on, input_signature, signature
+from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_activation, handed_on,
+                        input_signature, signature)
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices, snapshot
@@ -192,6 +193,7 @@ class _Active(StageMeasuring):
             )
         k = self.k + 1
         if k == 1:
+            check_hooks_enabled(name)
             self._begin(ident, args, kwargs, x)
         elif not handed_on(x, self.prev):
             raise StageError(

@@ -324,6 +324,18 @@ def check_output(call, out, x, version):
     return act
 
 
+def check_hooks_enabled(name):
+    """A chain needs saved-tensor hooks, which ``disable_saved_tensors_hooks`` turns off."""
+    autograd = torch._C._autograd
+    if hasattr(autograd, "_saved_tensors_hooks_is_enabled") and not autograd._saved_tensors_hooks_is_enabled():
+        why = autograd._saved_tensors_hooks_get_disabled_error_message()
+        raise StageError(
+            f"remat: a chain opened where saved-tensor hooks are disabled (by "
+            f"torch.autograd.graph.disable_saved_tensors_hooks: {why!r}), at its first stage ({name}); "
+            f"remat drops and recomputes saved tensors through those hooks. Run the chain outside "
+            f"that context, or without remat.chain there")
+
+
 def find_activation(args, kwargs, start):
     """(position, keyword, tensor) of a stage call's activation: its first tensor
     argument from ``start`` on, else its first tensor keyword argument."""

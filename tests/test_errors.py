@@ -238,6 +238,16 @@ def test_nested_chains_are_refused():
                 pass
 
 
+def test_chain_where_saved_tensor_hooks_are_disabled():
+    """A chain opened under ``disable_saved_tensors_hooks`` (which some libraries use)
+    says why it cannot run there, and the next call outside gives exact gradients."""
+    net = Chain(budget=None)
+    with torch.autograd.graph.disable_saved_tensors_hooks("hooks are off in this library"):
+        with pytest.raises(remat.StageError, match=r"hooks are disabled .*'hooks are off in this library'.*Toggle"):
+            net(_input())
+    _assert_exact_next_call(net)
+
+
 def test_stage_without_tensor_argument():
     """A stage called with no tensor inside a chain says what the activation is."""
     @remat.stage
