@@ -342,7 +342,7 @@ class _Active(StageMeasuring):
                 with _cache_lock:
                     _cache.pop(self.key, None)
             else:
-                self.entry.ran(self.prev, self.dropped, self.acts)
+                self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages())
             _publish(Explanation(self.entry.planning_costs(), self.plan[0], self.budget, self.entry.names,
                                  self.entry.costs))
             return

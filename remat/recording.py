@@ -164,17 +164,18 @@ class Recording:
             cached = self._held_costs = (self.costs, Costs.from_dict(data))
         return cached[1]
 
-    def ran(self, act, dropped, acts):
+    def ran(self, act, dropped, acts, ours):
         """A call ran the plan to its end with ``act`` its a^L; ``dropped`` and ``acts``
         are (i, weak reference to a^i's storage) of the a^i its forward phase let go
         and of every stage (``acts`` with the node that made a^1 for stage 1): check
         them as the chain ends and as the backward ends (Note [What the forward phase
-        drops])."""
+        drops]). ``ours`` are the storages remat itself holds (checkpoints, which
+        stages returning their input as it is share)."""
         first = acts[0][2] if acts and acts[0][0] == 1 else None
         last = act.untyped_storage() if isinstance(act, torch.Tensor) else None
         # (a last stage returning a view of its input shares a^(L-1)'s storage with a^L)
         self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1] if ref() is not last], first)
-        kept = [i for i, storage in dropped if storage() is not None]
+        kept = [i for i, ref in dropped if (st := ref()) is not None and not any(st is o for o in ours)]
         if kept:
             self.caller_kept(kept)
 

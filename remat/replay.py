@@ -42,7 +42,10 @@ import contextlib
 
 import torch
 
-__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "Replay"]
+from .errors import RecomputeMismatchError
+
+__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "Replay",
+           "check_saved"]
 
 
 class RngState:
@@ -189,3 +192,25 @@ class Replay:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
+
+
+def check_saved(call, saved):
+    """The determinism guard: what a recomputation of ``call`` saved against what its
+    first forward saved (Note [The life of a saved tensor] 5 in remat/runtime.py)."""
+    meta = call.meta
+    if meta is None or tuple([(t.shape, t.dtype, t.device) for t in saved]) == meta:
+        return
+    if len(saved) != len(meta):
+        raise RecomputeMismatchError(
+            f"remat: stage {call.index} ({call.name}) saved {len(meta)} tensors in its forward but "
+            f"{len(saved)} when recomputed. The stage must take the same path each time it runs: "
+            f"make control flow depend only on its inputs' shapes, not on values or global state"
+        )
+    for j, (t, (shape, dtype, device)) in enumerate(zip(saved, meta)):
+        if t.shape != shape or t.dtype != dtype or t.device != device:
+            raise RecomputeMismatchError(
+                f"remat: stage {call.index} ({call.name}) saved tensor {j} as "
+                f"{tuple(shape)} {dtype} on {device} in its forward but as {tuple(t.shape)} "
+                f"{t.dtype} on {t.device} when recomputed; the stage must compute the same "
+                f"thing each time it runs"
+            )

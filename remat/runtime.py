@@ -47,7 +47,7 @@ import torch
 
 from .dynamo import STANCES
 from .errors import RecomputeMismatchError, StageError
-from .replay import Replay
+from .replay import Replay, check_saved
 
 __all__ = ["Run", "StageCall", "replaying", "RELEASES"]
 
@@ -229,6 +229,11 @@ class Run:
 
                 node.register_prehook(passed)
 
+    def held_storages(self):
+        """The storages of the stage inputs the run's anchors hold (a list)."""
+        anchors = [ref() for ref in self.anchors[1:] if ref is not None] + list(self.orphans.values())
+        return [a.input.untyped_storage() for a in anchors if a is not None and a.input is not None]
+
     hooks = staticmethod(lambda pack: torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
 
     @staticmethod
@@ -370,30 +375,9 @@ class Run:
         inp = x.detach().requires_grad_(call.input_requires_grad)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
             out = self._forward(call, inp, grad=True)
-        _check(call, saved)
+        check_saved(call, saved)
         anchor = self._anchor(k)
         if anchor is None:
             return
         anchor.saved = saved
         self._give(k + 1, out.detach())
-
-
-def _check(call, saved):
-    """The determinism guard (Note [The life of a saved tensor], 5)."""
-    meta = call.meta
-    if meta is None or tuple([(t.shape, t.dtype, t.device) for t in saved]) == meta:
-        return
-    if len(saved) != len(meta):
-        raise RecomputeMismatchError(
-            f"remat: stage {call.index} ({call.name}) saved {len(meta)} tensors in its forward but "
-            f"{len(saved)} when recomputed. The stage must take the same path each time it runs: "
-            f"make control flow depend only on its inputs' shapes, not on values or global state"
-        )
-    for j, (t, (shape, dtype, device)) in enumerate(zip(saved, meta)):
-        if t.shape != shape or t.dtype != dtype or t.device != device:
-            raise RecomputeMismatchError(
-                f"remat: stage {call.index} ({call.name}) saved tensor {j} as "
-                f"{tuple(shape)} {dtype} on {device} in its forward but as {tuple(t.shape)} "
-                f"{t.dtype} on {t.device} when recomputed; the stage must compute the same "
-                f"thing each time it runs"
-            )

@@ -111,3 +111,23 @@ def test_loop_keeping_aliases_is_caught_by_the_first_run():
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
     assert _physical_peak(net, hold=False) <= net.budget
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_stages_returning_their_input(fraction):
+    """Identity stages hand on their input as it is, so an activation can share the
+    storage of a checkpoint remat holds: no stage output is taken for one the loop
+    kept, results are plain PyTorch's and the peak stays under the budget."""
+    from chains import Stage
+    torch.manual_seed(0)
+    base = Net(["linear", "scale", "linear", "scale", "scale", "relu"])
+    for i in (1, 3, 4):
+        base.stages[i] = Stage("identity", torch.nn.Identity())
+    net = copy.deepcopy(base)
+    net.budget = budget_for(measured_costs(base), "optimal", fraction)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    assert _physical_peak(net, hold=False) <= net.budget
