@@ -173,7 +173,7 @@ class _Active(StageMeasuring):
         self.grad_pool = None
         self.upstream = None
         self.held_bytes = 0
-        self.measured = None    # what run 4 of Note [Measuring a stage] needs of the last stage
+        self.measured = {}      # stage -> what run 4 of Note [Measuring a stage] needs of it
         self.relayout = None    # (that of the stage before, the layout its gradient has) due for run 4
         self.twins = {}         # Note [Twin stages] (remat/measuring.py): key -> stage
         self.outs = {}          # measuring: stage -> weak reference to the activation it returned
@@ -353,10 +353,9 @@ class _Active(StageMeasuring):
                 self._measure_backward_again()
             finally:
                 self.in_stage = False
-                self.measured = self.grad_pool = self.upstream = None
+                self.measured, self.grad_pool, self.upstream = {}, None, None
             new.caller_holds(self.outs, self.k)
-            new.costs = chain_costs(new.rows, new.input_bytes + new.held_bytes(), self.spec.costs_path,
-                                    self.given)
+            new.costs = chain_costs(new.rows, new.input_bytes, new.held_bytes(), self.spec.costs_path, self.given)
         except BaseException:
             self._undo()
             raise

@@ -5,7 +5,7 @@ Stage i (1..L) is at index i-1 of every list. Times are seconds, sizes bytes.
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from .errors import CostsError
 from .units import format_bytes
@@ -31,9 +31,7 @@ class Costs:
         bwd_tmp: transient bytes above what B(i) holds during the backward;
             down to ``-out_bytes[i]`` where B(i) does not read a^i, which
             a-bar^i counts but which is gone by then.
-        input_bytes: size of a^0, the chain input. A measured chain adds the
-            gradients the engine holds across stages (of a leaf used by two
-            stages: that of the later use waits for the earlier's, to be summed).
+        input_bytes: size of a^0, the chain input (and of its gradient).
         fwd_drop: bytes of a^i let go in the forward phase once stage i+1 has
             run recording (``Fall``), where a^i is held on its own (after
             ``Fn``/``Fck`` of stage i): stage i+1's recording does not keep its
@@ -41,6 +39,11 @@ class Costs:
             until B(i+1). At most ``out_bytes[i]``; 0 for the last stage.
         fwd_drop_whole: the same where a^i is inside a-bar^i (after ``Fall(i)``):
             also needs B(i) not to read a^i. Either 0 or ``fwd_drop[i]``.
+        held_bytes: bytes the chain holds through the whole step beside its
+            activations (default 0): gradients the engine holds across stages
+            (of a leaf used by two stages, that of the later use waits for the
+            earlier's, to be summed), tensors stages keep outside autograd's
+            saved tensors, activations the code around the chain keeps.
 
     Raises:
         CostsError: a list has the wrong length, a size is not a
@@ -63,6 +66,7 @@ class Costs:
     input_bytes: int
     fwd_drop: tuple = None
     fwd_drop_whole: tuple = None
+    held_bytes: int = 0
 
     def __post_init__(self):
         length = None
@@ -89,6 +93,7 @@ class Costs:
                     checked.append(_check_size(name, i, v))
             object.__setattr__(self, name, tuple(checked))
         object.__setattr__(self, "input_bytes", _check_size("input_bytes", None, self.input_bytes))
+        object.__setattr__(self, "held_bytes", _check_size("held_bytes", None, self.held_bytes))
         for name, bound in (("fwd_drop", self.out_bytes), ("fwd_drop_whole", None)):
             raw = getattr(self, name)
             if raw is None:
@@ -143,7 +148,7 @@ class Costs:
         if not isinstance(data, dict):
             raise CostsError(f"remat: costs must be a JSON object, got {type(data).__name__}")
         names = {f.name for f in fields(cls)}
-        optional = {f.name for f in fields(cls) if f.default is None}   # absent from older files
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}   # absent from older files
         missing, extra = names - optional - set(data), set(data) - names - {"format"}
         if missing or extra:
             raise CostsError(
@@ -173,6 +178,8 @@ class Costs:
         """A per-stage table a person can read."""
         rows = [f"{'stage':>5} {'fwd ms':>9} {'nograd ms':>9} {'bwd ms':>9} {'out':>11} {'saved':>11} {'fwd tmp':>11} {'bwd tmp':>11}"]
         rows.append(f"{'input':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.input_bytes):>11}")
+        if self.held_bytes:
+            rows.append(f"{'held':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.held_bytes):>11}")
         for i in range(self.length):
             rows.append(
                 f"{i + 1:>5} {self.fwd_time[i] * 1e3:9.3f} {self.fwd_nograd_time[i] * 1e3:9.3f} "

@@ -41,7 +41,7 @@ def read_costs(path):
     return None if box[0] is None else Costs.from_dict(box[0])
 
 
-def chain_costs(rows, input_bytes, path, given):
+def chain_costs(rows, input_bytes, held_bytes, path, given):
     """The costs of a measuring call: ``given`` (read from ``path``) checked against
     what the call saw, else the measured ``rows`` (rank 0's under torch.distributed),
     written to ``path`` if one is given.
@@ -49,15 +49,16 @@ def chain_costs(rows, input_bytes, path, given):
     Args:
         rows: per stage, a dict of the measured cost fields (only ``out_bytes``
             when the costs are given).
-        input_bytes: the chain input's bytes plus the gradients the engine holds
-            across stages (``Recording.held_bytes``).
+        input_bytes: the chain input's bytes.
+        held_bytes: what the chain holds through the step beside its activations
+            (``Recording.held_bytes``).
     """
     if given is not None:
-        _check_given(given, rows, input_bytes, path)
+        _check_given(given, rows, input_bytes, held_bytes, path)
         return given
     drop, whole = forward_drops(rows)
     costs = Costs(**{f: [row[f] for row in rows] for f in FIELDS}, input_bytes=input_bytes,
-                  fwd_drop=drop, fwd_drop_whole=whole)
+                  fwd_drop=drop, fwd_drop_whole=whole, held_bytes=held_bytes)
     rank = 0
     if distributed():
         box = [costs.to_dict()]
@@ -101,10 +102,12 @@ def write_costs(costs, path):
         raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
 
 
-def _check_given(costs, rows, input_bytes, path):
-    """Costs read from ``path`` must describe this chain."""
+def _check_given(costs, rows, input_bytes, held_bytes, path):
+    """Costs read from ``path`` must describe this chain (a file written before
+    ``held_bytes`` counted it in ``input_bytes``)."""
     sizes = [row["out_bytes"] for row in rows]
-    if costs.length != len(sizes) or costs.input_bytes != input_bytes or list(costs.out_bytes) != sizes:
+    same_input = costs.input_bytes in (input_bytes, input_bytes + held_bytes)
+    if costs.length != len(sizes) or not same_input or list(costs.out_bytes) != sizes:
         raise CostsError(
             f"remat: the costs in {path} describe another chain ({costs.length} stages, input "
             f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {input_bytes} "

@@ -40,7 +40,7 @@ class Upstream:
         it. The engine sums a leaf's gradients before it accumulates them, so
         the share from this stage's backward waits, held, until the backward
         of the first use has run: memory no stage's costs show, which the chain
-        adds to ``input_bytes`` (DESIGN.md section 3 departs here)."""
+        counts in ``Costs.held_bytes`` (DESIGN.md section 3 departs here)."""
         return {id(p): p.numel() * p.element_size() for p in leaves if id(p) in self.leaves}
 
     def add(self, tensors):

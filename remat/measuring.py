@@ -114,11 +114,11 @@ class StageMeasuring:
             # run 4 of the Note: the gradient reaching the previous stage is laid
             # out as this stage's backward made it, not as the ones it was measured with
             layout, seen = row.pop("grad_layout", None), row.pop("input_grad_layout", None)
-            last = self.measured
-            if last is not None and last[0] == k - 1 and last[6] is not None and seen not in (None, last[6]):
+            last = self.measured.get(k - 1)
+            if last is not None and last[6] is not None and seen not in (None, last[6]):
                 self.relayout = (last, seen)
             # (the leaves behind it as they were: later stages add this one's own)
-            self.measured = (k, call, x, cuda, rng0, list(originals), layout, frozenset(self.upstream.leaves))
+            self.measured[k] = (k, call, x, cuda, rng0, list(originals), layout, frozenset(self.upstream.leaves))
         state = [t for t, _ in originals]
         for t, old in originals:
             self.originals.setdefault(storage_key(t), (t, old))
@@ -184,16 +184,19 @@ class StageMeasuring:
         """Run 4 of Note [Measuring a stage] for the stage due (if any), after the
         saved tensors of the stage past it have gone or been kept."""
         due, self.relayout = self.relayout, None
-        if due is None:
-            return
-        (i, call, x, cuda, rng0, originals, _, leaves), layout = due
-        row = self.new.rows[i - 1]
-        if i < self.diverged or row is None or "bwd_tmp" not in row:
-            return
-        again = backward_again(call, x, cuda, rng0, originals, layout, row.get("out_freed", 0),
-                               self.grad_pool, leaves)
-        if again is not None:
-            row["bwd_time"], row["bwd_tmp"] = again
+        while due is not None:
+            (i, call, x, cuda, rng0, originals, _, leaves), layout = due
+            row = self.new.rows[i - 1]
+            if i < self.diverged or row is None or "bwd_tmp" not in row:
+                return
+            again = backward_again(call, x, cuda, rng0, originals, layout, row.get("out_freed", 0),
+                                   self.grad_pool, leaves)
+            if again is None:
+                return
+            row["bwd_time"], row["bwd_tmp"], seen = again
+            # a stage that passes the layout on (an elementwise one) hands it further down
+            last = self.measured.get(i - 1)
+            due = (last, seen) if last is not None and last[6] is not None and seen not in (None, last[6]) else None
 
     def _keep_saved(self, i):
         """Whether measured stage i keeps its saved tensors for this call's backward.

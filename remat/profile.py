@@ -336,7 +336,8 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         leaves: ids of tensors also used behind the stage (``Upstream.leaves``).
 
     Returns:
-        (bwd_time, bwd_tmp), or None when the stage's output needs no gradient.
+        (bwd_time, bwd_tmp, strides of the gradient it hands its input or None),
+        or None when the stage's output needs no gradient.
     """
     xin = x.detach().requires_grad_(x.requires_grad)
     stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
@@ -354,6 +355,8 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             return None
         grad = torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
         relay = act.register_hook(_engine_owned)   # as in instrumented_run
+        handed = []
+        hook = xin.register_hook(lambda g: handed.append(g.stride())) if xin.requires_grad else None
         with step_grads(params, pool) as grads:
             inst.ignore_writes(grads)
             if cuda:
@@ -366,9 +369,11 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
                 torch.autograd.backward(act, grad, inputs=inputs + params)
             peak = torch.cuda.max_memory_allocated() if cuda else inst.peak
         relay.remove()
+        if hook is not None:
+            hook.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
         in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
-        return seconds, max(0, peak - start - in_grad) - out_freed
+        return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None
 
 
 def timed_step(call, x, cuda, rng0, state):

@@ -13,7 +13,8 @@ went up to one output over the budget (38 of 60 random test chains kept as
 ``y = net(x); loss = f(y); loss.backward()``; 26 before the give-back).
 
 So plans are solved as if the caller held a^L through the whole step (its
-bytes added to ``input_bytes``: ``planning_costs``), until a call shows
+bytes added to ``held_bytes``, and taken out of a-bar^L and of what B(L)
+gives back where measured: ``planning_costs``), until a call shows
 otherwise: each call puts a pre-hook on the node that made a^L which has
 the engine ask, at the end of that backward, whether a^L's storage is still
 alive (a weak reference: PyTorch keeps a storage's Python object as long as
@@ -76,7 +77,7 @@ class Explanation:
 
     ``costs`` are those the schedule was solved on; ``measured`` those the
     chain measured (or read), as its costs file holds them. They differ by
-    the chain's output, counted in ``input_bytes`` while the code around the
+    the chain's output, counted in ``held_bytes`` while the code around the
     chain may hold it through the backward (Note [The chain's output])."""
 
     def __init__(self, costs, schedule, budget, names, measured=None):
@@ -160,7 +161,13 @@ class Recording:
         cached = self._held_costs
         if cached is None or cached[0] is not self.costs:
             data = self.costs.to_dict()
-            data["input_bytes"] += data["out_bytes"][-1]
+            out = data["out_bytes"][-1]
+            data["held_bytes"] += out
+            freed = self.rows[-1].get("out_freed") if self.rows and self.rows[-1] is not None else None
+            if freed is not None:
+                # counted there, a^L is not also in a-bar^L, nor given back at B(L)
+                data["saved_bytes"][-1] -= out
+                data["bwd_tmp"][-1] += freed
             cached = self._held_costs = (self.costs, Costs.from_dict(data))
         return cached[1]
 
@@ -304,7 +311,7 @@ class Recording:
         over = 0
         for i in sorted(stages):
             data["fwd_drop"][i - 1] = data["fwd_drop_whole"][i - 1] = 0
-            data["input_bytes"] += data["out_bytes"][i - 1]
+            data["held_bytes"] += data["out_bytes"][i - 1]
             over += data["out_bytes"][i - 1]
             self.caller.add(i)
         self.costs = Costs.from_dict(data)

@@ -7,8 +7,8 @@ Note [Accounting]
 the chain input), s[i] the size of a-bar^i, which includes a^i.
 
 1. Held memory is the sum of x[j] for every a^j held on its own (not inside
-   a held a-bar^j), of s[i] for every held a-bar^i, and of the gradient
-   currently flowing back (none before ``Loss``).
+   a held a-bar^j), of s[i] for every held a-bar^i, of the gradient
+   currently flowing back (none before ``Loss``), and of held_bytes.
 2. ``Fn(i)``, ``Fck(i)``: need a^(i-1); peak during the op is
    held + x[i] + fwd_tmp[i]; afterwards a^i is held. ``Fn`` then lets go of
    a^(i-1) (it stays reachable if a-bar^(i-1) is held).
@@ -206,7 +206,7 @@ def simulate(costs, schedule, trace=None):
     alone = [False] * (n + 1)   # a^j held on its own
     whole = [False] * (n + 1)   # a-bar^j held (index 0 unused)
     alone[0] = True
-    mem = x[0]
+    mem = x[0] + costs.held_bytes
     peak = mem
     during = mem
     time = 0.0

@@ -32,7 +32,7 @@ With g = x[t] if t < L else 0, and forward cost f_k = fwd_time[k] if t = L
   P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]). Needs x[a] + fwd_tmp[a] <= m
   and x[k-1] + x[k] + fwd_tmp[k] <= m for a < k < j.
 
-The top call is P(1, L, budget - x[0]). Sizes are rounded *up* to slots of
+The top call is P(1, L, budget - x[0] - held_bytes). Sizes are rounded *up* to slots of
 ``ceil(budget / slots)`` bytes and the budget down, so a schedule that fits in
 slots fits in bytes. The C solver (src_c/solver.c) computes this table;
 tests/reference_solver.py is its plain Python twin.
@@ -63,7 +63,7 @@ def discretise(costs, slot):
         fwd_time=costs.fwd_time, fwd_nograd_time=costs.fwd_nograd_time, bwd_time=costs.bwd_time,
         out_bytes=[up(v) for v in costs.out_bytes], saved_bytes=[up(v) for v in costs.saved_bytes],
         fwd_tmp=[up(v) for v in costs.fwd_tmp], bwd_tmp=[up(v) for v in costs.bwd_tmp],
-        input_bytes=up(costs.input_bytes),
+        input_bytes=up(costs.input_bytes), held_bytes=up(costs.held_bytes),
         # what is let go rounds down: held less dropped stays at least the bytes
         fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
     )
@@ -186,7 +186,9 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
         return Schedule(store_all(n), full.time, full.peak, "optimal", budget, None)
     from . import _c_solver
 
-    least = _c_solver.least_memory(costs)[1]
+    # the C solver plans the activations: what is held through the step comes off the budget
+    held = costs.held_bytes
+    least = _c_solver.least_memory(costs)[1] + held
     if budget < least:
         raise BudgetError(
             f"remat: budget {format_bytes(budget)} is below this chain's minimum of "
@@ -199,9 +201,9 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
     for factor in (1, 4, 16):
         attempt = slots * factor
         try:
-            ops, _, slot = _c_solver.optimal(costs, budget, attempt)
+            ops, _, slot = _c_solver.optimal(costs, budget - held, attempt)
         except _c_solver.Infeasible:
-            if slot_size(budget, attempt) == 1:
+            if slot_size(budget - held, attempt) == 1:
                 break
             continue
         except SolverError as exc:
@@ -253,7 +255,7 @@ def minimum_budget(costs):
     """The least budget in bytes any persistent schedule of ``costs`` fits in."""
     from . import _c_solver
 
-    return _c_solver.least_memory(costs)[1]
+    return _c_solver.least_memory(costs)[1] + costs.held_bytes
 
 
 def _check_fits(sim, budget):

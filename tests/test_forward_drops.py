@@ -73,7 +73,7 @@ def test_loop_keeping_its_activations_is_seen_while_measuring():
     with pytest.warns(RuntimeWarning, match=r"keeps the outputs of stages 1-6 \(4.50 KiB\)"):
         costs = measured_costs(net)
     assert not any(costs.fwd_drop)
-    assert costs.input_bytes >= sum(costs.out_bytes[:-1])
+    assert costs.held_bytes >= sum(costs.out_bytes[:-1])
     net.budget = budget_for(costs, "optimal", 0.3)
     with pytest.warns(RuntimeWarning, match="keeps the outputs"):   # net's own measuring call
         train(net, steps=1, hold=False)
@@ -103,7 +103,7 @@ def test_loop_keeping_aliases_is_caught_by_the_first_run():
     assert "kept the outputs of stages 5-6 through its backward" in said
     entry = next(e for e in importlib.import_module("remat.chain")._cache.values() if e.idents[0]() is net.stages[0])
     now = entry.costs
-    assert not any(now.fwd_drop) and now.input_bytes == measured.input_bytes + sum(costs.out_bytes[:-1])
+    assert not any(now.fwd_drop) and now.held_bytes == measured.held_bytes + sum(costs.out_bytes[:-1])
     net.budget = budget_for(entry.planning_costs(), "optimal", 0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

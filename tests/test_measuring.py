@@ -56,7 +56,7 @@ def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
     counts, costs = _first_call_counts(2**50)
     assert counts == [[2] + [1] * 11, [1] * 12]
     least = minimum_budget(costs)
-    assert least < costs.input_bytes + sum(costs.saved_bytes)
+    assert least < costs.input_bytes + costs.held_bytes + sum(costs.saved_bytes)
     counts, _ = _first_call_counts(least)
     first = counts[0]
     assert first[0] in (2, 3) and first[-1] == 1 and set(first[1:]) <= {1, 2} and 2 in first[1:], first
@@ -185,11 +185,12 @@ def test_backward_is_measured_again_with_the_gradient_layout_it_gets(monkeypatch
     assert calls == [(1, (48, 1, 6))]   # (4, 6, 8) laid out as the transpose of (4, 8, 6)
 
 
-def test_gradients_held_across_stages_count_with_the_input():
-    """A weight used by stages 1 and 4: its gradient from stage 4 waits for stage 1's."""
+def test_gradients_held_across_stages_are_counted_as_held():
+    """A weight used by stages 1 and 4: its gradient from stage 4 waits for stage 1's,
+    held through the step (held_bytes; the input's own size is unchanged)."""
     tied, untied = _measured(["tied", "linear", "relu", "tied"]), _measured(["linear", "linear", "relu", "linear"])
     weight = 8 * 8 * 4 + 8 * 4
-    assert untied.input_bytes + weight == tied.input_bytes
+    assert untied.held_bytes + weight == tied.held_bytes and untied.input_bytes == tied.input_bytes
 
 
 def test_meter_counts_a_tensor_made_outside_its_gate():

@@ -84,14 +84,15 @@ def _physical_peak(net, batch=4, length=6, seed=7, hold=True):
 @example((["linear", "mlp", "scale", "attn", "linear"], False), 0.0, False)
 # the loop keeps the output of a stage that reads it (relu) through the whole backward
 @example((["dropout", "gelu", "relu"], False), 0.5, True)
+# bn hands scale a transposed gradient, which scale hands on to attn: run 4 cascades
+@example((["attn", "scale", "bn"], False), 0.0, True)
 def test_measured_peak_stays_under_budget(chain, fraction, hold):
     """The storage meter's peak of a real training step never exceeds the budget,
     whether the loop keeps the chain's output through the backward or not
-    (remat/recording.py Note [The chain's output]), and where it does not, is
-    within 10% of simulate's. (A loop that keeps the output is counted as
-    holding it through the whole step, beside a-bar^L and, at B(L), the
-    gradient's give-back, which count it too: up to twice its bytes more,
-    which on one- or two-stage chains is a quarter of the peak.)"""
+    (remat/recording.py Note [The chain's output]), and is within 10% of
+    simulate's: what the forward phase lets go (Costs.fwd_drop) and what the
+    chain holds through the step (Costs.held_bytes, the output a loop keeps
+    among it) are counted apart from the activations."""
     kinds, image = chain
     torch.manual_seed(0)
     net = Net(kinds, image=image)
@@ -104,7 +105,7 @@ def test_measured_peak_stays_under_budget(chain, fraction, hold):
     predicted = explanation.schedule.peak
     assert peak <= net.budget
     assert peak <= predicted
-    assert hold or peak >= 0.9 * predicted, (peak, predicted)
+    assert peak >= 0.9 * predicted, (peak, predicted)
 
 
 @pytest.mark.parametrize("kinds", [["mlp"] * 6, ["attn", "mlp"] * 4, ["convblock"] * 6, ["linear", "ln"] * 5])
@@ -314,8 +315,8 @@ def test_chain_output_held_through_backward_is_counted():
 
     first = step(hold=False)     # measuring call: planned before its backward
     measured = first.measured
-    assert first.costs.input_bytes == measured.input_bytes + measured.out_bytes[-1]
+    assert first.costs.held_bytes == measured.held_bytes + measured.out_bytes[-1]
     assert step(hold=False).costs == measured          # its backward showed a^L let go
     assert step(hold=True).costs == measured           # solved before this call's backward...
     for hold in (True, False):                          # ...which showed a^L held: for good
-        assert step(hold).costs.input_bytes == measured.input_bytes + measured.out_bytes[-1]
+        assert step(hold).costs.held_bytes == measured.held_bytes + measured.out_bytes[-1]
