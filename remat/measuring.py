@@ -75,8 +75,9 @@ class StageMeasuring:
             if self.grad_pool is None:
                 self.grad_pool = GradPool()
             twin = _Twin(self.twins, ident, call, x)
-            out, row, originals, uses_rng, reads_state = instrumented_run(call, ident, x, cuda, rng0, check_output, run.hooks(pack),
-                                                             kept, self.grad_pool, self.upstream, anchor, twin)
+            out, row, originals, uses_rng, reads_state = instrumented_run(
+                call, ident, x, cuda, rng0, check_output, run.hooks(pack), kept, self.grad_pool, self.upstream,
+                anchor, twin)
             twin.keep(row)
         else:
             # costs come from a file: learn only what replay needs, from this forward
@@ -94,7 +95,8 @@ class StageMeasuring:
                 stop = {a.grad_fn for a in (x, *call.args) if isinstance(a, torch.Tensor) and a.grad_fn is not None}
                 row["held_grads"] = self.upstream.held_grads(p for p in stage_leaves(act, stop) if p is not x)
             if row is not None:
-                row["held_outside"] = detector.alive_bytes(kept + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+                returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                row["held_outside"] = detector.alive_bytes(kept + returned)
         held = row.pop("held_grads", {}) if row is not None else {}
         outside = row.pop("held_outside", 0) if row is not None else 0
         if outside:

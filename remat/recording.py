@@ -44,14 +44,18 @@ chains within 10%).
 
 A loop could still keep an activation some other way (a view of it, a
 tensor on a custom Function's ctx). So each call that runs a plan takes a
-weak reference to the storage of each a^(i-1) the plan lets go and reads it
-as the chain ends: alive, the costs keep that a^(i-1) from then on
+weak reference to the storage of each a^(i-1) the plan lets go (after a
+``Fall`` that drops it, or an ``Fn``) and reads it as the chain ends, but
+for storages remat's own checkpoints hold (an identity stage hands on its
+input as it is); and one to each stage's output, read at the end of a
+backward that went through every stage and freed its graph. Alive, the
+costs count that activation as held through the step from then on
 (``caller_kept``), the next call plans again, and a warning says that this
-call may have gone over the budget by that much.
+call may have gone over the budget by that much. Not under
+torch.distributed, where every rank must keep rank 0's costs.
 """
 
 import warnings
-
 import weakref
 
 import torch
@@ -183,7 +187,7 @@ class Recording:
         # (a last stage returning a view of its input shares a^(L-1)'s storage with a^L)
         self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1] if ref() is not last], first)
         kept = [i for i, ref in dropped if (st := ref()) is not None and not any(st is o for o in ours)]
-        if kept:
+        if kept and not distributed():
             self.caller_kept(kept)
 
     def watch_output(self, act, inner=(), first=None):

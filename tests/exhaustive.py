@@ -23,7 +23,7 @@ def best_schedule(costs, budget, persistent):
     # state: (forward?, next_fwd, grad, alone bitmask, whole bitmask, previous op,
     # gone bitmask: a^j let go in the forward phase, rule 6 of Note [Accounting])
     start = (True, 1, -1, 1, 0, None, 0)
-    if x[0] > budget:
+    if x[0] + costs.held_bytes > budget:
         return math.inf, None
     dist = {start: 0.0}
     back = {}
@@ -40,7 +40,7 @@ def best_schedule(costs, budget, persistent):
                 st, op = back[st]
                 ops.append(op)
             return d, tuple(reversed(ops))
-        mem = _held(x, s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1)
+        mem = _held(x, s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1) + costs.held_bytes
         moves = []
         if forward and nf == n + 1 and mem + x[n] <= budget:
             moves.append((Loss, 0.0, (False, nf, n, alone, whole, None, gone)))

@@ -46,7 +46,8 @@ def reference_optimal(costs, budget_units, units):
         g = x[t] if t < n else 0
         r = fd[a - 1] if drop else 0
         best, choice = INF, None
-        if max(s[a], x[a] + ft[a]) <= m and max(s[a] + x[a] + x[a - 1] + bt[a], s[a] + x[a] if a == n else 0) <= m + g + r:
+        loss = s[a] + x[a] if a == n else 0   # the level Loss reaches, which B(L) starts from
+        if max(s[a], x[a] + ft[a]) <= m and max(s[a] + x[a] + x[a - 1] + bt[a], loss) <= m + g + r:
             if a == t:
                 best, choice = tf[a] + tb[a], ("all",)
             else:
@@ -88,7 +89,7 @@ def reference_optimal(costs, budget_units, units):
             emit(j, t, m - x[j - 1], out, t == n and fd[j - 1] > 0)
             emit(a, j - 1, m + g - x[j - 1], out)
 
-    m0 = budget_units - x[0]
+    m0 = budget_units - x[0] - costs.held_bytes
     if n == 0:
         return INF, None
     best = solve(1, n, m0)[0]
