@@ -95,8 +95,13 @@ class Explanation:
         """Per-stage costs and the op each stage gets in the forward phase."""
         modes = self.schedule.forward_modes() if self.schedule is not None else []
         lines = self.costs.table().splitlines()
-        out = [lines[0] + "  forward   name", lines[1]]
-        for i, line in enumerate(lines[2:]):
+        out = [lines[0] + "  forward   name"]
+        for line in lines[1:]:
+            first = line.split()[0]
+            if not first.isdigit():   # the input's and the held bytes' lines
+                out.append(line)
+                continue
+            i = int(first) - 1
             mode = modes[i].__name__ if i < len(modes) else "-"
             out.append(f"{line}  {mode:<8}  {self.names[i] if i < len(self.names) else ''}")
         return "\n".join(out)

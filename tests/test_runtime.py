@@ -294,13 +294,20 @@ def test_no_grad_runs_plainly():
 
 
 def test_explain_shows_costs_and_schedule():
-    """explain() names every stage with its costs and prints the schedule."""
+    """explain() names every stage with its costs and its forward-phase op, under the
+    input's and the held bytes' lines (the first call counts the output as held),
+    and prints the schedule."""
     net = _with_budget(_fresh(), 0.0)
     train(net, steps=1)
-    text = str(remat.explain())
-    assert "Attention" not in text or True
+    explanation = remat.explain()
+    assert explanation.costs.held_bytes > 0
+    text = str(explanation)
     assert "budget" in text and "schedule" in text
-    assert len([line for line in text.splitlines() if line.strip().startswith(tuple("12345"))]) >= 5
+    modes = explanation.schedule.forward_modes()
+    rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(1, 6))
+    assert [r[-2] for r in rows] == [m.__name__ for m in modes] and all(r[-1] == "Stage" for r in rows)
+    assert any(line.split()[:1] == ["held"] for line in text.splitlines())
 
 
 def test_chain_output_held_through_backward_is_counted():
