@@ -1,5 +1,5 @@
-/* Shared between solver.c (entry point, schedule writer, least memory) and
- * mintime.c (the least-time tables). Not part of the interface. */
+/* Shared between solver.c (entry point, schedule writer), minmemory.c (least
+ * memory) and mintime.c (the least-time tables). Not part of the interface. */
 #ifndef REMAT_INTERNAL_H
 #define REMAT_INTERNAL_H
 
@@ -57,6 +57,9 @@ static inline int drop_after_split(const problem *p, ll j, ll t) { return t == p
 
 /* Writes the schedule of P(1, n, m0) into out (headrooms capped at mcap). */
 int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, ll mcap, remat_plan *out);
+
+/* MIN_MEMORY (minmemory.c). */
+int remat_solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out);
 
 /* MIN_TIME and MIN_TIME_NAIVE (mintime.c). */
 int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll max_bytes, remat_plan *out);

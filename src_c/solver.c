@@ -1,9 +1,7 @@
 /* The persistent dynamic program of remat (remat/solve.py Note [The recurrence]).
  *
  * The entry point checks every argument, then hands MIN_TIME to mintime.c
- * (Note [Tables] there) and solves MIN_MEMORY here: lo(a, t), the least
- * headroom with which P(a, t) is feasible, follows the same recurrence as a
- * min over branches of the max of their conditions. Both modes write their
+ * (Note [Tables] there) and MIN_MEMORY to minmemory.c. Both modes write their
  * schedule with remat_emit, which re-evaluates the branches along the
  * schedule's path only (no choice table), with an explicit stack.
  *
@@ -180,112 +178,6 @@ int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, l
     return e.n > e.cap ? REMAT_E_CAPACITY : REMAT_OK;
 }
 
-/* ---- MIN_MEMORY: lo(a, t) exactly, in bytes ------------------------------ */
-
-typedef struct {
-    const problem *p;
-    ll *lo;
-    ll *lod;   /* lod[a]: lo(a, n) where a Fall(a) drops a^(a-1) (mintime.c Note [Drops]) */
-} lotable;
-
-static ll lo_of(const lotable *L, ll a, ll t, int drop)
-{
-    return drop ? L->lod[a] : L->lo[pidx(a, t)];
-}
-
-static ll fall_lo(const lotable *L, ll a, ll t, int drop)
-{
-    const problem *p = L->p;
-    ll r = drop ? p->fd[a - 1] : 0, need = smax(p->fneed[a], p->bneed[a] - grad(p, t) - r);
-    if (a < t) {
-        ll after = lo_of(L, a + 1, t, drop_after_fall(p, a, t));
-        if (after != LLONG_MAX)
-            after = smax(0, sadd(after, p->s[a]) - r);
-        need = smax(need, after);
-    }
-    return smax(need, 0);
-}
-
-static ll split_lo(const lotable *L, ll a, ll t, ll j)
-{
-    const problem *p = L->p;
-    ll xj = p->x[j - 1];
-    return smax(sadd(lo_of(L, j, t, drop_after_split(p, j, t)), xj), sadd(L->lo[pidx(a, j - 1)], xj) - grad(p, t));
-}
-
-static int choose_memory(const void *ctx, ll a, ll t, ll m, int drop, ll *jout)
-{
-    const lotable *L = (const lotable *)ctx;
-    const problem *p = L->p;
-    ll j, need;
-    if (m < 0)
-        return -1;
-    if (fall_lo(L, a, t, drop) <= m)
-        return 0;
-    need = p->fa[a];
-    for (j = a + 1; j <= t; j++) {
-        if (j - 1 > a)
-            need = smax(need, p->cond[j - 1]);
-        if (need > m)
-            break;
-        if (split_lo(L, a, t, j) <= m) {
-            *jout = j;
-            return 1;
-        }
-    }
-    return -1;
-}
-
-static int solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
-{
-    problem p;
-    lotable L;
-    ll n = c->length, d, a, bytes = (n * (n + 1) / 2) * (ll)sizeof(ll), m0;
-    int st;
-    out->slot_bytes = 1;
-    if (bytes > max_bytes)
-        return REMAT_E_TOO_LARGE;
-    st = remat_problem_init(&p, c, 1);
-    if (st != REMAT_OK)
-        return st;
-    L.p = &p;
-    L.lo = (ll *)malloc((size_t)bytes);
-    L.lod = (ll *)malloc((size_t)(n + 1) * sizeof(ll));
-    if (!L.lo || !L.lod) {
-        free(L.lo);
-        free(L.lod);
-        free(p.mem);
-        return REMAT_E_NOMEM;
-    }
-    for (d = 0; d < n; d++) {
-        for (a = 1; a + d <= n; a++) {
-            ll t = a + d, split = LLONG_MAX, need = p.fa[a], j;
-            /* the split branch is the same with or without the drop: Fck(a) keeps a^(a-1) */
-            for (j = a + 1; j <= t; j++) {
-                if (j - 1 > a)
-                    need = smax(need, p.cond[j - 1]);
-                if (need >= split)
-                    break;
-                split = smin(split, smax(need, split_lo(&L, a, t, j)));
-            }
-            L.lo[pidx(a, t)] = smin(fall_lo(&L, a, t, 0), split);
-            if (t == n)
-                L.lod[a] = (a > 1 && p.fd[a - 1] > 0) ? smin(fall_lo(&L, a, t, 1), split) : LLONG_MAX;
-        }
-    }
-    m0 = L.lo[pidx(1, n)];
-    if (sadd(m0, p.x[0]) > REMAT_MAX_BYTES) {
-        st = REMAT_E_OVERFLOW;
-    } else {
-        out->min_budget = m0 + p.x[0];
-        st = remat_emit(&p, choose_memory, &L, m0, REMAT_MAX_BYTES, out);
-    }
-    free(L.lo);
-    free(L.lod);
-    free(p.mem);
-    return st;
-}
-
 /* ---- the entry point ----------------------------------------------------- */
 
 static long long chain_drop(const long long *v, ll k)
@@ -366,7 +258,7 @@ int remat_solve(const remat_chain *chain, long long budget, long long slots, int
     if (st != REMAT_OK)
         return st;
     if (mode == REMAT_MIN_MEMORY)
-        return solve_memory(chain, max_table_bytes, out);
+        return remat_solve_memory(chain, max_table_bytes, out);
     if (budget < 0 || budget > REMAT_MAX_BYTES)
         return REMAT_E_BUDGET;
     if (slots < 1)
