@@ -30,14 +30,14 @@ from torch.utils._pytree import tree_leaves
 from .budget import parse_budget, resolve_budget
 from .costs_source import chain_costs, distributed, read_costs, rows_of, write_costs
 from .dynamo import skip_for_dynamo
-from .errors import BudgetError, RematError, StageError
+from .errors import RematError, StageError
 from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_activation, handed_on,
                         input_signature, signature)
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
-from .replay import capture_autocast, capture_rng, cuda_devices, snapshot
+from .replay import capture_autocast, capture_rng, cuda_devices, grad_flags, module_slots, resolve_state, snapshot, take
 from .runtime import FALL, FCK, Run, StageCall, first, replaying
-from .solve import DEFAULT_SLOTS, _parse_algorithm, solve
+from .solve import DEFAULT_SLOTS, _parse_algorithm
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 
@@ -208,8 +208,11 @@ class _Active(StageMeasuring):
             )
         self.k = k
         call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
-        if self.mode == "run" and not self._matches(k, ident, x):
+        if self.mode == "run" and not self._matches(k, ident, x, call):
             self._diverge(k)
+        if self.mode == "measure":
+            call.slots = module_slots(ident)
+            call.tensors = take(call.slots[0]) if call.slots[0] else None
         version = x._version
         self.in_stage = True
         try:
@@ -224,6 +227,7 @@ class _Active(StageMeasuring):
         finally:
             self.in_stage = False
         act = check_output(call, out, x, version)
+        call.seal()
         if self.mode == "measure":
             self.outs[k] = weakref.ref(act)
         elif k not in self.entry.caller:
@@ -256,7 +260,7 @@ class _Active(StageMeasuring):
                 entry.unsaved = False
                 write_costs(entry.costs, entry.costs_file)
             self.plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
-            schedule, modes, back, fall_at = self.plan
+            schedule, modes, back, fall_at, _ = self.plan
             self.mode = "run"
             self.run = Run(back, fall_at, autocast)
             if entry.attempts > 0:
@@ -273,17 +277,28 @@ class _Active(StageMeasuring):
                 self.new.attempts = ATTEMPTS
                 self.new.costs_file = self.spec.costs_path
 
-    def _matches(self, k, ident, x):
+    def _matches(self, k, ident, x, call):
+        """Stage k is the one recorded, on a like input, with the same parameters to
+        differentiate (a stage frozen or unfrozen since saves other tensors)."""
         entry = self.entry
         if k > len(entry.idents):
             return False
-        return entry.idents[k - 1]() is ident and entry.in_sigs[k - 1] == input_signature(ident, x)
+        if entry.idents[k - 1]() is not ident or entry.in_sigs[k - 1] != input_signature(ident, x):
+            return False
+        slots = entry.slots[k - 1]
+        if slots[0]:
+            tensors = take(slots[0])
+            if grad_flags(tensors, slots[1]) != entry.grads[k - 1]:
+                return False
+            call.slots, call.tensors = slots, tensors
+        return True
 
     def _diverge(self, k):
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "reads_state", "held"):
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "reads_state", "held",
+                     "slots", "grads"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)
         new.input_bytes = old.input_bytes
@@ -306,7 +321,7 @@ class _Active(StageMeasuring):
         """Stage ``call`` in its forward-phase mode of the plan."""
         entry, run, k = self.entry, self.run, call.index
         call.meta = entry.meta[k - 1]
-        call.state = entry.state[k - 1]
+        call.state = resolve_state(entry.state[k - 1], call.tensors)
         if entry.reads_state[k - 1]:
             call.before = snapshot(call.state)
         call.grad_replay = entry.grad_replay[k - 1]
@@ -343,7 +358,7 @@ class _Active(StageMeasuring):
                     _cache.pop(self.key, None)
             else:
                 self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages())
-            _publish(Explanation(self.entry.planning_costs(), self.plan[0], self.budget, self.entry.names,
+            _publish(Explanation(self.plan[4], self.plan[0], self.budget, self.entry.names,
                                  self.entry.costs))
             return
         new = self.new
@@ -369,23 +384,16 @@ class _Active(StageMeasuring):
             while len(_cache) > CACHE_SIZE:
                 _cache.popitem(last=False)
         new.watch_output(self.prev)
-        costs = new.planning_costs()
         try:
-            try:
-                schedule = new.plan(self.budget, self.spec.algorithm, self.spec.slots)[0]
-            except BudgetError:
-                if new.output_held is not None:
-                    raise
-                # this call's own backward may yet show its output let go (Note [The
-                # chain's output], remat/recording.py): the budget may fit from the next
-                # call on, so only a budget under the measured costs' minimum fails now
-                costs = new.costs
-                schedule = solve(costs, self.budget, self.spec.algorithm, self.spec.slots)
+            # (this call's own backward may yet show its output let go: Note [The
+            # chain's output], remat/recording.py; only a budget under the measured
+            # costs' minimum fails now)
+            plan = new.plan(self.budget, self.spec.algorithm, self.spec.slots)
         except RematError:
             self._undo()
-            _publish(Explanation(costs, None, self.budget, new.names, new.costs))
+            _publish(Explanation(new.costs, None, self.budget, new.names, new.costs))
             raise
-        _publish(Explanation(costs, schedule, self.budget, new.names, new.costs))
+        _publish(Explanation(plan[4], plan[0], self.budget, new.names, new.costs))
 
     def _undo(self):
         """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""

@@ -100,7 +100,12 @@ class GradPool:
 class step_grads:
     """Backward of one stage as a training step runs it: each parameter gradient is
     added into an existing ``.grad`` (and freed), and the stage's parameters get
-    their own ``.grad`` back afterwards, untouched."""
+    their own ``.grad`` back afterwards, untouched. The parameters' own hooks
+    (``register_hook``, ``register_post_accumulate_grad_hook``: an optimizer
+    stepping in the backward) are held back meanwhile: this backward is a
+    measurement, and they run in the call's real one."""
+
+    _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
     def __init__(self, params, pool=None):
         self.params = params
@@ -108,6 +113,13 @@ class step_grads:
 
     def __enter__(self):
         self.old = [p.grad for p in self.params]
+        self.hooks = []
+        for p in self.params:
+            for attr in self._HOOKS:
+                hooks = getattr(p, attr, None)
+                if hooks:
+                    self.hooks.append((hooks, list(hooks.items())))
+                    hooks.clear()
         grads = self.pool.grads(self.params) if self.pool is not None else [torch.zeros_like(p) for p in self.params]
         for p, g in zip(self.params, grads):
             p.grad = g
@@ -116,4 +128,6 @@ class step_grads:
     def __exit__(self, *exc):
         for p, g in zip(self.params, self.old):
             p.grad = g
+        for hooks, items in self.hooks:
+            hooks.update(items)
         return False

@@ -34,7 +34,7 @@ from .errors import StageError
 from .leaves import GradPool, Upstream, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
-from .replay import Replay, capture_rng, cuda_devices, restore_tensors
+from .replay import Replay, capture_rng, cuda_devices, grad_flags, restore_tensors, state_plan
 from .runtime import _Saved, first
 from .units import format_bytes
 
@@ -61,10 +61,12 @@ class StageMeasuring:
         anchor, _, count = run.new_anchor(call, True, x)
         kept = []
         anchor.saved = kept
+        anchor.versions = versions = []
 
         def pack(t):
             i = len(kept)
             kept.append(t.detach())
+            versions.append(t._version)
             return _Saved(anchor, i)
 
         if self.upstream is None:
@@ -126,7 +128,7 @@ class StageMeasuring:
             self.originals.setdefault(storage_key(t), (t, old))
         meta = tuple((t.shape, t.dtype, t.device) for t in kept)
         call.meta = meta
-        call.state = [weakref.ref(t) for t in state]
+        call.state = state
         call.before = [old for _, old in originals] if reads_state else None
         if reads_state:
             # each call keeps the values the stage started from (remat/replay.py Note
@@ -155,7 +157,9 @@ class StageMeasuring:
         new.meta.append(meta)
         new.uses_rng.append(uses_rng)
         new.grad_replay.append(call.grad_replay)
-        new.state.append(call.state)
+        new.state.append(state_plan(state, call.tensors or ()))
+        new.slots.append(call.slots)
+        new.grads.append(grad_flags(call.tensors or (), call.slots[1]))
         new.reads_state.append(reads_state)
         new.rows.append(row)
         new.held.append(held)

@@ -147,7 +147,9 @@ class Recording:
         self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
         self.uses_rng = []
         self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
-        self.state = []       # per stage: weak references to tensors it writes in place
+        self.state = []       # per stage: tensors it writes in place, as slot indices or weak references
+        self.slots = []       # per stage: where its module's parameters and buffers live (replay.module_slots)
+        self.grads = []       # per stage: which of those parameters require grad
         self.reads_state = []  # per stage: its result may depend on their values (Instrument.reads_state)
         self.rows = []        # per stage: dict of cost fields
         self.held = []        # per stage: {id: bytes} of gradients held past it (Upstream.held_grads)
@@ -237,8 +239,7 @@ class Recording:
         if was or was is held:
             return
         self.output_held = held
-        if was is not None or not held:   # the plans' count of a^L changes (not None -> held)
-            self.plans = {}
+        self.plans = {}   # (plans made before either knew nothing of it)
 
     def timed(self, forward, backward, nograd):
         """A call after the measuring one was stamped (Note [Timing the second call],
@@ -356,18 +357,25 @@ class Recording:
             except BudgetError as exc:
                 if costs is self.costs:
                     raise
-                why = ("the code around the chain kept it" if self.output_held else
-                       "no backward has shown yet that the code around the chain lets it go")
-                raise BudgetError(
-                    f"{exc}. That counts the chain's output ({format_bytes(self.costs.out_bytes[-1])}) "
-                    f"as held through the backward: {why} (remat/recording.py Note [The chain's output])"
-                ) from None
+                if self.output_held:
+                    raise BudgetError(
+                        f"{exc}. That counts the chain's output ({format_bytes(self.costs.out_bytes[-1])}) "
+                        f"as held through the backward: the code around the chain kept it "
+                        f"(remat/recording.py Note [The chain's output])") from None
+                schedule = None
+            if schedule is None:
+                # no backward has told yet whether the code around the chain lets a^L go:
+                # as the measuring call does, plan on the costs as measured and let this
+                # call's backward tell (the minimum a first call's error names must run:
+                # retrying with it is what that error asks)
+                costs = self.costs
+                schedule = solve(costs, budget, algorithm, slots)
             ops = schedule.ops
             split = ops.index(Loss)
             modes = [None] + [_CODES[type(op)] for op in ops[:split]]
             back = tuple((_CODES[type(op)], op.stage) for op in ops[split + 1:])
             fall_at = {i: j for j, (code, i) in enumerate(back) if code == FALL}
-            plan = (schedule, modes, back, fall_at)
+            plan = (schedule, modes, back, fall_at, costs)
             if len(self.plans) > 16:
                 self.plans.clear()
             self.plans[key] = plan

@@ -36,16 +36,35 @@ leave no trace:
    compares the stage's output with and without recording, bit for bit; a
    stage that differs is recomputed with grad mode on, its saved tensors
    dropped as they are made.
+5. Parameters and buffers: a recomputation must see the tensors the first
+   forward saw. For a stage that is a module (or a module's method), measuring
+   notes where each of its parameters and buffers lives (the ``_parameters``
+   or ``_buffers`` dict of the module or a submodule, and the name: its
+   ``slots``), and each call takes the tensors found there as it runs the
+   stage (``take``). Code that swaps them for the forward only
+   (``torch.func.functional_call``, an EMA or meta-learning copy) has put the
+   module's own back by the time the backward recomputes: the recomputation
+   puts the forward's in their place for its length (``ForwardTensors``), as
+   ``functional_call`` itself does. A parameter still in place but changed in
+   place since the forward (a version counter moved: an optimizer step or a
+   manual edit before the backward) cannot give the forward's values again:
+   ``StageError``, where plain PyTorch raises too if autograd saved it (and
+   would give the forward's gradients otherwise, which remat cannot). The
+   in-place state of 3 is found through the slots too, so state replaced by
+   new tensors between calls (``load_state_dict(..., assign=True)``) is the
+   state put back. Stages that are plain functions reach their modules through
+   closures remat cannot see: none of this applies to them.
 """
 
 import contextlib
+import weakref
 
 import torch
 
-from .errors import RecomputeMismatchError
+from .errors import RecomputeMismatchError, StageError
 
 __all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "Replay",
-           "check_saved"]
+           "check_saved", "module_slots", "take", "grad_flags", "resolve_state", "state_plan", "ForwardTensors"]
 
 
 class RngState:
@@ -139,17 +158,116 @@ def restore_tensors(tensors):
         return
     with torch.no_grad():
         saved = [t.clone() for t in tensors]
+    # their version counters too: a run of a stage that leaves no trace must not make
+    # autograd (BatchNorm's backward saves its running statistics) or remat's own
+    # checks (Note 5) see its writes as a change
+    versions = [_preserve_version(t) for t in tensors]
     try:
         yield
     finally:
         with torch.no_grad():
             _copy_all(tensors, saved)
+        for v in versions:
+            v.__exit__(None, None, None)
 
 
-def snapshot(refs):
-    """Copies of the live tensors among weak references ``refs`` (None for a dead one)."""
+_preserve_version = torch.autograd._unsafe_preserve_version_counter
+
+
+def snapshot(tensors):
+    """Copies of ``tensors`` (None for a None)."""
     with torch.no_grad():
-        return [None if t is None else t.detach().clone() for t in (r() for r in refs)]
+        return [None if t is None else t.detach().clone() for t in tensors]
+
+
+NO_SLOTS = ((), 0, ())
+_GONE = object()   # a slot's name no longer in its dict
+
+
+def module_slots(ident):
+    """Note 5: ``(slots, n, names)`` for stage object ``ident``: the (dict, name) of
+    each parameter (the first ``n``) and buffer of a module and its submodules, and
+    their dotted names; ``NO_SLOTS`` for a function."""
+    if not isinstance(ident, torch.nn.Module):
+        return NO_SLOTS
+    params, buffers = [], []
+    for prefix, m in ident.named_modules():
+        dot = prefix + "." if prefix else ""
+        params += [(m._parameters, name, dot + name) for name in m._parameters]
+        buffers += [(m._buffers, name, dot + name) for name in m._buffers]
+    both = params + buffers
+    return tuple((d, name) for d, name, _ in both), len(params), tuple(full for _, _, full in both)
+
+
+def take(slots):
+    """The tensors in ``slots`` now (None where a slot is empty or gone)."""
+    return [d.get(name) for d, name in slots]
+
+
+def grad_flags(tensors, n):
+    """Which of the first ``n`` of ``tensors`` (parameters) require grad."""
+    return tuple(t is not None and t.requires_grad for t in tensors[:n])
+
+
+def state_plan(state, tensors):
+    """How to find each tensor of ``state`` on later calls: its slot's index among
+    ``tensors`` (the call's ``take``), or else a weak reference to it."""
+    at = {id(t): i for i, t in enumerate(tensors) if t is not None}
+    return [at[id(t)] if id(t) in at else weakref.ref(t) for t in state]
+
+
+def resolve_state(plan, tensors):
+    """The state tensors of one call from ``state_plan``'s list (dead ones left out)."""
+    out = []
+    for p in plan:
+        t = tensors[p] if type(p) is int else p()
+        if t is not None:
+            out.append(t)
+    return out
+
+
+class ForwardTensors:
+    """Note 5: for a recomputation of ``call``, the parameters and buffers its
+    forward used in their slots, and a check that none changed in place."""
+
+    __slots__ = ("call", "swapped")
+
+    def __init__(self, call):
+        self.call = call
+        self.swapped = None
+
+    def __enter__(self):
+        call = self.call
+        slots, n, names = call.slots
+        versions = call.versions
+        if versions is None:   # (measuring the stage's own forward: nothing to check yet)
+            n = 0
+        swapped = None
+        for j, ((d, name), t) in enumerate(zip(slots, call.tensors)):
+            now = d.get(name, _GONE)
+            if now is t or (t is None and now is _GONE):
+                if j < n and t is not None and t._version != versions[j]:
+                    raise StageError(
+                        f"remat: parameter {names[j]!r} of stage {call.index} ({call.name}) was modified in "
+                        f"place between the forward and the backward; remat recomputes the stage in the "
+                        f"backward from the values its forward used, and those are gone. Change parameters "
+                        f"after the backward (optimizer.step() after loss.backward()), or out of place")
+                continue
+            if swapped is None:
+                swapped = []
+            swapped.append((d, name, now))
+            d[name] = t
+        self.swapped = swapped
+        return self
+
+    def __exit__(self, *exc):
+        if self.swapped:
+            for d, name, now in reversed(self.swapped):
+                if now is _GONE:
+                    d.pop(name, None)
+                else:
+                    d[name] = now
+        return False
 
 
 def _copy_each(targets, sources):
@@ -174,19 +292,23 @@ class Replay:
 
     def __enter__(self):
         stack = contextlib.ExitStack()
-        if self.call.rng is not None:
-            stack.enter_context(self.call.rng.replayed())
-        if self.autocast is not None and not self.autocast.current():
-            stack.enter_context(self.autocast.context())
         call = self.call
-        if call.state:
-            live = [t for t in (r() for r in call.state) if t is not None]
-            stack.enter_context(restore_tensors(live))
-            if call.before is not None:   # Note 3: start from the values the first forward found
-                pairs = [(t, b) for t, b in zip((r() for r in call.state), call.before)
-                         if t is not None and b is not None]
-                with torch.no_grad():
-                    _copy_all([t for t, _ in pairs], [b for _, b in pairs])
+        try:
+            if call.tensors is not None:   # first: it may raise before anything changed
+                stack.enter_context(ForwardTensors(call))
+            if call.rng is not None:
+                stack.enter_context(call.rng.replayed())
+            if self.autocast is not None and not self.autocast.current():
+                stack.enter_context(self.autocast.context())
+            if call.state:
+                stack.enter_context(restore_tensors(call.state))
+                if call.before is not None:   # Note 3: start from the values the first forward found
+                    pairs = [(t, b) for t, b in zip(call.state, call.before) if b is not None]
+                    with torch.no_grad():
+                        _copy_all([t for t, _ in pairs], [b for _, b in pairs])
+        except BaseException:
+            stack.close()
+            raise
         self._stack = stack.__enter__()
         return self
 

@@ -47,7 +47,7 @@ import torch
 
 from .dynamo import STANCES
 from .errors import RecomputeMismatchError, StageError
-from .replay import Replay, check_saved
+from .replay import NO_SLOTS, Replay, check_saved
 
 __all__ = ["Run", "StageCall", "replaying", "RELEASES"]
 
@@ -70,7 +70,7 @@ class StageCall:
     """One stage's call in one run: what it needs to run again."""
 
     __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "before", "meta",
-                 "input_requires_grad", "grad_replay")
+                 "input_requires_grad", "grad_replay", "slots", "tensors", "versions", "side")
 
     def __init__(self, index, name, fn, args, kwargs, pos, in_kw, input_requires_grad):
         self.index = index
@@ -92,6 +92,32 @@ class StageCall:
         self.meta = None
         self.grad_replay = False
         self.input_requires_grad = input_requires_grad
+        self.slots = NO_SLOTS   # where its module's parameters and buffers live (Note [Replaying a stage] 5)
+        self.tensors = None     # the tensors in those slots as it ran
+        self.versions = None    # the parameters' version counters after its forward
+        self.side = ()          # (tensor, version after its forward) of each tensor side input
+
+    def seal(self):
+        """After the stage's forward: note the version counters a recomputation checks."""
+        tensors = self.tensors
+        if tensors is not None:
+            self.versions = [-1 if t is None else t._version for t in tensors[:self.slots[1]]]
+        side = [a for a in self.args if isinstance(a, torch.Tensor)]
+        if self.kwargs:
+            side += [a for a in self.kwargs.values() if isinstance(a, torch.Tensor)]
+        if side:
+            self.side = [(t, t._version) for t in side]
+
+    def check_side(self):
+        """Raise if a tensor side input changed in place since the forward (and is not
+        state the stage itself writes, put back after each run: Note [Replaying a stage] 3)."""
+        for j, (t, version) in enumerate(self.side):
+            if t._version != version and not any(t is s for s in self.state):
+                raise StageError(
+                    f"remat: a tensor side input of stage {self.index} ({self.name}) (the {_ordinal(j + 1)}) "
+                    f"was modified in place between the forward and the backward; remat recomputes the "
+                    f"stage in the backward from the values its forward used, and those are gone. Pass "
+                    f"the stage a copy (.clone()), or change the tensor after the backward")
 
     def call(self, x):
         """Run the stage on activation ``x`` with its side inputs; return the activation out."""
@@ -110,19 +136,25 @@ class StageCall:
                 return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
+def _ordinal(n):
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
 def first(out):
     """The activation of what a stage returned."""
     return out[0] if isinstance(out, tuple) else out
 
 
 class _Anchor:
-    __slots__ = ("run", "stage", "input", "saved", "observe", "__weakref__")
+    __slots__ = ("run", "stage", "input", "version", "saved", "versions", "observe", "__weakref__")
 
     def __init__(self, run, stage):
         self.run = run
         self.stage = stage
         self.input = None
+        self.version = 0      # the input's version counter when it was taken
         self.saved = None
+        self.versions = None  # version counters of ``saved`` as packed, where they were not recomputed
         self.observe = None   # called with each unpacked index instead of releasing (measuring)
 
 
@@ -152,6 +184,12 @@ def _unpack(handle):
         anchor.run.materialize(anchor.stage)
         saved = anchor.saved
     t = saved[handle.index]
+    versions = anchor.versions
+    if versions is not None and t._version != versions[handle.index]:
+        raise StageError(
+            f"remat: a tensor stage {anchor.stage} saved for its backward was modified in place after "
+            f"its forward (version {versions[handle.index]}, now {t._version}), as plain PyTorch would "
+            f"say; change a copy (.clone()), or change it after the backward")
     if anchor.observe is not None:
         anchor.observe(handle.index)
     elif _releasing():
@@ -165,6 +203,18 @@ def _drop(_tensor):
 
 def _never(_):
     raise RuntimeError("remat: a recomputation's own graph was backwarded; please report this bug")
+
+
+def _unchanged(anchor, x):
+    """``x``, the input ``anchor`` holds, if it was not modified in place since it was taken."""
+    if x._version != anchor.version:
+        k = anchor.stage
+        what = "the chain's input" if k == 1 else f"the input of stage {k}"
+        raise StageError(
+            f"remat: {what} was modified in place between the forward and the backward; remat keeps "
+            f"it to recompute stage {k} in the backward, from the values its forward used. Change a "
+            f"copy (.clone()), or change it after the backward")
+    return x
 
 
 class Run:
@@ -189,6 +239,7 @@ class Run:
         anchor = _Anchor(self, call.index)
         if keep_input:
             anchor.input = x.detach()
+            anchor.version = x._version
         self.calls.append(call)
         self.anchors.append(weakref.ref(anchor))
         self.whole.append(False)
@@ -270,7 +321,7 @@ class Run:
                 f"remat: the input of stage {k} is needed to recompute it but is no longer held; "
                 f"please report this bug"
             )
-        return x
+        return _unchanged(anchor, x)
 
     def _give(self, k, x):
         """Hand a^(k-1) = x to stage k's anchor, if that stage still needs it."""
@@ -278,6 +329,7 @@ class Run:
             anchor = self._anchor(k)
             if anchor is not None and anchor.input is None:
                 anchor.input = x
+                anchor.version = x._version
 
     def materialize(self, k):
         """Recompute what stage k's backward needs (Note [The life of a saved tensor], 3-4)."""
@@ -316,7 +368,8 @@ class Run:
             j -= 1
         if j < 1:
             raise StageError(f"remat: no held input to rebuild stage {k} from; please report this bug")
-        x = self._anchor(j).input
+        anchor = self._anchor(j)
+        x = _unchanged(anchor, anchor.input)
         for i in range(j, k):
             x = self._forward(self.calls[i], x, grad=False)
         self._record(k, x)
@@ -342,6 +395,8 @@ class Run:
         return out
 
     def _replay(self, call, x, grad):
+        if call.side:
+            call.check_side()
         _local.replaying = True
         try:
             with Replay(call, self.autocast):
@@ -380,4 +435,5 @@ class Run:
         if anchor is None:
             return
         anchor.saved = saved
+        anchor.versions = None
         self._give(k + 1, out.detach())

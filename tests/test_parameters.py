@@ -1,0 +1,239 @@
+"""What happens to a stage's parameters, buffers and inputs between its forward
+and the recomputations of it in the backward (remat/replay.py Note [Replaying
+a stage] 5): swapped for the forward only (``torch.func.functional_call``),
+replaced between calls (``load_state_dict(assign=True)``), frozen mid-training,
+changed in place before the backward, stepped by an optimizer inside the
+backward. Each against plain PyTorch, bit for bit, or a clear error that leaves
+the next call exact."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+
+import remat
+from remat.solve import minimum_budget
+
+
+class Block(nn.Module):
+    def __init__(self, d, bn=False):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(d) if bn else nn.LayerNorm(d)
+        self.l1 = nn.Linear(d, 2 * d)
+        self.l2 = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.2)
+        self.bn = bn
+
+    @remat.stage
+    def forward(self, x, pos=None):
+        h = self.norm(x.transpose(1, 2)).transpose(1, 2) if self.bn else self.norm(x)
+        if pos is not None:
+            h = h + pos
+        return x + self.l2(self.drop(F.gelu(self.l1(h))))
+
+
+class Net(nn.Module):
+    def __init__(self, n=5, d=16, bn=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, bn) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+        self.budget = None
+
+    def forward(self, x, pos=None):
+        if self.budget is None:
+            for b in self.blocks:
+                x = b(x, pos)
+        else:
+            with remat.chain(budget=self.budget):
+                for b in self.blocks:
+                    x = b(x, pos)
+        return self.head(x)
+
+
+def _pair(bn=False, n=5):
+    """A model and its remat twin at the chain's minimum budget (every stage but the
+    last recomputed), the cache cleared after the probe that found it."""
+    torch.manual_seed(0)
+    ref = Net(n, bn=bn)
+    probe = copy.deepcopy(ref)
+    probe.budget = 2**40
+    probe(torch.randn(4, 8, 16)).sum().backward()
+    low = minimum_budget(remat.explain().costs)
+    remat.clear_cache()
+    net = copy.deepcopy(ref)
+    net.budget = low
+    return ref, net
+
+
+def _grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def _assert_equal(a, b):
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+def test_functional_call_with_other_parameters_gives_their_gradients():
+    """The backward recomputes after ``functional_call`` has put the module's own
+    parameters back: the recomputation must use the dict's (meta-learning, an EMA
+    copy), as the forward did."""
+    ref, net = _pair()
+    for step in range(4):
+        x = torch.randn(4, 8, 16)
+        out = []
+        for model in (ref, net):
+            torch.manual_seed(100 + step)
+            fast = {name: (p * 1.5 + 0.1).detach().requires_grad_() for name, p in model.named_parameters()}
+            torch.manual_seed(200 + step)
+            loss = functional_call(model, fast, (x,)).square().mean()
+            grads = torch.autograd.grad(loss, list(fast.values()))
+            out.append((loss, grads))
+        assert remat.explain().schedule.recomputations() > 0
+        assert torch.equal(out[0][0], out[1][0])
+        _assert_equal(out[0][1], out[1][1])
+    # the module's own parameters are in place after each backward
+    for (name, a), b in zip(ref.named_parameters(), net.parameters()):
+        assert isinstance(b, nn.Parameter) and torch.equal(a, b), name
+
+
+def test_buffers_replaced_between_calls_are_the_ones_put_back():
+    """``load_state_dict(assign=True)`` (resuming from a checkpoint) gives BatchNorm new
+    buffer tensors: recomputations must put back those, not the ones measured."""
+    ref, net = _pair(bn=True)
+    for step in range(4):
+        if step == 2:
+            state = copy.deepcopy(ref.state_dict())
+            ref.load_state_dict(copy.deepcopy(state), assign=True)
+            net.load_state_dict(copy.deepcopy(state), assign=True)
+        x = torch.randn(4, 8, 16)
+        for model in (ref, net):
+            model.zero_grad()
+            torch.manual_seed(step)
+            model(x).square().mean().backward()
+        assert remat.explain().schedule.recomputations() > 0
+        _assert_equal(_grads(ref), _grads(net))
+        for (name, a), b in zip(ref.named_buffers(), net.buffers()):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_freezing_a_stage_mid_training_measures_again(change):
+    """A stage frozen (or unfrozen) since it was measured saves other tensors: the
+    chain measures again from it, and the gradients stay plain PyTorch's."""
+    ref, net = _pair()
+    if change == "unfreeze":
+        for model in (ref, net):
+            model.blocks[2].requires_grad_(False)
+    for step in range(5):
+        if step == 2:
+            for model in (ref, net):
+                model.blocks[2].requires_grad_(change == "unfreeze")
+        x = torch.randn(4, 8, 16)
+        for model in (ref, net):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            model(x).square().mean().backward()
+        assert remat.explain().schedule.recomputations() > 0
+        _assert_equal(_grads(ref), _grads(net))
+
+
+def _loss(model, x, pos=None):
+    torch.manual_seed(7)
+    return model(x, pos).square().mean()
+
+
+def _next_call_exact(ref, net):
+    x = torch.randn(4, 8, 16)
+    for model in (ref, net):
+        model.zero_grad(set_to_none=True)
+        _loss(model, x).backward()
+    _assert_equal(_grads(ref), _grads(net))
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_parameter_changed_in_place_before_the_backward_is_an_error(which):
+    """A parameter changed in place between the forward and the backward: plain
+    PyTorch raises where autograd saved it (a weight) and gives the forward's
+    gradients where it did not (a bias); remat, which recomputes from the
+    parameter, cannot give those and says so, naming it. The next call is exact."""
+    ref, net = _pair()
+    for _ in range(2):   # measuring, then running the schedule
+        loss = _loss(net, torch.randn(4, 8, 16))
+        with torch.no_grad():
+            getattr(net.blocks[1].l1, which).add_(0.01)
+        with pytest.raises(remat.StageError, match=rf"parameter 'l1\.{which}' of stage 2 .*modified in place"):
+            loss.backward()
+        with torch.no_grad():
+            getattr(ref.blocks[1].l1, which).add_(0.01)
+    _next_call_exact(ref, net)
+
+
+def test_side_input_changed_in_place_before_the_backward_is_an_error():
+    ref, net = _pair()
+    pos = torch.randn(8, 16)
+    loss = _loss(net, torch.randn(4, 8, 16), pos)   # measuring: keeps every stage input
+    loss.backward()
+    loss = _loss(net, torch.randn(4, 8, 16), pos)
+    pos.add_(1)
+    with pytest.raises(remat.StageError, match="side input of stage .* modified in place"):
+        loss.backward()
+    _next_call_exact(ref, net)
+
+
+def test_chain_input_changed_in_place_before_the_backward_is_an_error():
+    ref, net = _pair()
+    _loss(net, torch.randn(4, 8, 16)).backward()
+    x = torch.randn(4, 8, 16)
+    loss = _loss(net, x)
+    assert remat.explain().schedule.ops[0] == remat.Fck(1)
+    x.mul_(2)
+    with pytest.raises(remat.StageError, match="the chain's input was modified in place"):
+        loss.backward()
+    _next_call_exact(ref, net)
+
+
+def test_recomputation_leaves_batchnorm_version_counters_alone():
+    """BatchNorm's backward saves its running statistics, and autograd checks their
+    version counters: the writes remat puts back after a recomputation must not show
+    (a Fall stage of the same module would fail its backward otherwise)."""
+    ref, net = _pair(bn=True)
+    for step in range(3):
+        x = torch.randn(4, 8, 16)
+        for model in (ref, net):
+            model.zero_grad()
+            torch.manual_seed(step)
+            model(x).square().mean().backward()
+        _assert_equal(_grads(ref), _grads(net))
+        for a, b in zip(ref.buffers(), net.buffers()):
+            assert torch.equal(a, b) and a._version == b._version
+
+
+def test_optimizer_step_in_backward_runs_once_per_parameter():
+    """PyTorch's recipe for fusing the optimizer step into the backward (a
+    post-accumulate-grad hook per parameter): the measuring call's own stage
+    backwards are measurements and must not step; parameters stay plain's."""
+    ref, net = _pair()
+    counts = {}
+    for tag, model in (("ref", ref), ("net", net)):
+        opts = {p: torch.optim.Adam([p], lr=1e-2) for p in model.parameters()}
+
+        def hook(p, opts=opts, tag=tag):
+            opts[p].step()
+            opts[p].zero_grad()
+            counts[tag] = counts.get(tag, 0) + 1
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+    for step in range(3):
+        x = torch.randn(4, 8, 16)
+        for model in (ref, net):
+            _loss(model, x).backward()
+        assert counts["ref"] == counts["net"]
+        for (name, a), b in zip(ref.named_parameters(), net.parameters()):
+            assert torch.equal(a, b), name
