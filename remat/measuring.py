@@ -61,12 +61,15 @@ class StageMeasuring:
         anchor, _, count = run.new_anchor(call, True, x)
         kept = []
         anchor.saved = kept
-        anchor.versions = versions = []
+        anchor.versions = []
 
         def pack(t):
-            i = len(kept)
-            kept.append(t.detach())
-            versions.append(t._version)
+            # through the anchor, not the list: autograd keeps this function with each
+            # tensor it packs, and ``kept`` must go when the anchor lets it go
+            saved = anchor.saved
+            i = len(saved)
+            saved.append(t.detach())
+            anchor.versions.append(t._version)
             return _Saved(anchor, i)
 
         if self.upstream is None:

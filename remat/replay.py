@@ -210,10 +210,27 @@ def grad_flags(tensors, n):
 
 
 def state_plan(state, tensors):
-    """How to find each tensor of ``state`` on later calls: its slot's index among
-    ``tensors`` (the call's ``take``), or else a weak reference to it."""
+    """How to find each tensor of ``state`` on later calls: the index among
+    ``tensors`` (the call's ``take``) of the slot whose tensor it is or shares its
+    storage with (a stage may write a buffer through an alias it makes, which dies
+    with the call: ``buf.view(-1).mul_()``, instance norm's running statistics,
+    an embedding's ``max_norm`` renormalising ``weight.detach()``), or else a weak
+    reference to it or to the tensor it is a view of."""
     at = {id(t): i for i, t in enumerate(tensors) if t is not None}
-    return [at[id(t)] if id(t) in at else weakref.ref(t) for t in state]
+    shared = {t.untyped_storage()._cdata: i for i, t in enumerate(tensors)
+              if t is not None and t.layout == torch.strided}
+    plan = []
+    for t in state:
+        i = at.get(id(t))
+        if i is None and t.layout == torch.strided:
+            i = shared.get(t.untyped_storage()._cdata)
+        if i is None:
+            while t._base is not None:
+                t = t._base
+            plan.append(weakref.ref(t))
+        elif i not in plan:
+            plan.append(i)
+    return plan
 
 
 def resolve_state(plan, tensors):
@@ -304,8 +321,9 @@ class Replay:
                 stack.enter_context(restore_tensors(call.state))
                 if call.before is not None:   # Note 3: start from the values the first forward found
                     pairs = [(t, b) for t, b in zip(call.state, call.before) if b is not None]
-                    with torch.no_grad():
-                        _copy_all([t for t, _ in pairs], [b for _, b in pairs])
+                    if pairs:
+                        with torch.no_grad():
+                            _copy_all([t for t, _ in pairs], [b for _, b in pairs])
         except BaseException:
             stack.close()
             raise

@@ -48,6 +48,44 @@ def _first_call_counts(budget):
     return counts, remat.explain().costs
 
 
+def test_first_call_holds_the_stage_inputs_and_one_stage():
+    """The measuring call needs no more than every stage's input plus one stage's
+    forward and backward (and the parameters' gradients): the saved tensors of the
+    stages it lets go must go. (They did not: autograd keeps the pack hook with each
+    tensor it packs, and the hook held the list; the call peaked above plain.)"""
+    from remat.meter import Instrument
+
+    def make():
+        torch.manual_seed(0)
+        return nn.ModuleList(remat.stage(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)))
+                             for _ in range(8))
+
+    def peak(blocks, budget):
+        x = torch.randn(32, 16, 64)
+        with Instrument() as inst:
+            h = x
+            if budget is None:
+                for b in blocks:
+                    h = b(h)
+            else:
+                with remat.chain(budget=budget):
+                    for b in blocks:
+                        h = b(h)
+            h.sum().backward()
+        return inst.peak
+
+    plain = peak(make(), None)
+    peak(make(), 2**40)
+    c = remat.explain().costs
+    remat.clear_cache()
+    blocks = make()
+    first = peak(blocks, minimum_budget(c))
+    params = sum(p.numel() * p.element_size() for p in blocks.parameters())
+    one_stage = max(s + f + b for s, f, b in zip(c.saved_bytes, c.fwd_tmp, c.bwd_tmp))
+    assert first <= c.input_bytes + sum(c.out_bytes[:-1]) + one_stage + params
+    assert first < plain / 2
+
+
 def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
     """A first call runs the first stage's forward twice (metered, then without
     recording) and its eleven twins once (Note [Twin stages]); stages whose saved
