@@ -25,6 +25,7 @@ import time
 import weakref
 
 import torch
+from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
@@ -35,7 +36,7 @@ from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_
                         input_signature, signature)
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
-from .replay import capture_autocast, capture_rng, cuda_devices, grad_flags, module_slots, resolve_state, snapshot, take
+from .replay import capture_autocast, capture_rng, cuda_devices, param_flags, module_slots, resolve_state, snapshot, take
 from .runtime import FALL, FCK, Run, StageCall, first, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm
 
@@ -179,13 +180,14 @@ class _Active(StageMeasuring):
         self.outs = {}          # measuring: stage -> weak reference to the activation it returned
         self.dropped = []       # running: (i, weak reference to a^i's storage) the plan lets go
         self.acts = []          # running: (i, weak reference to a^i's storage), each stage
+        self.source = None      # a^0's storage
 
     # stage calls ---------------------------------------------------------
 
     def call(self, ident, name, fn, args, kwargs, start):
         if self.in_stage or replaying() or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        pos, in_kw, x = find_activation(args, kwargs, start)
+        pos, in_kw, x = find_activation(args, kwargs, start, fn)
         if x is None:
             raise StageError(
                 f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor "
@@ -193,8 +195,14 @@ class _Active(StageMeasuring):
             )
         k = self.k + 1
         if k == 1:
+            if x.is_inference():
+                raise StageError(
+                    f"remat: the chain's input (to stage 1, {name}) was made under torch.inference_mode(), "
+                    f"and autograd can neither save it nor track changes to it; make it outside "
+                    f"inference mode, or pass a copy made outside it (x.clone())")
             check_hooks_enabled(name)
             self._begin(ident, args, kwargs, x)
+            self.source = x.untyped_storage()
         elif not handed_on(x, self.prev):
             raise StageError(
                 f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({self.prev_name}) "
@@ -213,6 +221,11 @@ class _Active(StageMeasuring):
         if self.mode == "measure":
             call.slots = module_slots(ident)
             call.tensors = take(call.slots[0]) if call.slots[0] else None
+            if call.tensors and any(is_lazy(t) for t in call.tensors if t is not None):
+                raise StageError(
+                    f"remat: stage {k} ({name}) has lazy parameters or buffers not initialized yet "
+                    f"(nn.LazyLinear, ...), which remat cannot measure; run the model once first, e.g. "
+                    f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
         version = x._version
         self.in_stage = True
         try:
@@ -279,7 +292,9 @@ class _Active(StageMeasuring):
 
     def _matches(self, k, ident, x, call):
         """Stage k is the one recorded, on a like input, with the same parameters to
-        differentiate (a stage frozen or unfrozen since saves other tensors)."""
+        differentiate, of the same dtypes (a stage frozen or unfrozen since saves
+        other tensors; one cast to another dtype, behind a first stage taking integer
+        ids, keeps the key but not the costs)."""
         entry = self.entry
         if k > len(entry.idents):
             return False
@@ -288,7 +303,7 @@ class _Active(StageMeasuring):
         slots = entry.slots[k - 1]
         if slots[0]:
             tensors = take(slots[0])
-            if grad_flags(tensors, slots[1]) != entry.grads[k - 1]:
+            if param_flags(tensors, slots[1]) != entry.grads[k - 1]:
                 return False
             call.slots, call.tensors = slots, tensors
         return True
@@ -357,7 +372,7 @@ class _Active(StageMeasuring):
                 with _cache_lock:
                     _cache.pop(self.key, None)
             else:
-                self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages())
+                self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
             _publish(Explanation(self.plan[4], self.plan[0], self.budget, self.entry.names,
                                  self.entry.costs))
             return

@@ -24,6 +24,8 @@ allocate alike, so nothing the budget relies on is guessed. On CPU the
 next two calls' own times then replace the shared ones (remat/refine.py).
 """
 
+import functools
+import inspect
 import warnings
 import weakref
 
@@ -34,7 +36,7 @@ from .errors import StageError
 from .leaves import GradPool, Upstream, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
-from .replay import Replay, capture_rng, cuda_devices, grad_flags, restore_tensors, state_plan
+from .replay import Replay, capture_rng, cuda_devices, param_flags, restore_tensors, state_plan
 from .runtime import _Saved, first
 from .units import format_bytes
 
@@ -162,7 +164,7 @@ class StageMeasuring:
         new.grad_replay.append(call.grad_replay)
         new.state.append(state_plan(state, call.tensors or ()))
         new.slots.append(call.slots)
-        new.grads.append(grad_flags(call.tensors or (), call.slots[1]))
+        new.grads.append(param_flags(call.tensors or (), call.slots[1]))
         new.reads_state.append(reads_state)
         new.rows.append(row)
         new.held.append(held)
@@ -325,7 +327,10 @@ def check_output(call, out, x, version):
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 raise StageError(
                     f"remat: stage {call.index} ({call.name}) returned a tuple whose item {j} requires "
-                    f"grad; only the first item may carry gradient (detach the others)"
+                    f"grad; only the first item, the activation, may carry gradient. If that item needs "
+                    f"none, detach it; if the next stage takes it (T5's position_bias), the blocks exchange "
+                    f"two tensors, which a chain cannot carry: compute it before the chain and pass it to "
+                    f"every stage as a side input, or pack it into the activation (docs/limitations.md)"
                 )
     if x._version != version:
         raise StageError(
@@ -348,16 +353,29 @@ def check_hooks_enabled(name):
             f"that context, or without remat.chain there")
 
 
-def find_activation(args, kwargs, start):
+def find_activation(args, kwargs, start, fn=None):
     """(position, keyword, tensor) of a stage call's activation: its first tensor
-    argument from ``start`` on, else its first tensor keyword argument."""
+    argument from ``start`` on, else its first tensor keyword argument in the order
+    of ``fn``'s parameters (``blk(mask=m, hidden_states=h)`` passes ``h``)."""
     for i in range(start, len(args)):
         if isinstance(args[i], torch.Tensor):
             return i, None, args[i]
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            return None, name, value
+    names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+    if len(names) > 1 and fn is not None:
+        order = _parameter_order(getattr(fn, "__func__", fn))
+        names.sort(key=lambda name: order.get(name, len(order)))
+    if names:
+        return None, names[0], kwargs[names[0]]
     return None, None, None
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_order(fn):
+    """{name: position} of ``fn``'s parameters (empty if it has no signature)."""
+    try:
+        return {name: i for i, name in enumerate(inspect.signature(fn).parameters)}
+    except (TypeError, ValueError):
+        return {}
 
 
 def handed_on(x, prev):

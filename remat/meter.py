@@ -55,20 +55,50 @@ def _returns_views(schema):
 _PLANS = {}   # op -> (_written_arguments, _returns_views) of its schema
 
 
+_COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_csc: ("ccol_indices", "row_indices"),
+               torch.sparse_bsr: ("crow_indices", "col_indices"), torch.sparse_bsc: ("ccol_indices", "row_indices")}
+
+
+def dense_parts(t):
+    """The strided tensors holding ``t``'s memory: itself, or a sparse tensor's
+    indices and values (an ``nn.Embedding(sparse=True)``'s gradient); none for
+    other layouts, which the meter does not see."""
+    if t.layout == torch.strided:
+        return (t,)
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    names = _COMPRESSED.get(t.layout)
+    if names is None:
+        return ()
+    return (getattr(t, names[0])(), getattr(t, names[1])(), t.values())
+
+
+def _keys(t):
+    if t.layout == torch.strided:
+        return (t.untyped_storage()._cdata,)
+    return tuple(p.untyped_storage()._cdata for p in dense_parts(t))
+
+
 def _storage_keys(args, kwargs):
     """Storage ids of the tensors among an op's arguments (lists of tensors included)."""
     keys = set()
     for values in (args, kwargs.values()):
         for a in values:
             if isinstance(a, torch.Tensor):
-                keys.add(a.untyped_storage()._cdata)
+                keys.update(_keys(a))
             elif isinstance(a, (list, tuple)):
-                keys.update(t.untyped_storage()._cdata for t in a if isinstance(t, torch.Tensor))
+                for t in a:
+                    if isinstance(t, torch.Tensor):
+                        keys.update(_keys(t))
     return keys
 
 
 def storage_key(t):
-    """An id of ``t``'s storage, valid while the storage lives."""
+    """An id of ``t``'s storage, valid while the storage lives (of its first part,
+    ``dense_parts``, for a sparse tensor)."""
+    if t.layout != torch.strided:
+        parts = dense_parts(t)
+        return parts[0].untyped_storage()._cdata if parts else id(t)
     return t.untyped_storage()._cdata
 
 
@@ -128,9 +158,10 @@ class Instrument(TorchDispatchMode):
     def count(self, t):
         """Meter ``t``'s storage from now on as if made while the gate was open
         (a tensor made outside the region that the region's budget counts)."""
-        st = t.untyped_storage()
-        if not self.created.get(st._cdata):
-            self._track(st, st.nbytes())
+        for part in dense_parts(t):
+            st = part.untyped_storage()
+            if not self.created.get(st._cdata):
+                self._track(st, st.nbytes())
 
     def _track(self, st, nbytes):
         """Count storage ``st`` as ``nbytes`` live until it is freed."""
@@ -188,6 +219,8 @@ class Instrument(TorchDispatchMode):
     def _note_outputs(self, outs, inputs):
         created = self.created
         made = None
+        if any(t.layout != torch.strided for t in outs):
+            outs = [p for t in outs for p in dense_parts(t)]
         for t in outs:
             if t.is_meta:
                 continue

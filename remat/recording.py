@@ -149,7 +149,7 @@ class Recording:
         self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
         self.state = []       # per stage: tensors it writes in place, as slot indices or weak references
         self.slots = []       # per stage: where its module's parameters and buffers live (replay.module_slots)
-        self.grads = []       # per stage: which of those parameters require grad
+        self.grads = []       # per stage: dtype and requires_grad of those parameters (replay.param_flags)
         self.reads_state = []  # per stage: its result may depend on their values (Instrument.reads_state)
         self.rows = []        # per stage: dict of cost fields
         self.held = []        # per stage: {id: bytes} of gradients held past it (Upstream.held_grads)
@@ -182,17 +182,20 @@ class Recording:
             cached = self._held_costs = (self.costs, Costs.from_dict(data))
         return cached[1]
 
-    def ran(self, act, dropped, acts, ours):
+    def ran(self, act, dropped, acts, ours, source=None):
         """A call ran the plan to its end with ``act`` its a^L; ``dropped`` and ``acts``
         are (i, weak reference to a^i's storage) of the a^i its forward phase let go
         and of every stage (``acts`` with the node that made a^1 for stage 1): check
         them as the chain ends and as the backward ends (Note [What the forward phase
         drops]). ``ours`` are the storages remat itself holds (checkpoints, which
-        stages returning their input as it is share)."""
+        stages returning their input as it is share); ``source`` is a^0's, counted in
+        the costs already (a first stage returning a view of its input shares it)."""
         first = acts[0][2] if acts and acts[0][0] == 1 else None
         last = act.untyped_storage() if isinstance(act, torch.Tensor) else None
         # (a last stage returning a view of its input shares a^(L-1)'s storage with a^L)
-        self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1] if ref() is not last], first)
+        self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1] if (st := ref()) is not last and st is not source],
+                          first)
+        ours = [*ours, source]
         kept = [i for i, ref in dropped if (st := ref()) is not None and not any(st is o for o in ours)]
         if kept and not distributed():
             self.caller_kept(kept)

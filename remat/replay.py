@@ -64,7 +64,7 @@ import torch
 from .errors import RecomputeMismatchError, StageError
 
 __all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "Replay",
-           "check_saved", "module_slots", "take", "grad_flags", "resolve_state", "state_plan", "ForwardTensors"]
+           "check_saved", "module_slots", "take", "param_flags", "resolve_state", "state_plan", "ForwardTensors"]
 
 
 class RngState:
@@ -204,9 +204,9 @@ def take(slots):
     return [d.get(name) for d, name in slots]
 
 
-def grad_flags(tensors, n):
-    """Which of the first ``n`` of ``tensors`` (parameters) require grad."""
-    return tuple(t is not None and t.requires_grad for t in tensors[:n])
+def param_flags(tensors, n):
+    """dtype and requires_grad of each of the first ``n`` of ``tensors`` (the parameters)."""
+    return tuple(None if t is None else (t.dtype, t.requires_grad) for t in tensors[:n])
 
 
 def state_plan(state, tensors):

@@ -190,8 +190,11 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
     held = costs.held_bytes
     least = _c_solver.least_memory(costs)[1] + held
     if budget < least:
+        shown = format_bytes(budget)
+        if shown == format_bytes(least):   # (7.62 KiB below 7.62 KiB reads as a contradiction)
+            shown += f" ({int(budget)} bytes)"
         raise BudgetError(
-            f"remat: budget {format_bytes(budget)} is below this chain's minimum of "
+            f"remat: budget {shown} is below this chain's minimum of "
             f"{format_bytes(least)} ({least} bytes; storing everything needs "
             f"{format_bytes(full.peak)}); raise the budget or split the largest stage"
         )

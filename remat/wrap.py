@@ -153,6 +153,12 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
             f"pass [block] for a single one"
         )
+    if getattr(model, "is_gradient_checkpointing", False) is True:
+        raise StageError(
+            f"remat.wrap: this {type(model).__name__} has transformers' gradient checkpointing on "
+            f"(gradient_checkpointing_enable()); remat recomputes on its own schedule, and both "
+            f"together recompute twice and measure the wrong costs. Call "
+            f"model.gradient_checkpointing_disable() first")
     blocks = list(blocks)
     if not blocks:
         raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")

@@ -284,3 +284,55 @@ def test_stage_outside_chain_is_plain():
     x = torch.randn(2, 4)
     assert torch.equal(lin(x), staged(x))
     assert list(lin.state_dict()) == list(staged.state_dict())
+
+
+def test_lazy_stage_not_initialized_names_the_dry_run():
+    """A stage with lazy parameters not initialized yet cannot be measured: the error
+    says to run the model once first; after that dry run the chain is exact."""
+    torch.manual_seed(0)
+    stages = [remat.stage(nn.Sequential(nn.LazyLinear(16), nn.Tanh())) for _ in range(4)]
+    x = torch.randn(6, 16)
+
+    def call(budget):
+        h = x
+        if budget is None:
+            for s in stages:
+                h = s(h)
+            return h
+        with remat.chain(budget=budget):
+            for s in stages:
+                h = s(h)
+        return h
+
+    with pytest.raises(remat.StageError, match=r"stage 1 .*lazy parameters.*run the model once first"):
+        call(2**40)
+    with torch.no_grad():
+        call(None)
+    ref = copy.deepcopy(stages)
+    call(2**40).square().sum().backward()
+    h = x
+    for s in ref:
+        h = s(h)
+    h.square().sum().backward()
+    for a, b in zip(stages, ref):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p.grad, q.grad)
+
+
+def test_input_made_in_inference_mode_is_named():
+    torch.manual_seed(0)
+    stages = [remat.stage(nn.Linear(8, 8)) for _ in range(3)]
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+
+    def call(x):
+        with remat.chain(budget=2**40):
+            h = x
+            for s in stages:
+                h = s(h)
+        return h
+
+    with pytest.raises(remat.StageError, match=r"inference_mode\(\).*x\.clone\(\)"):
+        call(x)
+    call(x.clone()).sum().backward()
+    assert all(s.weight.grad is not None for s in stages)

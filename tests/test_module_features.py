@@ -304,3 +304,75 @@ def test_state_written_through_an_alias_is_put_back(kind):
     _train(net, x)
     assert remat.explain().schedule.recomputations() > 0
     _assert_same(ref, net)
+
+
+def test_sparse_embedding_stage_matches_plain():
+    """``nn.Embedding(sparse=True)`` gives a sparse gradient, whose memory the meter
+    finds in its indices and values (it crashed reading a sparse tensor's storage)."""
+
+    def make():
+        torch.manual_seed(0)
+        return nn.ModuleList([remat.stage(nn.Embedding(30, 16, sparse=True))] + [
+            remat.stage(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))) for _ in range(3)])
+
+    def run(stages, h):
+        for s in stages:
+            h = s(h)
+        return h
+
+    def train(stages, budget):
+        opt = torch.optim.SGD(stages.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(step)
+            ids = torch.randint(0, 30, (4, 7))
+            if budget is None:
+                h = run(stages, ids)
+            else:
+                with remat.chain(budget=budget):
+                    h = run(stages, ids)
+            opt.zero_grad()
+            h.square().mean().backward()
+            opt.step()
+        return stages
+
+    train(make(), 2**40)
+    low = minimum_budget(remat.explain().costs)
+    remat.clear_cache()
+    ref, net = train(make(), None), train(make(), low)
+    assert remat.explain().schedule.recomputations() > 0
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_activation_passed_by_keyword_after_a_side_input():
+    """``blk(mask=m, hidden_states=h)``: of the tensors passed by keyword, the
+    activation is the one whose parameter comes first in the stage's signature."""
+
+    class Masked(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.lin = nn.Linear(d, d)
+
+        @remat.stage
+        def forward(self, hidden_states, mask=None):
+            return torch.tanh(self.lin(hidden_states)) * mask
+
+    torch.manual_seed(0)
+    ref = nn.ModuleList(Masked(16) for _ in range(4))
+    net = copy.deepcopy(ref)
+    mask = (torch.rand(4, 8, 1) > 0.3).float()
+    for budget in (2**40, 0):
+        x = torch.randn(4, 8, 16)
+        h, g = x, x
+        if budget == 0:
+            budget = minimum_budget(remat.explain().costs)
+        with remat.chain(budget=budget):
+            for blk in net:
+                h = blk(mask=mask, hidden_states=h)
+        for blk in ref:
+            g = blk(mask=mask, hidden_states=g)
+        h.square().sum().backward()
+        g.square().sum().backward()
+        for a, b in zip(ref.parameters(), net.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    assert remat.explain().schedule.recomputations() > 0

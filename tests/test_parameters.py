@@ -237,3 +237,27 @@ def test_optimizer_step_in_backward_runs_once_per_parameter():
         assert counts["ref"] == counts["net"]
         for (name, a), b in zip(ref.named_parameters(), net.parameters()):
             assert torch.equal(a, b), name
+
+
+def test_stage_cast_to_another_dtype_measures_again():
+    """Behind a first stage taking integer ids the chain's key does not see a model
+    cast to another dtype: each stage's parameters' dtypes do, and the costs follow."""
+    torch.manual_seed(0)
+    stages = [remat.stage(nn.Embedding(50, 32))] + [
+        remat.stage(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))) for _ in range(3)]
+    ids = torch.randint(0, 50, (4, 8))
+
+    def call():
+        with remat.chain(budget=2**40):
+            x = ids
+            for s in stages:
+                x = s(x)
+        x.square().mean().backward()
+        return remat.explain().costs
+
+    single = call()
+    for s in stages:
+        s.double()
+    double = call()
+    assert double.out_bytes == tuple(2 * b for b in single.out_bytes)
+    assert all(p.grad.dtype == torch.float64 for s in stages for p in s.parameters())

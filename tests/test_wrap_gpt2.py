@@ -197,3 +197,18 @@ def test_gpt2_output_hidden_states_are_counted_as_held(gpt2_setup):
         grads.append([p.grad for p in m.parameters()])
     assert remat.explain().schedule.recomputations() > 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@needs_transformers
+def test_gpt2_with_transformers_checkpointing_on_is_refused(gpt2_setup):
+    """transformers' own gradient checkpointing and remat would both recompute (and
+    remat measure costs the other already cut): wrap says to turn it off; once off,
+    the model trains exactly as the plain one."""
+    base, ref, _ = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(remat.StageError, match=r"gradient_checkpointing_disable\(\)"):
+        remat.wrap(model, model.transformer.h, budget="1MiB")
+    model.gradient_checkpointing_disable()
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    assert_same(ref, train_gpt2(model))
