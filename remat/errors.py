@@ -37,3 +37,11 @@ class StageError(RematError, RuntimeError):
 
 class RecomputeMismatchError(RematError, RuntimeError):
     """A recomputation did not save what the first forward saved."""
+
+
+def input_modified(index, name):
+    """The StageError for stage ``index`` (``name``) writing its input in place."""
+    return StageError(
+        f"remat: stage {index} ({name}) modified its input in place (e.g. a ReLU(inplace=True) as "
+        f"its first op); remat needs the input unchanged to recompute the stage. Make that op out of "
+        f"place or move it to the end of stage {index - 1}")

@@ -4,7 +4,7 @@ stage] 2 in remat/profile.py)."""
 
 import torch
 
-__all__ = ["GradPool", "Upstream", "stage_leaves", "step_grads"]
+__all__ = ["GradPool", "Upstream", "held_hooks", "stage_leaves", "step_grads"]
 
 
 def stage_leaves(out, stop):
@@ -97,37 +97,53 @@ class GradPool:
         return out
 
 
-class step_grads:
-    """Backward of one stage as a training step runs it: each parameter gradient is
-    added into an existing ``.grad`` (and freed), and the stage's parameters get
-    their own ``.grad`` back afterwards, untouched. The parameters' own hooks
-    (``register_hook``, ``register_post_accumulate_grad_hook``: an optimizer
-    stepping in the backward) are held back meanwhile: this backward is a
-    measurement, and they run in the call's real one."""
+class held_hooks:
+    """Context: the Python hooks of ``tensors`` (``register_hook``,
+    ``register_post_accumulate_grad_hook``: an optimizer stepping in the
+    backward) held back, and their ``.grad`` put back after: for the measuring
+    call's own backwards, which are measurements (the hooks run in the call's
+    real backward)."""
 
     _HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
-    def __init__(self, params, pool=None):
-        self.params = params
-        self.pool = pool
+    def __init__(self, tensors):
+        self.tensors = tensors
 
     def __enter__(self):
-        self.old = [p.grad for p in self.params]
+        # (a non-leaf's .grad is read only where it keeps one: reading warns)
+        self.old = [t.grad if t.is_leaf or t.retains_grad else None for t in self.tensors]
         self.hooks = []
-        for p in self.params:
+        for t in self.tensors:
             for attr in self._HOOKS:
-                hooks = getattr(p, attr, None)
+                hooks = getattr(t, attr, None)
                 if hooks:
                     self.hooks.append((hooks, list(hooks.items())))
                     hooks.clear()
-        grads = self.pool.grads(self.params) if self.pool is not None else [torch.zeros_like(p) for p in self.params]
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        return grads
+        return self
 
     def __exit__(self, *exc):
-        for p, g in zip(self.params, self.old):
-            p.grad = g
+        for t, g in zip(self.tensors, self.old):
+            if (t.is_leaf or t.retains_grad) and t.grad is not g:
+                t.grad = g
         for hooks, items in self.hooks:
             hooks.update(items)
         return False
+
+
+class step_grads(held_hooks):
+    """Backward of one stage as a training step runs it: each parameter gradient is
+    added into an existing ``.grad`` (and freed), and the stage's parameters get
+    their own ``.grad`` back afterwards, untouched, their hooks held back meanwhile
+    (``held_hooks``)."""
+
+    def __init__(self, params, pool=None):
+        super().__init__(params)
+        self.pool = pool
+
+    def __enter__(self):
+        super().__enter__()
+        params = self.tensors
+        grads = self.pool.grads(params) if self.pool is not None else [torch.zeros_like(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        return grads

@@ -32,7 +32,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .errors import StageError
+from .errors import StageError, input_modified
 from .leaves import GradPool, Upstream, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
@@ -333,11 +333,7 @@ def check_output(call, out, x, version):
                     f"every stage as a side input, or pack it into the activation (docs/limitations.md)"
                 )
     if x._version != version:
-        raise StageError(
-            f"remat: stage {call.index} ({call.name}) modified its input in place (e.g. a "
-            f"ReLU(inplace=True) as its first op); remat needs the input unchanged to recompute the "
-            f"stage. Make that op out of place or move it to the end of stage {call.index - 1}"
-        )
+        raise input_modified(call.index, call.name)
     return act
 
 

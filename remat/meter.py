@@ -102,6 +102,10 @@ def storage_key(t):
     return t.untyped_storage()._cdata
 
 
+class InputWritten(Exception):
+    """An op was about to write the tensor an ``Instrument`` protects (not run)."""
+
+
 class Instrument(TorchDispatchMode):
     """Storage meter, in-place write detector and op timer (see the module's docstring)."""
 
@@ -115,8 +119,10 @@ class Instrument(TorchDispatchMode):
     def _should_skip_dynamo(cls):
         return False
 
-    def __init__(self, exclude=(), sources=()):
+    def __init__(self, exclude=(), sources=(), protect=None):
         super().__init__()
+        # a tensor no op may write: raises ``InputWritten`` before such an op runs
+        self._protect = storage_key(protect) if protect is not None else None
         self.live = 0
         self.peak = 0
         self.gate = True   # only storages made while the gate is open are metered
@@ -204,6 +210,8 @@ class Instrument(TorchDispatchMode):
                     for t in value:
                         if isinstance(t, torch.Tensor):
                             written.add(self._note_write(t))
+            if self._protect is not None and self._protect in written:
+                raise InputWritten(func)
             self.reads.update(inputs - written)
         else:
             self.reads.update(inputs)

@@ -11,13 +11,19 @@ this order:
    allocates, notes the tensors it writes in place and times its ops. It
    gives out_bytes, saved_bytes (the distinct storages autograd saved,
    allocated by the stage, plus the output), fwd_tmp and fwd_time. The stage
-   runs on a copy of its input, so that writing the input in place is caught
-   (a StageError) with the input untouched.
+   runs on its input itself, so that its graph is plain PyTorch's (through a
+   copy, the gradients reaching an input with several users were summed in
+   another order); the meter refuses an op about to write the input (a
+   StageError, the input untouched).
 2. The stage's backward on that graph (``retain_graph``), still metered:
    bwd_tmp and bwd_time. It runs as a training step runs it: parameter
    gradients are added into ``.grad`` buffers swapped in for the run and out
-   after (``GradPool``, remat/leaves.py); the gradient of the input copy is made but not
-   kept. The engine stops at the copy, so hooks on the input do not run. A
+   after (``GradPool``, remat/leaves.py); the gradient of the input is made
+   and held to the end, not kept. The engine takes the gradients at the
+   edges of the input and of the parameters (``_backward``), so the input's
+   node, the previous stage's, does not run, nor do AccumulateGrad and its
+   hooks (FSDP1's post-backward); the input's and parameters' own hooks are
+   held back. A
    parameter also used behind the stage (tied weights, see ``Upstream``) is
    left out, or the engine would run the graph behind the stage to reach
    it: its gradient's share of the time is not counted. What this backward
@@ -61,8 +67,9 @@ import time
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .leaves import stage_leaves, step_grads
-from .meter import Instrument, storage_key
+from .errors import input_modified
+from .leaves import held_hooks, stage_leaves, step_grads
+from .meter import Instrument, InputWritten, storage_key
 from .replay import restore_tensors
 from .runtime import RELEASES
 
@@ -111,23 +118,28 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         state it updates in place, whether it draws random numbers, whether
         what it computes may depend on that state's values: ``Instrument.reads_state``).
     """
-    # a copy of the input: a stage writing its input in place is caught by the
-    # version check without touching x, and the backward below stops at the
-    # copy, so hooks on x do not run
-    xin = x.clone()
-    inst = Instrument(exclude=[x, xin], sources=[xin])
+    # the stage runs on x itself, so that its graph is the one a plain forward makes
+    # (a copy in between would sum the gradients reaching x in another order where x
+    # has several users: bits apart). The meter refuses an op writing x before it
+    # runs (x untouched), and the backward below stops at x without running its node
+    inst = Instrument(exclude=[x], sources=[x], protect=x)
     buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
-    version = xin._version
+    version = x._version
     stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    if x.requires_grad:
+        stop.add(_node_of(x))
     row = {"bwd_time": 0.0}
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    with inst, torch.enable_grad(), hooks:
-        out = call.invoke(xin)
+    try:
+        with inst, torch.enable_grad(), hooks:
+            out = call.invoke(x)
+    except InputWritten:
+        raise input_modified(call.index, call.name) from None
     row["fwd_time"] = inst.op_seconds
-    check(call, out, xin, version)
+    check(call, out, x, version)
     act = out[0] if isinstance(out, tuple) else out
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
     uses_rng = rng0.changed()
@@ -142,7 +154,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["held_outside"] = inst.alive_bytes(saved + returned)
     # whether the stage, recorded, keeps its input's storage (saved, or returned as a
     # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
-    in_key = storage_key(xin)
+    in_key = storage_key(x)
     row["input_kept"] = any(storage_key(t) == in_key for t in saved + returned)
     keys = {}
     for t in saved + [act]:
@@ -158,13 +170,13 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["out_freed"] = 0 if any(storage_key(t) == out_key for t in saved) else out_bytes
     bwd_delta = 0
     in_grad = 0
-    params = stage_leaves(act, stop | {xin.grad_fn}) if act.requires_grad else []
+    params = [p for p in stage_leaves(act, stop) if p is not x] if act.requires_grad else []
     if upstream is not None:
         row["held_grads"] = upstream.held_grads(params)
         params = [p for p in params if id(p) not in upstream.leaves]
     donor = None
     if twin is not None:
-        stops = stop | {xin.grad_fn}
+        stops = stop
         donor = twin.find((out_bytes, saved_bytes, fwd_peak, row["out_freed"], uses_rng,
                            tuple((t.shape, t.dtype, t.device) for t in saved),
                            tuple((t.shape, t.dtype) for t, _ in forward_writes.values()),
@@ -173,11 +185,13 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
                            _graph_shape(act.grad_fn, stops)))
     if donor is not None:
         row.update(donor)
-    elif act.requires_grad and (xin.requires_grad or params):
+    elif act.requires_grad and (x.requires_grad or params):
         # the meter is off between the two runs: what is made here is no stage's
         grad_out = torch.ones_like(act)
         row["grad_layout"] = grad_out.stride()
-        hook = xin.register_hook(lambda g: row.__setitem__("input_grad_layout", g.stride())) if xin.requires_grad else None
+        own = held_hooks([x] if x.requires_grad else [])   # x's hooks held back (its .grad kept)
+        own.__enter__()
+        hook = x.register_hook(lambda g: row.__setitem__("input_grad_layout", g.stride())) if x.requires_grad else None
         # a training step hands the stage a gradient only the engine holds, which
         # it may add into in place (a residual's sum): so does a copy made here
         relay = act.register_hook(_engine_owned)
@@ -189,12 +203,12 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
                 base_b = torch.cuda.memory_allocated()
             released = None
             if not cuda:
-                released = _Releases(act, stop | {xin.grad_fn}, saved, keys, storage_key(act), inst, anchor)
+                released = _Releases(act, stop, saved, keys, storage_key(act), inst, anchor)
                 inst.open_window(released.held)
             ops_before = inst.op_seconds
             try:
                 with inst:
-                    _backward(act, grad_out, xin if xin.requires_grad else None, params)
+                    _backward(act, grad_out, x if x.requires_grad else None, params, grads)
             except BaseException as exc:
                 if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
                     exc.add_note(_BACKWARD_FAILED)
@@ -204,14 +218,15 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
                     released.close()
                 if hook is not None:
                     hook.remove()
+                own.__exit__(None, None, None)
                 relay.remove()
             row["bwd_time"] = inst.op_seconds - ops_before
             if cuda:
                 bwd_delta = torch.cuda.max_memory_allocated() - base_b
             else:
                 bwd_delta = inst.window_peak - released.held
-        # the copy stands for the gradient simulate holds (x[i]), and the input's for
-        # the one B(i) adds (x[i-1]); what is left is bwd_tmp
+        # the output's gradient stands for the one simulate holds (x[i]), and the
+        # input's for the one B(i) adds (x[i-1]); what is left is bwd_tmp
         in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
         del grad_out
     del act
@@ -294,9 +309,18 @@ class _Releases:
 
 _BACKWARD_FAILED = (
     "(raised by the backward that remat's first call runs on each stage to measure it, inside "
-    "the chain's forward: hooks that expect a backward only after the forward, such as FSDP1's "
-    "(FullyShardedDataParallel) on its units, reject it. Measure the costs once without them and "
-    "pass the file: remat.chain(..., costs=\"costs.json\"))")
+    "the chain's forward: hooks that expect a backward only after the forward may reject it. "
+    "Measure the costs once without them and pass the file: remat.chain(..., costs=\"costs.json\"))")
+
+
+def _node_of(x):
+    """The node x's gradient goes to: its grad_fn, or a leaf's AccumulateGrad."""
+    if x.grad_fn is not None:
+        return x.grad_fn
+    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if edge is not None:
+        return edge(x).node
+    return x.view_as(x).grad_fn.next_functions[0][0]
 
 
 def _engine_owned(grad):
@@ -304,24 +328,45 @@ def _engine_owned(grad):
     return grad.clone()
 
 
-def _backward(out, grad, x, params):
-    """``torch.autograd.backward(out, grad, inputs=[x, *params], retain_graph=True)``
-    for ``grad = ones_like(out)`` and a non-leaf ``x`` (or None): the graph is the
-    real forward's, backwarded again later. Where PyTorch allows, ``x`` is given
-    as its gradient edge, so that its gradient is made but not copied into
-    ``x.grad`` (a non-leaf's is), and the engine is called directly: the public
-    call checks grad's shape with sympy, imported on first use (half a second
-    of a first call, for a check that cannot fail here)."""
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    if run is None or edge is None or torch.overrides.has_torch_function((out, grad, *params)):
-        inputs = ([] if x is None else [x]) + params
-        torch.autograd.backward(out, grad, inputs=inputs, retain_graph=True)
-        if x is not None:
-            x.grad = None
-    else:
-        inputs = ([] if x is None else [edge(x)]) + params
-        run((out,), (grad,), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True)
+def _backward(out, grad, x, params, grads):
+    """The stage's backward on the real forward's graph (kept for the real backward
+    later), for ``grad = ones_like(out)``, as a training step runs it, stopping at
+    its input ``x`` (or None) without running x's node: that node is the stage
+    before's (it would unpack that stage's saved tensors; FSDP's autograd Function
+    on the root's inputs would reshard the parameters). So it takes the gradients
+    at the edges of x and of ``params``, as ``torch.autograd.grad`` does (an input's
+    node runs in ``backward``'s mode), x's held to the end as a training step holds
+    it for the stage before; each parameter's is added into its buffer of ``grads``
+    by a hook, as AccumulateGrad adds into an existing ``.grad``, and leaves a zero
+    that takes no memory. The engine is called directly where PyTorch allows: the
+    public call checks grad's shape with sympy, imported on first use (half a
+    second of a first call, for a check that cannot fail here)."""
+    zeros = {}
+
+    def adder(buf):
+        def add(g):
+            buf.add_(g)
+            if g.layout != torch.strided:
+                return g
+            key = (g.dtype, g.device)
+            if key not in zeros:
+                zeros[key] = torch.zeros((), dtype=g.dtype, device=g.device)
+            return zeros[key].expand(g.shape)
+        return add
+
+    handles = [p.register_hook(adder(b)) for p, b in zip(params, grads)]
+    inputs = ([] if x is None else [x]) + list(params)
+    try:
+        run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+        edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+        if run is None or edge is None or torch.overrides.has_torch_function((out, grad, *inputs)):
+            torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
+        else:
+            run((out,), (grad,), True, False, tuple(edge(t) for t in inputs), allow_unreachable=True,
+                accumulate_grad=False)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=()):

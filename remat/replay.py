@@ -45,7 +45,10 @@ leave no trace:
    (``torch.func.functional_call``, an EMA or meta-learning copy) has put the
    module's own back by the time the backward recomputes: the recomputation
    puts the forward's in their place for its length (``ForwardTensors``), as
-   ``functional_call`` itself does. A parameter still in place but changed in
+   ``functional_call`` itself does (not a tensor whose memory has been freed
+   since: FSDP swaps in sharded parameters between its units' forward and
+   backward, and puts the forward's back, memory and all, before the
+   backward). A parameter still in place but changed in
    place since the forward (a version counter moved: an optimizer step or a
    manual edit before the backward) cannot give the forward's values again:
    ``StageError``, where plain PyTorch raises too if autograd saved it (and
@@ -270,6 +273,8 @@ class ForwardTensors:
                         f"backward from the values its forward used, and those are gone. Change parameters "
                         f"after the backward (optimizer.step() after loss.backward()), or out of place")
                 continue
+            if t is not None and t.layout == torch.strided and t.untyped_storage().nbytes() == 0 and t.numel():
+                continue   # its memory freed since: FSDP's resharding, which puts it back before B(i)
             if swapped is None:
                 swapped = []
             swapped.append((d, name, now))
