@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -149,6 +150,15 @@ class chain:
         return wrapper
 
 
+_warned_transforms = []
+
+
+def _transformed(x):
+    """True if ``x`` is a torch.func transform's wrapped tensor (vmap's, grad's)."""
+    check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return check is not None and check(x)
+
+
 class _Active(StageMeasuring):
     """One open chain on one thread (one call of the user's forward)."""
 
@@ -194,6 +204,15 @@ class _Active(StageMeasuring):
                 f"argument of a stage is the activation that flows along the chain"
             )
         k = self.k + 1
+        if k == 1 and _transformed(x):
+            # inside torch.func.vmap / grad: remat's hooks and meter cannot see through
+            # the transforms' wrapped tensors; the chain runs plainly this call
+            if not _warned_transforms:
+                _warned_transforms.append(True)
+                warnings.warn("remat: a chain called inside a torch.func transform (vmap, grad, ...) runs "
+                              "its stages plainly, without a budget", RuntimeWarning, stacklevel=3)
+            self.in_stage = True   # (every stage of this call: the chain is never entered)
+            return fn(*args, **kwargs)
         if k == 1:
             if x.is_inference():
                 raise StageError(

@@ -385,6 +385,9 @@ def handed_on(x, prev):
             or x.dtype != prev.dtype or x.device != prev.device):
         return False
     node, nr = x.grad_fn, x.output_nr
-    while node is not None and type(node).__name__ == "BackwardHookFunctionBackward":
+    target, target_nr = prev.grad_fn, prev.output_nr
+    # (prev itself may come out of one: the stage returned a hooked submodule's output)
+    while node is not None and not (node is target and nr == target_nr) and \
+            type(node).__name__ == "BackwardHookFunctionBackward":
         node, nr = node.next_functions[nr]
-    return node is prev.grad_fn and (node is None or nr == prev.output_nr)
+    return node is target and (node is None or nr == target_nr)

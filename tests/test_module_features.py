@@ -376,3 +376,68 @@ def test_activation_passed_by_keyword_after_a_side_input():
         for a, b in zip(ref.parameters(), net.parameters()):
             assert torch.equal(a.grad, b.grad)
     assert remat.explain().schedule.recomputations() > 0
+
+
+def test_backward_hooks_on_every_module():
+    """``model.apply`` a full backward hook (per-module gradient norms): a stage then
+    returns a hooked submodule's output, itself made by ``BackwardHookFunction``,
+    which the stage's own hook wraps again; the chain follows the views to it (it
+    raised 'code between the two stages changed the activation')."""
+    torch.manual_seed(0)
+    ref = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(4))
+    net = copy.deepcopy(ref)
+    seen = {id(ref): [], id(net): []}
+    for model in (ref, net):
+        model.apply(lambda m, k=id(model): m.register_full_backward_hook(
+            lambda mod, gi, go: seen[k].append(go[0].clone())))
+    for s in net:
+        remat.stage(s)
+    x = torch.randn(8, 16)
+    for budget in (2**40, 16000, 16000):
+        h = g = x
+        with remat.chain(budget=budget):
+            for s in net:
+                h = s(h)
+        for s in ref:
+            g = s(g)
+        h.sum().backward()
+        g.sum().backward()
+        if budget == 2**40:   # (inner modules' hooks also ran in the measuring call's stage backwards)
+            seen[id(ref)].clear()
+            seen[id(net)].clear()
+    assert remat.explain().schedule.recomputations() > 0
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert len(seen[id(net)]) == len(seen[id(ref)]) == 32
+    assert all(torch.equal(a, b) for a, b in zip(seen[id(ref)], seen[id(net)]))
+
+
+def test_chain_inside_torch_func_transforms_runs_plainly():
+    """Under ``torch.func.vmap`` or ``torch.func.grad`` the chain sees the transforms'
+    wrapped tensors, which its hooks and meter cannot handle (vmap raised from the
+    meter): it runs the stages plainly, with a warning, and gives plain results."""
+    from torch.func import grad, vmap
+
+    chain_module._warned_transforms.clear()   # (warned once per process)
+    torch.manual_seed(0)
+    layers = nn.ModuleList(remat.stage(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)))
+                           for _ in range(3))
+    x = torch.randn(8, 16)
+
+    def f(xx, chained):
+        h = xx
+        if chained:
+            with remat.chain(budget=2**40):
+                for s in layers:
+                    h = s(h)
+        else:
+            for s in layers:
+                h = s(h)
+        return h.square().sum()
+
+    with pytest.warns(RuntimeWarning, match="torch.func transform"):
+        got = vmap(lambda xx: f(xx, True))(x)
+    assert torch.equal(got, vmap(lambda xx: f(xx, False))(x))
+    assert torch.equal(grad(lambda xx: f(xx, True))(x), grad(lambda xx: f(xx, False))(x))
+    f(x, True).backward()   # an ordinary call afterwards measures and runs the chain
+    assert remat.explain().costs.length == 3
