@@ -191,11 +191,16 @@ class _Active(StageMeasuring):
         self.dropped = []       # running: (i, weak reference to a^i's storage) the plan lets go
         self.acts = []          # running: (i, weak reference to a^i's storage), each stage
         self.source = None      # a^0's storage
+        self.skipped = None     # a stage called under no_grad after stage 1
 
     # stage calls ---------------------------------------------------------
 
     def call(self, ident, name, fn, args, kwargs, start):
-        if self.in_stage or replaying() or not torch.is_grad_enabled():
+        if self.in_stage or replaying():
+            return fn(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            if self.k:
+                self.skipped = name   # (an error if a stage follows: ``_not_handed_on``)
             return fn(*args, **kwargs)
         pos, in_kw, x = find_activation(args, kwargs, start, fn)
         if x is None:
@@ -223,6 +228,12 @@ class _Active(StageMeasuring):
             self._begin(ident, args, kwargs, x)
             self.source = x.untyped_storage()
         elif not handed_on(x, self.prev):
+            if self.skipped is not None:
+                raise StageError(
+                    f"remat: a stage ({self.skipped}) was called under torch.no_grad() in the middle of a "
+                    f"chain, after stage {k - 1} ({self.prev_name}); the stages after it could not be "
+                    f"recomputed from its output. To freeze it, turn its parameters' requires_grad off "
+                    f"(block.requires_grad_(False)) and call it as usual, or close the chain before it")
             raise StageError(
                 f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({self.prev_name}) "
                 f"returned; code between the two stages changed the activation. Move that code into "
@@ -235,6 +246,7 @@ class _Active(StageMeasuring):
             )
         self.k = k
         call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
+        call.autocast = self.autocast if k == 1 else capture_autocast()
         if self.mode == "run" and not self._matches(k, ident, x, call):
             self._diverge(k)
         if self.mode == "measure":
@@ -260,6 +272,8 @@ class _Active(StageMeasuring):
             self.in_stage = False
         act = check_output(call, out, x, version)
         call.seal()
+        if self.mode == "run" and not act.requires_grad:
+            self.run.pin()
         if self.mode == "measure":
             self.outs[k] = weakref.ref(act)
         elif k not in self.entry.caller:
@@ -319,6 +333,8 @@ class _Active(StageMeasuring):
             return False
         if entry.idents[k - 1]() is not ident or entry.in_sigs[k - 1] != input_signature(ident, x):
             return False
+        if entry.autocasts[k - 1] != call.autocast:
+            return False
         slots = entry.slots[k - 1]
         if slots[0]:
             tensors = take(slots[0])
@@ -332,7 +348,7 @@ class _Active(StageMeasuring):
         old = self.entry
         new = Recording()
         for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "reads_state", "held",
-                     "slots", "grads"):
+                     "slots", "grads", "autocasts"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)
         new.input_bytes = old.input_bytes

@@ -164,6 +164,7 @@ class StageMeasuring:
         new.grad_replay.append(call.grad_replay)
         new.state.append(state_plan(state, call.tensors or ()))
         new.slots.append(call.slots)
+        new.autocasts.append(call.autocast)
         new.grads.append(param_flags(call.tensors or (), call.slots[1]))
         new.reads_state.append(reads_state)
         new.rows.append(row)

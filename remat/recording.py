@@ -150,6 +150,7 @@ class Recording:
         self.state = []       # per stage: tensors it writes in place, as slot indices or weak references
         self.slots = []       # per stage: where its module's parameters and buffers live (replay.module_slots)
         self.grads = []       # per stage: dtype and requires_grad of those parameters (replay.param_flags)
+        self.autocasts = []   # per stage: the autocast state it ran in
         self.reads_state = []  # per stage: its result may depend on their values (Instrument.reads_state)
         self.rows = []        # per stage: dict of cost fields
         self.held = []        # per stage: {id: bytes} of gradients held past it (Upstream.held_grads)

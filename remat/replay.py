@@ -12,7 +12,8 @@ leave no trace:
    rest of the program sees is untouched. Stages measured not to draw random
    numbers skip this.
 2. Autocast: the enabled flag and dtype of every device type, and the cache
-   flag, are captured with the stage and re-entered around a recomputation
+   flag, are captured with each stage (a chain may enter autocast around some
+   of its stage calls only) and re-entered around a recomputation
    when they differ from the state the backward runs in (usually they are
    the same, and entering them would cost a small stage's recomputation a
    few percent).
@@ -310,7 +311,7 @@ class Replay:
 
     def __init__(self, call, autocast):
         self.call = call
-        self.autocast = autocast
+        self.autocast = call.autocast if call.autocast is not None else autocast
 
     def __enter__(self):
         stack = contextlib.ExitStack()

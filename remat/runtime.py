@@ -70,7 +70,7 @@ class StageCall:
     """One stage's call in one run: what it needs to run again."""
 
     __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "before", "meta",
-                 "input_requires_grad", "grad_replay", "slots", "tensors", "versions", "side")
+                 "input_requires_grad", "grad_replay", "slots", "tensors", "versions", "side", "autocast")
 
     def __init__(self, index, name, fn, args, kwargs, pos, in_kw, input_requires_grad):
         self.index = index
@@ -96,6 +96,7 @@ class StageCall:
         self.tensors = None     # the tensors in those slots as it ran
         self.versions = None    # the parameters' version counters after its forward
         self.side = ()          # (tensor, version after its forward) of each tensor side input
+        self.autocast = None    # the autocast state it ran in (Note [Replaying a stage] 2)
 
     def seal(self):
         """After the stage's forward: note the version counters a recomputation checks."""
@@ -231,6 +232,7 @@ class Run:
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
         self.autocast = autocast
         self.clock = None         # StageTimes of a call that refines the times (remat/refine.py)
+        self.pinned = []          # anchors kept by the run itself (``pin``)
 
     # forward phase ------------------------------------------------------
 
@@ -279,6 +281,13 @@ class Run:
                         r.passed.add(stage)   # a rebuild of it the cursor has not reached is moot
 
                 node.register_prehook(passed)
+
+    def pin(self):
+        """A stage returned an output that needs no grad (a detach, an argmax): the
+        graphs of the stages before it, which held their anchors, are cut off and go,
+        while recomputing a later stage may still need their inputs. The run keeps
+        them from now on, as the plan does (their B(i) never comes)."""
+        self.pinned = [a for a in (self._anchor(k) for k in range(1, len(self.anchors))) if a is not None]
 
     def held_storages(self):
         """The storages of the stage inputs the run's anchors hold (a list)."""

@@ -336,3 +336,36 @@ def test_input_made_in_inference_mode_is_named():
         call(x)
     call(x.clone()).sum().backward()
     assert all(s.weight.grad is not None for s in stages)
+
+
+def test_stage_under_no_grad_mid_chain_is_named():
+    """A stage called under torch.no_grad() between two others of an open chain is
+    named, with the way to freeze it; the next call without it is exact."""
+    torch.manual_seed(0)
+    layers = [remat.stage(nn.Linear(16, 16)) for _ in range(4)]
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def call(frozen):
+        h = x
+        with remat.chain(budget=2**40):
+            for i, layer in enumerate(layers):
+                if i == 2 and frozen:
+                    with torch.no_grad():
+                        h = layer(h)
+                else:
+                    h = layer(h)
+        return h
+
+    with pytest.raises(remat.StageError, match=r"Linear\) was called under torch.no_grad\(\) .*requires_grad_\(False\)"):
+        call(True)
+    call(False).sum().backward()
+    ref = copy.deepcopy(layers)
+    for layer in layers + ref:
+        layer.zero_grad()
+    call(False).sum().backward()
+    h = x
+    for layer in ref:
+        h = torch.nn.functional.linear(h, layer.weight, layer.bias)
+    h.sum().backward()
+    for a, b in zip(layers, ref):
+        assert torch.equal(a.weight.grad, b.weight.grad)

@@ -441,3 +441,104 @@ def test_chain_inside_torch_func_transforms_runs_plainly():
     assert torch.equal(grad(lambda xx: f(xx, True))(x), grad(lambda xx: f(xx, False))(x))
     f(x, True).backward()   # an ordinary call afterwards measures and runs the chain
     assert remat.explain().costs.length == 3
+
+
+@pytest.mark.parametrize("cut", ["detach", "argmax"])
+def test_stage_output_needing_no_grad_mid_chain(cut):
+    """A stage whose output needs no grad (a detach; an argmax feeding an embedding)
+    cuts the graph: the stages before it are never backwarded and their graphs go,
+    but recomputing a later stage still needs their inputs (it raised 'no longer
+    held; please report this bug' from the second call)."""
+
+    class Proj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        @remat.stage
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 16)
+
+        @remat.stage
+        def forward(self, i):
+            return self.emb(i)
+
+    @remat.stage
+    def detach(x):
+        return x.detach() * 2
+
+    @remat.stage
+    def argmax(x):
+        return x.argmax(-1)
+
+    torch.manual_seed(0)
+    mods = nn.ModuleList([Proj(), Embed(), Proj(), Proj()] if cut == "argmax" else [Proj(), Proj(), Proj()])
+    ref = copy.deepcopy(mods)
+
+    def stages(m):
+        return [m[0], argmax, *m[1:]] if cut == "argmax" else [m[0], detach, *m[1:]]
+
+    x0 = torch.randn(8, 16)
+    budget = 2**40
+    for step in range(4):
+        grads = []
+        for m, chained in ((ref, False), (mods, True)):
+            m.zero_grad()
+            h = x0.clone().requires_grad_()
+            if chained:
+                with remat.chain(budget=budget):
+                    for s in stages(m):
+                        h = s(h)
+            else:
+                for s in stages(m):
+                    h = s(h)
+            h.square().mean().backward()
+            grads.append([p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            assert (a is None and b is None) or torch.equal(a, b)
+        budget = minimum_budget(remat.explain().costs)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_autocast_around_some_stage_calls_only():
+    """Autocast entered around one stage call of a chain: its recomputations replay
+    that stage's own autocast state, not the chain's (a RecomputeMismatchError:
+    bfloat16 saved in the forward, float32 when recomputed)."""
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        @remat.stage
+        def forward(self, x):
+            return torch.tanh(self.lin(x.float()))
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Blk() for _ in range(4))
+    ref = copy.deepcopy(layers)
+    x = torch.randn(8, 16)
+
+    def body(m):
+        h = m[0](x)
+        with torch.autocast("cpu", torch.bfloat16):
+            h = m[1](h)
+        return m[3](m[2](h)).float().square().mean()
+
+    budget = 2**40
+    for _ in range(3):
+        for m in (ref, layers):
+            m.zero_grad()
+        body(ref).backward()
+        with remat.chain(budget=budget):
+            loss = body(layers)
+        loss.backward()
+        for a, b in zip(ref.parameters(), layers.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        budget = minimum_budget(remat.explain().costs)
+    assert remat.explain().schedule.recomputations() > 0
