@@ -347,8 +347,8 @@ class _Active(StageMeasuring):
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "grad_replay", "state", "reads_state", "held",
-                     "slots", "grads", "autocasts"):
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "generators", "grad_replay", "state",
+                     "reads_state", "held", "slots", "grads", "autocasts"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)
         new.input_bytes = old.input_bytes
@@ -382,7 +382,8 @@ class _Active(StageMeasuring):
                 self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
             return call.invoke(x)
         if entry.uses_rng[k - 1]:
-            call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]))
+            call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
+                                   entry.generators[k - 1])
         keep = mode == FCK or (k > 1 and run.whole[k - 1])
         anchor, pack, count = run.new_anchor(call, keep, x)
         with run.hooks(pack):

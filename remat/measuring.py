@@ -95,6 +95,7 @@ class StageMeasuring:
             detector.note_changed(buffers)
             originals = list(detector.mutated.values())
             reads_state = detector.reads_state()
+            rng0.extra = list(detector.generators.values())
             uses_rng = rng0.changed()
             act = out[0] if isinstance(out, tuple) else out
             row = {"out_bytes": act.untyped_storage().nbytes()} if isinstance(act, torch.Tensor) else None
@@ -161,6 +162,7 @@ class StageMeasuring:
         new.in_sigs.append(input_signature(ident, x))
         new.meta.append(meta)
         new.uses_rng.append(uses_rng)
+        new.generators.append([g for g, _ in rng0.extra])
         new.grad_replay.append(call.grad_replay)
         new.state.append(state_plan(state, call.tensors or ()))
         new.slots.append(call.slots)
@@ -319,13 +321,15 @@ def check_output(call, out, x, version):
     no grad) and its input was not modified in place; returns the activation."""
     act = out[0] if isinstance(out, tuple) else out
     if not isinstance(act, torch.Tensor):
+        what = (f"a tuple whose first item is {type(act).__name__}" if isinstance(out, tuple)
+                else type(act).__name__)
         raise StageError(
-            f"remat: stage {call.index} ({call.name}) returned {type(act).__name__}; a stage must return "
+            f"remat: stage {call.index} ({call.name}) returned {what}; a stage must return "
             f"its output activation as a tensor, or a tuple whose first item is that tensor"
         )
     if isinstance(out, tuple):
         for j, item in enumerate(out[1:], 1):
-            if isinstance(item, torch.Tensor) and item.requires_grad:
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(item)):
                 raise StageError(
                     f"remat: stage {call.index} ({call.name}) returned a tuple whose item {j} requires "
                     f"grad; only the first item, the activation, may carry gradient. If that item needs "
@@ -359,8 +363,9 @@ def find_activation(args, kwargs, start, fn=None):
             return i, None, args[i]
     names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
     if len(names) > 1 and fn is not None:
+        # by the signature; among names it does not list (``**kwargs``), one needing grad first
         order = _parameter_order(getattr(fn, "__func__", fn))
-        names.sort(key=lambda name: order.get(name, len(order)))
+        names.sort(key=lambda name: (order.get(name, len(order)), not kwargs[name].requires_grad))
     if names:
         return None, names[0], kwargs[names[0]]
     return None, None, None

@@ -140,6 +140,7 @@ class Instrument(TorchDispatchMode):
         # ``sources``, what the region made or nothing: autocast's cached casts of the weights
         self._sources = {storage_key(t) for t in sources if isinstance(t, torch.Tensor)}
         self._from_params = set()
+        self.generators = {}   # id -> (torch.Generator an op drew from, its state before the first)
 
     def ignore_writes(self, tensors):
         """Writes into ``tensors`` from now on are not state of the region (not noted)."""
@@ -190,6 +191,9 @@ class Instrument(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        gen = kwargs.get("generator")
+        if gen is not None and id(gen) not in self.generators:
+            self.generators[id(gen)] = (gen, gen.get_state())
         plan = _PLANS.get(func)
         if plan is None:
             plan = _PLANS[func] = (_written_arguments(func._schema), _returns_views(func._schema))

@@ -142,6 +142,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     check(call, out, x, version)
     act = out[0] if isinstance(out, tuple) else out
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
+    rng0.extra = list(inst.generators.values())   # the stage's own generators, as they were
     uses_rng = rng0.changed()
     inst.note_changed(buffers)
     forward_writes = dict(inst.mutated)

@@ -146,6 +146,7 @@ class Recording:
         self.in_sigs = []     # (shape, dtype) of each stage input
         self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
         self.uses_rng = []
+        self.generators = []  # per stage: its own torch.Generator objects (Note [Replaying a stage] 1)
         self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
         self.state = []       # per stage: tensors it writes in place, as slot indices or weak references
         self.slots = []       # per stage: where its module's parameters and buffers live (replay.module_slots)

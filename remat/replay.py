@@ -9,7 +9,9 @@ leave no trace:
 1. RNG: the CPU generator and the generator of every CUDA device the stage's
    inputs live on are captured before the stage's first forward, set to that
    state for each recomputation, and put back afterwards, so the stream the
-   rest of the program sees is untouched. Stages measured not to draw random
+   rest of the program sees is untouched; so are the stage's own
+   ``torch.Generator`` objects, which measuring finds in the ops' arguments
+   (their state before the first op that draws from each). Stages measured not to draw random
    numbers skip this.
 2. Autocast: the enabled flag and dtype of every device type, and the cache
    flag, are captured with each stage (a chain may enter autocast around some
@@ -72,33 +74,41 @@ __all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "rest
 
 
 class RngState:
-    """CPU and CUDA generator states captured at one point."""
+    """CPU and CUDA generator states captured at one point, and those of the
+    stage's own ``torch.Generator`` objects (``extra``: (generator, state))."""
 
-    __slots__ = ("cpu", "cuda")
+    __slots__ = ("cpu", "cuda", "extra")
 
-    def __init__(self, cpu, cuda):
+    def __init__(self, cpu, cuda, extra=()):
         self.cpu = cpu
         self.cuda = cuda
+        self.extra = extra
 
     def changed(self):
         """True if a stream has moved since it was captured (something drew from it)."""
         return not torch.equal(torch.get_rng_state(), self.cpu) or any(
-            not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in self.cuda)
+            not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in self.cuda) or any(
+            not torch.equal(g.get_state(), s) for g, s in self.extra)
 
     @contextlib.contextmanager
     def replayed(self):
         """Run the body with the captured streams, then put the current ones back."""
         cpu_now = torch.get_rng_state()
         cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda]
+        extra_now = [(g, g.get_state()) for g, _ in self.extra]
         torch.set_rng_state(self.cpu)
         for d, state in self.cuda:
             torch.cuda.set_rng_state(state, d)
+        for g, state in self.extra:
+            g.set_state(state)
         try:
             yield
         finally:
             torch.set_rng_state(cpu_now)
             for d, state in cuda_now:
                 torch.cuda.set_rng_state(state, d)
+            for g, state in extra_now:
+                g.set_state(state)
 
 
 def cuda_devices(tensors):
@@ -107,9 +117,11 @@ def cuda_devices(tensors):
                    for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
 
 
-def capture_rng(devices=()):
-    """Capture the CPU stream and the streams of the given CUDA devices."""
-    return RngState(torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices])
+def capture_rng(devices=(), generators=()):
+    """Capture the CPU stream, the streams of the given CUDA devices and those of
+    ``generators`` (a stage's own ``torch.Generator`` objects)."""
+    return RngState(torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices],
+                    [(g, g.get_state()) for g in generators])
 
 
 class AutocastState:

@@ -542,3 +542,81 @@ def test_autocast_around_some_stage_calls_only():
             assert torch.equal(a.grad, b.grad)
         budget = minimum_budget(remat.explain().costs)
     assert remat.explain().schedule.recomputations() > 0
+
+
+def test_stage_drawing_from_its_own_generator():
+    """A stage drawing noise from its own ``torch.Generator`` (seeded noise,
+    stochastic depth): its recomputations replay that generator too (they drew
+    fresh noise: gradients 0.02 apart), and leave it where plain PyTorch does."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.g = torch.Generator().manual_seed(5)
+
+        @remat.stage
+        def forward(self, x):
+            return torch.tanh(self.lin(x)) * torch.rand(x.shape, generator=self.g)
+
+    torch.manual_seed(0)
+    mods = nn.ModuleList(Noisy() for _ in range(4))
+    ref = copy.deepcopy(mods)
+    for a, b in zip(ref, mods):
+        b.g = torch.Generator().manual_seed(5)
+        a.g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 16)
+    budget = 2**40
+    for _ in range(3):
+        for m in (ref, mods):
+            m.zero_grad()
+        h = g = x
+        with remat.chain(budget=budget):
+            for s in mods:
+                h = s(h)
+        for s in ref:
+            g = s(g)
+        h.square().sum().backward()
+        g.square().sum().backward()
+        for a, b in zip(ref.parameters(), mods.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        assert all(torch.equal(a.g.get_state(), b.g.get_state()) for a, b in zip(ref, mods))
+        budget = minimum_budget(remat.explain().costs)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_activation_by_keyword_into_kwargs_only_stage():
+    """A stage taking ``**kwargs`` only (a wrapper passing them on), called
+    ``blk(mask=m, hidden=h)``: with no signature to order them, the tensor needing
+    grad is the activation (the mask was taken)."""
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        @remat.stage
+        def forward(self, **kwargs):
+            return torch.tanh(self.lin(kwargs["hidden"])) * kwargs["mask"]
+
+    torch.manual_seed(0)
+    mods = nn.ModuleList(Blk() for _ in range(3))
+    x = torch.randn(8, 16, requires_grad=True)
+    mask = torch.ones(8, 16)
+    with remat.chain(budget=2**40):
+        h = x
+        for s in mods:
+            h = s(mask=mask, hidden=h)
+    h.sum().backward()
+    assert remat.explain().costs.length == 3
+
+
+def test_nested_tuple_item_needing_grad_is_refused():
+    @remat.stage
+    def two(x):
+        return x * 2, (x * 3,)
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(remat.StageError, match="item 1 requires grad"):
+        with remat.chain(budget=2**40):
+            two(x)
