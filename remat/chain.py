@@ -34,7 +34,7 @@ from .costs_source import chain_costs, distributed, read_costs, rows_of, write_c
 from .dynamo import skip_for_dynamo
 from .errors import RematError, StageError
 from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_activation, handed_on,
-                        input_signature, signature)
+                        input_signature, shared_grad_transients, signature)
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices, param_flags, module_slots, resolve_state, snapshot, take
@@ -151,6 +151,7 @@ class chain:
 
 
 _warned_transforms = []
+_warned_sizes = set()   # costs files whose input size differed from a call's (warned once each)
 
 
 def _transformed(x):
@@ -192,6 +193,7 @@ class _Active(StageMeasuring):
         self.acts = []          # running: (i, weak reference to a^i's storage), each stage
         self.source = None      # a^0's storage
         self.skipped = None     # a stage called under no_grad after stage 1
+        self.costs_path = None  # the costs file this measuring call reads or writes
 
     # stage calls ---------------------------------------------------------
 
@@ -318,10 +320,23 @@ class _Active(StageMeasuring):
             self.run = Run(None, {}, autocast)
             self.rng_start = capture_rng(cuda_devices([x]))
             self.given = read_costs(self.spec.costs_path)
+            self.costs_path = self.spec.costs_path
+            size = x.untyped_storage().nbytes()
+            if self.given is not None and self.given.input_bytes != size:
+                # another input size (the last, smaller batch; another sequence length):
+                # measured as without a file, which keeps the costs it holds
+                if self.costs_path not in _warned_sizes:
+                    _warned_sizes.add(self.costs_path)
+                    warnings.warn(
+                        f"remat: the costs in {self.costs_path} are for an input of {self.given.input_bytes} "
+                        f"bytes; this call's is {size} (another batch size or sequence length?): it is "
+                        f"measured, and the file keeps the costs it has", RuntimeWarning, stacklevel=4)
+                self.given = None
+                self.costs_path = None
             if self.given is None and not x.is_cuda and not distributed():
                 # the next two calls time the stages again (Note [Timing the second call])
                 self.new.attempts = ATTEMPTS
-                self.new.costs_file = self.spec.costs_path
+                self.new.costs_file = self.costs_path
 
     def _matches(self, k, ident, x, call):
         """Stage k is the one recorded, on a like input, with the same parameters to
@@ -421,7 +436,12 @@ class _Active(StageMeasuring):
                 self.in_stage = False
                 self.measured, self.grad_pool, self.upstream = {}, None, None
             new.caller_holds(self.outs, self.k)
-            new.costs = chain_costs(new.rows, new.input_bytes, new.held_bytes(), self.spec.costs_path, self.given)
+            if self.given is None:
+                for i, extra in enumerate(shared_grad_transients(new.held)):
+                    row = new.rows[i]
+                    if extra and i + 1 >= self.diverged and row is not None and "bwd_tmp" in row:
+                        row["bwd_tmp"] += extra
+            new.costs = chain_costs(new.rows, new.input_bytes, new.held_bytes(), self.costs_path, self.given)
         except BaseException:
             self._undo()
             raise

@@ -40,7 +40,7 @@ from .replay import Replay, capture_rng, cuda_devices, param_flags, restore_tens
 from .runtime import _Saved, first
 from .units import format_bytes
 
-__all__ = ["StageMeasuring", "check_output", "input_signature", "signature"]
+__all__ = ["StageMeasuring", "check_output", "input_signature", "shared_grad_transients", "signature"]
 
 
 class StageMeasuring:
@@ -352,6 +352,22 @@ def check_hooks_enabled(name):
             f"torch.autograd.graph.disable_saved_tensors_hooks: {why!r}), at its first stage ({name}); "
             f"remat drops and recomputes saved tensors through those hooks. Run the chain outside "
             f"that context, or without remat.chain there")
+
+
+def shared_grad_transients(held):
+    """Per stage, the bytes to add to its bwd_tmp for the parameters it shares with
+    stages before it (``held``: per stage, {id: bytes} of ``Upstream.held_grads``)
+    and also with one after it. Such a stage's measured backward leaves them out,
+    but B(i) makes its share of their gradient all the same, alive until the engine
+    adds it into the sum it holds (counted in held_bytes); the share of the last
+    stage using one is that sum's first term, no extra."""
+    out = []
+    for i, h in enumerate(held):
+        later = set()
+        for g in held[i + 1:]:
+            later.update(key for key in g if not isinstance(key, tuple))
+        out.append(sum(v for key, v in h.items() if not isinstance(key, tuple) and key in later))
+    return out
 
 
 def find_activation(args, kwargs, start, fn=None):

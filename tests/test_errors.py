@@ -369,3 +369,35 @@ def test_stage_under_no_grad_mid_chain_is_named():
     h.sum().backward()
     for a, b in zip(layers, ref):
         assert torch.equal(a.weight.grad, b.weight.grad)
+
+
+def test_costs_file_for_another_input_size_measures_this_one(tmp_path):
+    """A costs file written for one batch size, and a call with another (an epoch's
+    last, smaller batch): that call measures, warns once, and the file keeps its
+    costs (it raised CostsError, whose 'delete the file' only moved the error)."""
+    import warnings
+
+    path = str(tmp_path / "costs.json")
+    torch.manual_seed(0)
+    layers = [remat.stage(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))) for _ in range(3)]
+
+    def step(batch):
+        x = torch.randn(batch, 16, requires_grad=True)
+        with remat.chain(budget=2**40, costs=path):
+            h = x
+            for layer in layers:
+                h = layer(h)
+        h.sum().backward()
+        return x.grad
+
+    step(8)
+    written = open(path).read()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(5)
+        step(5)
+    assert sum("are for an input of" in str(w.message) for w in caught) <= 1
+    assert remat.explain().costs.input_bytes == 5 * 16 * 4
+    assert open(path).read() == written
+    step(8)
+    assert remat.explain().costs.input_bytes == 8 * 16 * 4
