@@ -9,6 +9,17 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
 def main(argv=None):
+    """Run the command line; a remat error or a malformed value is one line on stderr
+    (exit status 2), not a traceback."""
+    try:
+        return _main(argv)
+    except ValueError as exc:   # (BudgetError and CostsError are ValueErrors)
+        text = str(exc)
+        print(text if text.startswith("remat") else f"remat: {text}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m remat", description="remat: optimal activation recomputation")
     sub = parser.add_subparsers(dest="command", required=True)
 

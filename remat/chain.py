@@ -117,10 +117,15 @@ class chain:
 
     def __enter__(self):
         skip_for_dynamo()
-        if active() is not None:
+        current = active()
+        if current is not None:
+            where = (f"inside stage {current.k} of the open chain, whose inner stages "
+                     f"then run as its plain code (mark the inner blocks as the outer chain's stages "
+                     f"instead, to have them managed)" if current.in_stage else
+                     "between the open chain's stages, whose stages then join it")
             raise StageError(
-                "remat: chains cannot be nested; a chain is already open on this thread. Remove "
-                "the inner remat.chain (its stages then join the outer chain) or close the outer one first"
+                f"remat: chains cannot be nested; a chain is already open on this thread. Remove the "
+                f"inner remat.chain ({where}) or close the outer one first"
             )
         site = self._site
         if site is None:
@@ -194,6 +199,7 @@ class _Active(StageMeasuring):
         self.source = None      # a^0's storage
         self.skipped = None     # a stage called under no_grad after stage 1
         self.costs_path = None  # the costs file this measuring call reads or writes
+        self.seen = {}          # id of each stage's object -> the first stage it was
 
     # stage calls ---------------------------------------------------------
 
@@ -236,6 +242,13 @@ class _Active(StageMeasuring):
                     f"chain, after stage {k - 1} ({self.prev_name}); the stages after it could not be "
                     f"recomputed from its output. To freeze it, turn its parameters' requires_grad off "
                     f"(block.requires_grad_(False)) and call it as usual, or close the chain before it")
+            again = self.seen.get(id(ident))
+            if again is not None:
+                raise StageError(
+                    f"remat: {name}, stage {again} of this chain, was called again as stage {k} on another "
+                    f"tensor than stage {k - 1} ({self.prev_name}) returned: a second pass over the blocks "
+                    f"(a siamese tower, a second view) starts its own chain. Open one remat.chain per "
+                    f"pass (with remat.wrap, call the wrapped model once per pass)")
             raise StageError(
                 f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({self.prev_name}) "
                 f"returned; code between the two stages changed the activation. Move that code into "
@@ -247,6 +260,7 @@ class _Active(StageMeasuring):
                 f"stage {k} ({name}); move the in-place code into one of the stages"
             )
         self.k = k
+        self.seen.setdefault(id(ident), k)
         call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
         call.autocast = self.autocast if k == 1 else capture_autocast()
         if self.mode == "run" and not self._matches(k, ident, x, call):
@@ -355,7 +369,7 @@ class _Active(StageMeasuring):
             tensors = take(slots[0])
             if param_flags(tensors, slots[1]) != entry.grads[k - 1]:
                 return False
-            call.slots, call.tensors = slots, tensors
+            call.slots, call.tensors, call.flags = slots, tensors, entry.grads[k - 1]
         return True
 
     def _diverge(self, k):

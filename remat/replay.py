@@ -358,6 +358,11 @@ def check_saved(call, saved):
     meta = call.meta
     if meta is None or tuple([(t.shape, t.dtype, t.device) for t in saved]) == meta:
         return
+    if call.flags is not None and call.tensors is not None and param_flags(call.tensors, call.slots[1]) != call.flags:
+        raise StageError(
+            f"remat: parameters of stage {call.index} ({call.name}) were frozen or unfrozen (requires_grad) "
+            f"or cast between the forward and the backward, so recomputing it saves other tensors; "
+            f"change them before the forward or after the backward")
     if len(saved) != len(meta):
         raise RecomputeMismatchError(
             f"remat: stage {call.index} ({call.name}) saved {len(meta)} tensors in its forward but "

@@ -70,7 +70,7 @@ class StageCall:
     """One stage's call in one run: what it needs to run again."""
 
     __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "before", "meta",
-                 "input_requires_grad", "grad_replay", "slots", "tensors", "versions", "side", "autocast")
+                 "input_requires_grad", "grad_replay", "slots", "tensors", "versions", "side", "autocast", "flags")
 
     def __init__(self, index, name, fn, args, kwargs, pos, in_kw, input_requires_grad):
         self.index = index
@@ -97,6 +97,7 @@ class StageCall:
         self.versions = None    # the parameters' version counters after its forward
         self.side = ()          # (tensor, version after its forward) of each tensor side input
         self.autocast = None    # the autocast state it ran in (Note [Replaying a stage] 2)
+        self.flags = None       # its parameters' dtype and requires_grad as it ran (replay.param_flags)
 
     def seal(self):
         """After the stage's forward: note the version counters a recomputation checks."""

@@ -1,5 +1,7 @@
 """The README's main job, ``python -m remat demo``, end to end with tiny settings."""
 
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -23,3 +25,16 @@ def test_demo_command_line():
                           "--no-progress"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "identical at every step" in out.stdout
+
+
+def test_command_line_bad_budget_is_one_line():
+    """A malformed or too small --budget is one line on stderr and exit status 2, not
+    a traceback."""
+    from remat.__main__ import main
+
+    for budget, says in (("abc", "cannot read 'abc' as a size"), ("1%", "below this chain's minimum")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert main(["explain", "--model", "gpt-tiny", "--budget", budget]) == 2
+        assert says in err.getvalue() and "Traceback" not in err.getvalue()
+        assert err.getvalue().count("\n") == 1

@@ -249,11 +249,22 @@ def test_recompute_mismatch_is_detected():
 
 
 def test_nested_chains_are_refused():
-    """A chain opened inside another one is a clear error."""
+    """A chain opened inside another one is a clear error, which says what removing the
+    inner one gives: its stages join the outer chain between its stages, and run as
+    plain code inside one of its stages."""
     with remat.chain(budget="1GiB"):
-        with pytest.raises(remat.StageError, match="nested"):
+        with pytest.raises(remat.StageError, match="nested.*whose stages then join it"):
             with remat.chain(budget="1GiB"):
                 pass
+
+    @remat.stage
+    def outer(x):
+        with remat.chain(budget="1GiB"):
+            return x * 2
+
+    with pytest.raises(remat.StageError, match="nested.*inside stage 1 of the open chain"):
+        with remat.chain(budget="1GiB"):
+            outer(torch.randn(3, requires_grad=True))
 
 
 def test_chain_where_saved_tensor_hooks_are_disabled():
@@ -401,3 +412,26 @@ def test_costs_file_for_another_input_size_measures_this_one(tmp_path):
     assert open(path).read() == written
     step(8)
     assert remat.explain().costs.input_bytes == 8 * 16 * 4
+
+
+def test_second_pass_over_the_blocks_is_named():
+    """A model whose forward runs its wrapped blocks twice (a siamese tower): the
+    error names the block called again and says to run one chain per pass."""
+
+    class Tower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, a, b):
+            for blk in self.blocks:
+                a = blk(a)
+            for blk in self.blocks:
+                b = blk(b)
+            return (a - b).square().sum()
+
+    torch.manual_seed(0)
+    model = Tower()
+    remat.wrap(model, model.blocks, budget=2**40)
+    with pytest.raises(remat.StageError, match=r"stage 1 of this chain, was called again as stage 4.*one remat.chain per"):
+        model(torch.randn(2, 8), torch.randn(2, 8))

@@ -261,3 +261,15 @@ def test_stage_cast_to_another_dtype_measures_again():
     double = call()
     assert double.out_bytes == tuple(2 * b for b in single.out_bytes)
     assert all(p.grad.dtype == torch.float64 for s in stages for p in s.parameters())
+
+
+def test_freezing_between_the_forward_and_the_backward_is_named():
+    ref, net = _pair()
+    loss = _loss(net, torch.randn(4, 8, 16))
+    loss.backward()                       # (the measuring call)
+    loss = _loss(net, torch.randn(4, 8, 16))
+    net.blocks[1].requires_grad_(False)
+    with pytest.raises(remat.StageError, match=r"stage 2 .* frozen or unfrozen .*between the forward and the backward"):
+        loss.backward()
+    net.blocks[1].requires_grad_(True)
+    _next_call_exact(ref, net)
