@@ -374,7 +374,16 @@ class Recording:
                 # call's backward tell (the minimum a first call's error names must run:
                 # retrying with it is what that error asks)
                 costs = self.costs
-                schedule = solve(costs, budget, algorithm, slots)
+                failed = None
+                try:
+                    schedule = solve(costs, budget, algorithm, slots)
+                except BudgetError as exc:
+                    failed = str(exc)
+                if failed is not None:   # (raised here: no "during handling" chain)
+                    held = _least(self.planning_costs(), algorithm, slots)
+                    note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
+                            f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
+                    raise BudgetError(failed + note)
             ops = schedule.ops
             split = ops.index(Loss)
             modes = [None] + [_CODES[type(op)] for op in ops[:split]]
@@ -385,6 +394,14 @@ class Recording:
                 self.plans.clear()
             self.plans[key] = plan
         return plan
+
+
+def _least(costs, algorithm, slots):
+    """The least budget of the optimal algorithm for ``costs`` (None for the others,
+    whose errors say their own)."""
+    from .solve import minimum_budget
+
+    return minimum_budget(costs) if algorithm == "optimal" else None
 
 
 # weak references Dynamo would trace into their referents (remat/dynamo.py)

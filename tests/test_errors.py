@@ -155,6 +155,8 @@ def test_retrying_with_the_minimum_named_runs():
     with pytest.raises(remat.BudgetError) as info:
         net(x, mask)
     net.budget = int(re.search(r"\((\d+) bytes", str(info.value)).group(1))
+    held = int(re.search(r"\((\d+) bytes\) where the code around the chain keeps its output", str(info.value)).group(1))
+    assert held > net.budget
     assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
     assert remat.explain().schedule.peak <= net.budget
 
