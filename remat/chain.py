@@ -37,7 +37,8 @@ from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_
                         input_signature, shared_grad_transients, signature)
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
-from .replay import capture_autocast, capture_rng, cuda_devices, param_flags, module_slots, resolve_state, snapshot, take
+from .replay import (capture_autocast, capture_rng, cuda_devices, module_slots, param_flags, resolve_state, snapshot,
+                     take)
 from .runtime import FALL, FCK, Run, StageCall, first, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm
 
@@ -208,7 +209,7 @@ class _Active(StageMeasuring):
             return fn(*args, **kwargs)
         if not torch.is_grad_enabled():
             if self.k:
-                self.skipped = name   # (an error if a stage follows: ``_not_handed_on``)
+                self.skipped = name   # (named if a stage follows, which cannot take its output)
             return fn(*args, **kwargs)
         pos, in_kw, x = find_activation(args, kwargs, start, fn)
         if x is None:
