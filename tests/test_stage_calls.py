@@ -1,0 +1,299 @@
+"""How the stages of a chain are called and what they return, against plain
+PyTorch bit for bit: the activation passed by keyword, outputs needing no grad
+in the middle of a chain, nested tuples, autocast around some stage calls only,
+a stage's own generator, sparse gradients, torch.func transforms around a
+chain."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat
+from remat.solve import minimum_budget
+
+chain_module = importlib.import_module("remat.chain")
+
+
+def test_sparse_embedding_stage_matches_plain():
+    """``nn.Embedding(sparse=True)`` gives a sparse gradient, whose memory the meter
+    finds in its indices and values (it crashed reading a sparse tensor's storage)."""
+
+    def make():
+        torch.manual_seed(0)
+        return nn.ModuleList([remat.stage(nn.Embedding(30, 16, sparse=True))] + [
+            remat.stage(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))) for _ in range(3)])
+
+    def run(stages, h):
+        for s in stages:
+            h = s(h)
+        return h
+
+    def train(stages, budget):
+        opt = torch.optim.SGD(stages.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(step)
+            ids = torch.randint(0, 30, (4, 7))
+            if budget is None:
+                h = run(stages, ids)
+            else:
+                with remat.chain(budget=budget):
+                    h = run(stages, ids)
+            opt.zero_grad()
+            h.square().mean().backward()
+            opt.step()
+        return stages
+
+    train(make(), 2**40)
+    low = minimum_budget(remat.explain().costs)
+    remat.clear_cache()
+    ref, net = train(make(), None), train(make(), low)
+    assert remat.explain().schedule.recomputations() > 0
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_activation_passed_by_keyword_after_a_side_input():
+    """``blk(mask=m, hidden_states=h)``: of the tensors passed by keyword, the
+    activation is the one whose parameter comes first in the stage's signature."""
+
+    class Masked(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.lin = nn.Linear(d, d)
+
+        @remat.stage
+        def forward(self, hidden_states, mask=None):
+            return torch.tanh(self.lin(hidden_states)) * mask
+
+    torch.manual_seed(0)
+    ref = nn.ModuleList(Masked(16) for _ in range(4))
+    net = copy.deepcopy(ref)
+    mask = (torch.rand(4, 8, 1) > 0.3).float()
+    for budget in (2**40, 0):
+        x = torch.randn(4, 8, 16)
+        h, g = x, x
+        if budget == 0:
+            budget = minimum_budget(remat.explain().costs)
+        with remat.chain(budget=budget):
+            for blk in net:
+                h = blk(mask=mask, hidden_states=h)
+        for blk in ref:
+            g = blk(mask=mask, hidden_states=g)
+        h.square().sum().backward()
+        g.square().sum().backward()
+        for a, b in zip(ref.parameters(), net.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_chain_inside_torch_func_transforms_runs_plainly():
+    """Under ``torch.func.vmap`` or ``torch.func.grad`` the chain sees the transforms'
+    wrapped tensors, which its hooks and meter cannot handle (vmap raised from the
+    meter): it runs the stages plainly, with a warning, and gives plain results."""
+    from torch.func import grad, vmap
+
+    chain_module._warned_transforms.clear()   # (warned once per process)
+    torch.manual_seed(0)
+    layers = nn.ModuleList(remat.stage(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)))
+                           for _ in range(3))
+    x = torch.randn(8, 16)
+
+    def f(xx, chained):
+        h = xx
+        if chained:
+            with remat.chain(budget=2**40):
+                for s in layers:
+                    h = s(h)
+        else:
+            for s in layers:
+                h = s(h)
+        return h.square().sum()
+
+    with pytest.warns(RuntimeWarning, match="torch.func transform"):
+        got = vmap(lambda xx: f(xx, True))(x)
+    assert torch.equal(got, vmap(lambda xx: f(xx, False))(x))
+    assert torch.equal(grad(lambda xx: f(xx, True))(x), grad(lambda xx: f(xx, False))(x))
+    f(x, True).backward()   # an ordinary call afterwards measures and runs the chain
+    assert remat.explain().costs.length == 3
+
+
+@pytest.mark.parametrize("cut", ["detach", "argmax"])
+def test_stage_output_needing_no_grad_mid_chain(cut):
+    """A stage whose output needs no grad (a detach; an argmax feeding an embedding)
+    cuts the graph: the stages before it are never backwarded and their graphs go,
+    but recomputing a later stage still needs their inputs (it raised 'no longer
+    held; please report this bug' from the second call)."""
+
+    class Proj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        @remat.stage
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 16)
+
+        @remat.stage
+        def forward(self, i):
+            return self.emb(i)
+
+    @remat.stage
+    def detach(x):
+        return x.detach() * 2
+
+    @remat.stage
+    def argmax(x):
+        return x.argmax(-1)
+
+    torch.manual_seed(0)
+    mods = nn.ModuleList([Proj(), Embed(), Proj(), Proj()] if cut == "argmax" else [Proj(), Proj(), Proj()])
+    ref = copy.deepcopy(mods)
+
+    def stages(m):
+        return [m[0], argmax, *m[1:]] if cut == "argmax" else [m[0], detach, *m[1:]]
+
+    x0 = torch.randn(8, 16)
+    budget = 2**40
+    for step in range(4):
+        grads = []
+        for m, chained in ((ref, False), (mods, True)):
+            m.zero_grad()
+            h = x0.clone().requires_grad_()
+            if chained:
+                with remat.chain(budget=budget):
+                    for s in stages(m):
+                        h = s(h)
+            else:
+                for s in stages(m):
+                    h = s(h)
+            h.square().mean().backward()
+            grads.append([p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            assert (a is None and b is None) or torch.equal(a, b)
+        budget = minimum_budget(remat.explain().costs)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_autocast_around_some_stage_calls_only():
+    """Autocast entered around one stage call of a chain: its recomputations replay
+    that stage's own autocast state, not the chain's (a RecomputeMismatchError:
+    bfloat16 saved in the forward, float32 when recomputed)."""
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        @remat.stage
+        def forward(self, x):
+            return torch.tanh(self.lin(x.float()))
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Blk() for _ in range(4))
+    ref = copy.deepcopy(layers)
+    x = torch.randn(8, 16)
+
+    def body(m):
+        h = m[0](x)
+        with torch.autocast("cpu", torch.bfloat16):
+            h = m[1](h)
+        return m[3](m[2](h)).float().square().mean()
+
+    budget = 2**40
+    for _ in range(3):
+        for m in (ref, layers):
+            m.zero_grad()
+        body(ref).backward()
+        with remat.chain(budget=budget):
+            loss = body(layers)
+        loss.backward()
+        for a, b in zip(ref.parameters(), layers.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        budget = minimum_budget(remat.explain().costs)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_stage_drawing_from_its_own_generator():
+    """A stage drawing noise from its own ``torch.Generator`` (seeded noise,
+    stochastic depth): its recomputations replay that generator too (they drew
+    fresh noise: gradients 0.02 apart), and leave it where plain PyTorch does."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.g = torch.Generator().manual_seed(5)
+
+        @remat.stage
+        def forward(self, x):
+            return torch.tanh(self.lin(x)) * torch.rand(x.shape, generator=self.g)
+
+    torch.manual_seed(0)
+    mods = nn.ModuleList(Noisy() for _ in range(4))
+    ref = copy.deepcopy(mods)
+    for a, b in zip(ref, mods):
+        b.g = torch.Generator().manual_seed(5)
+        a.g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 16)
+    budget = 2**40
+    for _ in range(3):
+        for m in (ref, mods):
+            m.zero_grad()
+        h = g = x
+        with remat.chain(budget=budget):
+            for s in mods:
+                h = s(h)
+        for s in ref:
+            g = s(g)
+        h.square().sum().backward()
+        g.square().sum().backward()
+        for a, b in zip(ref.parameters(), mods.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        assert all(torch.equal(a.g.get_state(), b.g.get_state()) for a, b in zip(ref, mods))
+        budget = minimum_budget(remat.explain().costs)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_activation_by_keyword_into_kwargs_only_stage():
+    """A stage taking ``**kwargs`` only (a wrapper passing them on), called
+    ``blk(mask=m, hidden=h)``: with no signature to order them, the tensor needing
+    grad is the activation (the mask was taken)."""
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        @remat.stage
+        def forward(self, **kwargs):
+            return torch.tanh(self.lin(kwargs["hidden"])) * kwargs["mask"]
+
+    torch.manual_seed(0)
+    mods = nn.ModuleList(Blk() for _ in range(3))
+    x = torch.randn(8, 16, requires_grad=True)
+    mask = torch.ones(8, 16)
+    with remat.chain(budget=2**40):
+        h = x
+        for s in mods:
+            h = s(mask=mask, hidden=h)
+    h.sum().backward()
+    assert remat.explain().costs.length == 3
+
+
+def test_nested_tuple_item_needing_grad_is_refused():
+    @remat.stage
+    def two(x):
+        return x * 2, (x * 3,)
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(remat.StageError, match="item 1 requires grad"):
+        with remat.chain(budget=2**40):
+            two(x)
