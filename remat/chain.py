@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from .budget import parse_budget, resolve_budget
 from .costs_source import chain_costs, distributed, read_costs, rows_of, write_costs
 from .dynamo import skip_for_dynamo
-from .errors import RematError, StageError
+from .errors import RematError, StageError, not_handed_on
 from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_activation, handed_on,
                         input_signature, shared_grad_transients, signature)
 from .recording import Explanation, Recording, _last, explain
@@ -237,24 +237,7 @@ class _Active(StageMeasuring):
             self._begin(ident, args, kwargs, x)
             self.source = x.untyped_storage()
         elif not handed_on(x, self.prev):
-            if self.skipped is not None:
-                raise StageError(
-                    f"remat: a stage ({self.skipped}) was called under torch.no_grad() in the middle of a "
-                    f"chain, after stage {k - 1} ({self.prev_name}); the stages after it could not be "
-                    f"recomputed from its output. To freeze it, turn its parameters' requires_grad off "
-                    f"(block.requires_grad_(False)) and call it as usual, or close the chain before it")
-            again = self.seen.get(id(ident))
-            if again is not None:
-                raise StageError(
-                    f"remat: {name}, stage {again} of this chain, was called again as stage {k} on another "
-                    f"tensor than stage {k - 1} ({self.prev_name}) returned: a second pass over the blocks "
-                    f"(a siamese tower, a second view) starts its own chain. Open one remat.chain per "
-                    f"pass (with remat.wrap, call the wrapped model once per pass)")
-            raise StageError(
-                f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({self.prev_name}) "
-                f"returned; code between the two stages changed the activation. Move that code into "
-                f"stage {k - 1} or {k}, or make it a stage of its own"
-            )
+            raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)))
         elif x._version != self.prev_version:
             raise StageError(
                 f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "

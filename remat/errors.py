@@ -45,3 +45,25 @@ def input_modified(index, name):
         f"remat: stage {index} ({name}) modified its input in place (e.g. a ReLU(inplace=True) as "
         f"its first op); remat needs the input unchanged to recompute the stage. Make that op out of "
         f"place or move it to the end of stage {index - 1}")
+
+
+def not_handed_on(k, name, prev_name, skipped=None, again=None):
+    """The StageError for stage ``k`` (``name``) not getting what stage k-1 returned:
+    a stage called under no_grad in between (``skipped``, its name), the same block
+    called again (``again``, the stage it first was), or code between the two."""
+    if skipped is not None:
+        return StageError(
+            f"remat: a stage ({skipped}) was called under torch.no_grad() in the middle of a chain, after "
+            f"stage {k - 1} ({prev_name}); the stages after it could not be recomputed from its output. "
+            f"To freeze it, turn its parameters' requires_grad off (block.requires_grad_(False)) and call it "
+            f"as usual, or close the chain before it")
+    if again is not None:
+        return StageError(
+            f"remat: {name}, stage {again} of this chain, was called again as stage {k} on another tensor "
+            f"than stage {k - 1} ({prev_name}) returned: a second pass over the blocks (a siamese tower, a "
+            f"second view) starts its own chain. Open one remat.chain per pass (with remat.wrap, call the "
+            f"wrapped model once per pass)")
+    return StageError(
+        f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({prev_name}) returned; code "
+        f"between the two stages changed the activation. Move that code into stage {k - 1} or {k}, or make "
+        f"it a stage of its own")
