@@ -21,25 +21,23 @@ import functools
 import os
 import sys
 import threading
-import time
 import warnings
 import weakref
 
 import torch
 from torch.nn.parameter import is_lazy
-from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
-from .costs_source import chain_costs, distributed, read_costs, rows_of, write_costs
+from .costs_source import chain_costs, distributed, read_costs, write_costs
 from .dynamo import skip_for_dynamo
 from .errors import RematError, StageError, not_handed_on
 from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_activation, handed_on,
-                        input_signature, shared_grad_transients, signature)
+                        shared_grad_transients, signature)
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
-from .replay import (capture_autocast, capture_rng, cuda_devices, module_slots, param_flags, resolve_state, snapshot,
-                     take)
-from .runtime import FALL, FCK, Run, StageCall, first, replaying
+from .replay import capture_autocast, capture_rng, cuda_devices, module_slots, take
+from .runtime import Run, StageCall, replaying
+from .running import StageRunning
 from .solve import DEFAULT_SLOTS, _parse_algorithm
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
@@ -166,7 +164,7 @@ def _transformed(x):
     return check is not None and check(x)
 
 
-class _Active(StageMeasuring):
+class _Active(StageMeasuring, StageRunning):
     """One open chain on one thread (one call of the user's forward)."""
 
     def __init__(self, spec, site):
@@ -336,92 +334,15 @@ class _Active(StageMeasuring):
                 self.new.attempts = ATTEMPTS
                 self.new.costs_file = self.costs_path
 
-    def _matches(self, k, ident, x, call):
-        """Stage k is the one recorded, on a like input, with the same parameters to
-        differentiate, of the same dtypes (a stage frozen or unfrozen since saves
-        other tensors; one cast to another dtype, behind a first stage taking integer
-        ids, keeps the key but not the costs)."""
-        entry = self.entry
-        if k > len(entry.idents):
-            return False
-        if entry.idents[k - 1]() is not ident or entry.in_sigs[k - 1] != input_signature(ident, x):
-            return False
-        if entry.autocasts[k - 1] != call.autocast:
-            return False
-        slots = entry.slots[k - 1]
-        if slots[0]:
-            tensors = take(slots[0])
-            if param_flags(tensors, slots[1]) != entry.grads[k - 1]:
-                return False
-            call.slots, call.tensors, call.flags = slots, tensors, entry.grads[k - 1]
-        return True
-
-    def _diverge(self, k):
-        """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
-        old = self.entry
-        new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "generators", "grad_replay", "state",
-                     "reads_state", "held", "slots", "grads", "autocasts"):
-            setattr(new, attr, list(getattr(old, attr)[:k - 1]))
-        new.rows = rows_of(old.costs, k - 1)
-        new.input_bytes = old.input_bytes
-        self.new = new
-        self.mode = "measure"
-        self.run.ops = None
-        self.diverged = k
-
-    def _run_stage(self, call, x):
-        clock = self.run.clock
-        if clock is None:
-            return self._run_mode(call, x)
-        t0 = time.perf_counter()
-        out = self._run_mode(call, x)
-        clock.ran(call.index, time.perf_counter() - t0, first(out),
-                  [x, *tree_leaves((call.args, call.kwargs))])
-        return out
-
-    def _run_mode(self, call, x):
-        """Stage ``call`` in its forward-phase mode of the plan."""
-        entry, run, k = self.entry, self.run, call.index
-        call.meta = entry.meta[k - 1]
-        call.state = resolve_state(entry.state[k - 1], call.tensors)
-        if entry.reads_state[k - 1]:
-            call.before = snapshot(call.state)
-        call.grad_replay = entry.grad_replay[k - 1]
-        mode = self.plan[1][k]
-        if mode == FALL:
-            run.add_whole(call)
-            if k > 1 and entry.drops_input(k, run.whole[k - 1]):
-                self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
-            return call.invoke(x)
-        if entry.uses_rng[k - 1]:
-            call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
-                                   entry.generators[k - 1])
-        keep = mode == FCK or (k > 1 and run.whole[k - 1])
-        anchor, pack, count = run.new_anchor(call, keep, x)
-        with run.hooks(pack):
-            out = call.invoke(x)
-        if not keep and k > 1 and k - 1 not in entry.caller:   # Fn lets a^(k-1) go (Note [What the ...])
-            storage = x.untyped_storage()
-            if first(out).untyped_storage() is not storage:   # (unless its output is a view of it)
-                self.dropped.append((k - 1, weakref.ref(storage)))
-        run.settle(anchor, count[0], x)
-        if count[0]:
-            run.watch(anchor, first(out))
-        return out
-
     # end of the chain ----------------------------------------------------
 
     def finish(self):
         if self.k == 0:
             return
         if self.mode == "run":
-            if self.k != len(self.entry.idents):
-                self.run.ops = None
+            if self._finish_run():
                 with _cache_lock:
                     _cache.pop(self.key, None)
-            else:
-                self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
             _publish(Explanation(self.plan[4], self.plan[0], self.budget, self.entry.names,
                                  self.entry.costs))
             return

@@ -1,0 +1,109 @@
+"""A recorded chain's later calls, stage by stage: each stage checked against
+the recording (Note [Chain keys], remat/chain.py) and run in its forward-phase
+mode of the plan (``Fall`` records whole; ``Fck`` and ``Fn`` run under the pack
+hooks of remat/runtime.py, keeping their input or not), and the recording's
+update at the end of the call. ``_Active`` (remat/chain.py) takes these
+methods, as it takes the measuring ones of remat/measuring.py.
+"""
+
+import time
+import weakref
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .costs_source import rows_of
+from .measuring import input_signature
+from .recording import Recording
+from .replay import capture_rng, cuda_devices, param_flags, resolve_state, snapshot, take
+from .runtime import FALL, FCK, first
+
+__all__ = ["StageRunning"]
+
+
+class StageRunning:
+    """The running half of ``_Active``: its state is set up by ``_Active``."""
+
+    def _matches(self, k, ident, x, call):
+        """Stage k is the one recorded, on a like input, with the same parameters to
+        differentiate, of the same dtypes (a stage frozen or unfrozen since saves
+        other tensors; one cast to another dtype, behind a first stage taking integer
+        ids, keeps the key but not the costs)."""
+        entry = self.entry
+        if k > len(entry.idents):
+            return False
+        if entry.idents[k - 1]() is not ident or entry.in_sigs[k - 1] != input_signature(ident, x):
+            return False
+        if entry.autocasts[k - 1] != call.autocast:
+            return False
+        slots = entry.slots[k - 1]
+        if slots[0]:
+            tensors = take(slots[0])
+            if param_flags(tensors, slots[1]) != entry.grads[k - 1]:
+                return False
+            call.slots, call.tensors, call.flags = slots, tensors, entry.grads[k - 1]
+        return True
+
+    def _diverge(self, k):
+        """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
+        old = self.entry
+        new = Recording()
+        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "generators", "grad_replay", "state",
+                     "reads_state", "held", "slots", "grads", "autocasts"):
+            setattr(new, attr, list(getattr(old, attr)[:k - 1]))
+        new.rows = rows_of(old.costs, k - 1)
+        new.input_bytes = old.input_bytes
+        self.new = new
+        self.mode = "measure"
+        self.run.ops = None
+        self.diverged = k
+
+    def _run_stage(self, call, x):
+        clock = self.run.clock
+        if clock is None:
+            return self._run_mode(call, x)
+        t0 = time.perf_counter()
+        out = self._run_mode(call, x)
+        clock.ran(call.index, time.perf_counter() - t0, first(out),
+                  [x, *tree_leaves((call.args, call.kwargs))])
+        return out
+
+    def _run_mode(self, call, x):
+        """Stage ``call`` in its forward-phase mode of the plan."""
+        entry, run, k = self.entry, self.run, call.index
+        call.meta = entry.meta[k - 1]
+        call.state = resolve_state(entry.state[k - 1], call.tensors)
+        if entry.reads_state[k - 1]:
+            call.before = snapshot(call.state)
+        call.grad_replay = entry.grad_replay[k - 1]
+        mode = self.plan[1][k]
+        if mode == FALL:
+            run.add_whole(call)
+            if k > 1 and entry.drops_input(k, run.whole[k - 1]):
+                self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
+            return call.invoke(x)
+        if entry.uses_rng[k - 1]:
+            call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
+                                   entry.generators[k - 1])
+        keep = mode == FCK or (k > 1 and run.whole[k - 1])
+        anchor, pack, count = run.new_anchor(call, keep, x)
+        with run.hooks(pack):
+            out = call.invoke(x)
+        if not keep and k > 1 and k - 1 not in entry.caller:   # Fn lets a^(k-1) go (Note [What the ...])
+            storage = x.untyped_storage()
+            if first(out).untyped_storage() is not storage:   # (unless its output is a view of it)
+                self.dropped.append((k - 1, weakref.ref(storage)))
+        run.settle(anchor, count[0], x)
+        if count[0]:
+            run.watch(anchor, first(out))
+        return out
+
+    def _finish_run(self):
+        """The end of a run-mode call: the recording learns what the call let go
+        and kept; True if the chain stopped short of its recorded stages (the
+        caller forgets the recording)."""
+        if self.k != len(self.entry.idents):
+            self.run.ops = None
+            return True
+        self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
+        return False
