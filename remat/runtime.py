@@ -38,6 +38,7 @@ Note [The life of a saved tensor]
    first forward saved (count, shape, dtype, device).
 """
 
+import contextlib
 import sys
 import threading
 import time
@@ -197,6 +198,27 @@ def _unpack(handle):
     elif _releasing():
         saved[handle.index] = None
     return t
+
+
+@contextlib.contextmanager
+def _outside_vmap():
+    """Leave the vmap of a batched backward (``is_grads_batched=True``) while a
+    recomputation runs: its inputs and outputs are plain tensors, and under that
+    vmap random ops (dropout) are refused."""
+    inc = getattr(torch._C, "_vmapmode_increment_nesting", None)
+    if inc is None:
+        yield
+        return
+    dec = torch._C._vmapmode_decrement_nesting
+    level = inc() - 1
+    dec()
+    for _ in range(level):
+        dec()
+    try:
+        yield
+    finally:
+        for _ in range(level):
+            inc()
 
 
 def _drop(_tensor):
@@ -409,7 +431,7 @@ class Run:
             call.check_side()
         _local.replaying = True
         try:
-            with Replay(call, self.autocast):
+            with _outside_vmap(), Replay(call, self.autocast):
                 if grad:
                     return call.call(x)
                 if call.grad_replay:

@@ -266,6 +266,26 @@ def test_higher_order_gradients():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_batched_gradients_with_dropout():
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (what jacobian(vectorize=
+    True) uses) runs the backward under vmap, which refuses random ops: remat's
+    recomputations of a dropout stage leave it, and the Jacobian rows equal plain
+    PyTorch's on every call, the measuring one included."""
+    base = _fresh(("mlp", "dropout", "mlp", "dropout"))
+    rows = []
+    for net in (copy.deepcopy(base), _with_budget(base, 0.0)):
+        got = []
+        for call in range(3):
+            torch.manual_seed(call)
+            x, mask = __import__("chains").make_input(net)
+            y = net(x, mask)
+            go = torch.randn(3, *y.shape)
+            got.append(torch.autograd.grad(y, x, grad_outputs=go, is_grads_batched=True)[0])
+        rows.append(got)
+    assert remat.explain().schedule.recomputations() > 0
+    assert all(torch.equal(a, b) for a, b in zip(*rows))
+
+
 def test_side_input_that_requires_grad_gets_exact_gradient():
     """A mask side input that requires grad receives plain PyTorch's gradient."""
     base = _fresh(("attn", "mlp", "attn", "attn"))
