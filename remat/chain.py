@@ -10,9 +10,10 @@ arguments (shape, dtype, device and requires_grad of every tensor, value of
 small Python values), the first stage module's training flag and the
 autocast state. A key seen before runs its schedule; a new budget re-solves
 from the cached costs; a new key measures. While running, each stage is
-checked against the recording (same stage object, same input shape): if the
-chain takes another path, the rest of it is measured again and the
-recording replaced. At most ``CACHE_SIZE`` keys are kept (least recently
+checked against the recording (same stage object, input shape, side inputs
+by signature, training flags of its module and submodules, autocast state,
+parameters' dtypes and requires_grad): if the chain takes another path, the
+rest of it is measured again and the recording replaced. At most ``CACHE_SIZE`` keys are kept (least recently
 used first out).
 """
 

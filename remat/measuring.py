@@ -40,7 +40,7 @@ from .replay import Replay, capture_rng, cuda_devices, param_flags, restore_tens
 from .runtime import _Saved, first
 from .units import format_bytes
 
-__all__ = ["StageMeasuring", "check_output", "input_signature", "shared_grad_transients", "signature"]
+__all__ = ["StageMeasuring", "check_output", "input_signature", "module_dicts", "shared_grad_transients", "signature"]
 
 
 class StageMeasuring:
@@ -159,7 +159,9 @@ class StageMeasuring:
             new.input_bytes = x.untyped_storage().nbytes()
         new.idents.append(weakref.ref(ident))
         new.names.append(call.name)
-        new.in_sigs.append(input_signature(ident, x))
+        dicts = module_dicts(ident)
+        new.dicts.append(dicts)
+        new.in_sigs.append(input_signature(x, call, dicts))
         new.meta.append(meta)
         new.uses_rng.append(uses_rng)
         new.generators.append([g for g, _ in rng0.extra])
@@ -311,10 +313,22 @@ def _bitwise_equal(a, b):
                             b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-def input_signature(ident, x):
-    """What each stage of a recording is checked against: input shape and dtype,
-    and its module's training flag (a stage switched to eval is measured again)."""
-    return (tuple(x.shape), x.dtype, getattr(ident, "training", None))
+def module_dicts(ident):
+    """The ``__dict__`` of a stage module and of each submodule, where their
+    training flags live (read on every call by ``input_signature``), or ()."""
+    if not isinstance(ident, torch.nn.Module):
+        return ()
+    return tuple(m.__dict__ for m in ident.modules())
+
+
+def input_signature(x, call, dicts):
+    """What each stage of a recording is checked against on later calls: input
+    shape and dtype, the training flags of its module and submodules (a stage, or
+    a BatchNorm inside it, switched to eval or back is measured again), and its
+    side inputs by ``signature`` (an encoder output of another length, another
+    model's weights passed to a function stage)."""
+    return (tuple(x.shape), x.dtype, tuple([d.get("training") for d in dicts]),
+            signature((call.args, call.kwargs)))
 
 
 def check_output(call, out, x, version):

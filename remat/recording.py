@@ -143,7 +143,8 @@ class Recording:
     def __init__(self):
         self.idents = []      # weak references to each stage's object
         self.names = []
-        self.in_sigs = []     # (shape, dtype) of each stage input
+        self.in_sigs = []     # per stage: what a later call is checked against (measuring.input_signature)
+        self.dicts = []       # per stage: its module's and submodules' __dict__ (measuring.module_dicts)
         self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
         self.uses_rng = []
         self.generators = []  # per stage: its own torch.Generator objects (Note [Replaying a stage] 1)

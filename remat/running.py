@@ -32,7 +32,9 @@ class StageRunning:
         entry = self.entry
         if k > len(entry.idents):
             return False
-        if entry.idents[k - 1]() is not ident or entry.in_sigs[k - 1] != input_signature(ident, x):
+        if entry.idents[k - 1]() is not ident:
+            return False
+        if entry.in_sigs[k - 1] != input_signature(x, call, entry.dicts[k - 1]):
             return False
         if entry.autocasts[k - 1] != call.autocast:
             return False
@@ -48,7 +50,7 @@ class StageRunning:
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "meta", "uses_rng", "generators", "grad_replay", "state",
+        for attr in ("idents", "names", "in_sigs", "dicts", "meta", "uses_rng", "generators", "grad_replay", "state",
                      "reads_state", "held", "slots", "grads", "autocasts"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)

@@ -297,3 +297,66 @@ def test_nested_tuple_item_needing_grad_is_refused():
     with pytest.raises(remat.StageError, match="item 1 requires grad"):
         with remat.chain(budget=2**40):
             two(x)
+
+
+class _SelfAttn(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(3)
+
+    @remat.stage
+    def forward(self, x):
+        return x + torch.tanh(self.bn(self.lin(x)))
+
+
+class _Cross(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+
+    @remat.stage
+    def forward(self, x, mem):
+        a = (self.q(x) @ mem.transpose(-1, -2)).softmax(-1)
+        return x + a @ mem
+
+
+def test_later_stage_side_input_and_submodule_flags_are_checked():
+    """A recording holds for a later call only if every stage gets like side inputs
+    (an encoder output of another length reaches the cross-attention stages, not the
+    first one, which alone is in the chain's key) and its submodules have the same
+    training flags (a BatchNorm inside a stage frozen with .eval()): otherwise the
+    rest of the chain is measured again. Reusing the other recording raised a false
+    RecomputeMismatchError, or ran over the budget on the other shape's costs."""
+    torch.manual_seed(0)
+    base = nn.ModuleList([_SelfAttn(8)] + [_Cross(8) for _ in range(3)])
+    plain, net = copy.deepcopy(base), copy.deepcopy(base)
+
+    def step(blocks, length, budget, frozen):
+        blocks[0].bn.train(not frozen)
+        torch.manual_seed(length)
+        x = torch.randn(2, 3, 8, requires_grad=True)
+        mem = torch.randn(2, length, 8)
+        if budget is None:
+            h = x
+            for b in blocks:
+                h = b(h) if b is blocks[0] else b(h, mem)
+        else:
+            with remat.chain(budget=budget):
+                h = blocks[0](x)
+                for b in blocks[1:]:
+                    h = b(h, mem)
+        h.square().sum().backward()
+        return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+
+    remat.clear_cache()
+    step(copy.deepcopy(base), 40, 1 << 30, False)
+    low = minimum_budget(remat.explain().costs) + 512   # (the longer source's minimum)
+    for length, frozen in [(40, False), (4, False), (4, False), (40, False), (40, True), (40, True), (4, False)]:
+        want = step(plain, length, None, frozen)
+        got = step(net, length, low, frozen)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert remat.explain().costs.input_bytes == 2 * 3 * 8 * 4
+        plain.zero_grad()
+        net.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), net.state_dict().values()))
