@@ -39,7 +39,7 @@ from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices, module_slots, take
 from .runtime import Run, StageCall, replaying
 from .running import StageRunning
-from .solve import DEFAULT_SLOTS, _parse_algorithm
+from .solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 
@@ -109,8 +109,7 @@ class chain:
             raise TypeError(f"remat: costs must be a path to a JSON file, got {type(costs).__name__}")
         self.costs_path = costs
         _parse_algorithm(algorithm, 1)
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"remat: slots must be a positive int, got {slots!r}")
+        check_slots(slots)
         self.algorithm = algorithm
         self.slots = slots
         self._site = None
@@ -380,9 +379,10 @@ class _Active(StageMeasuring, StageRunning):
             # chain's output], remat/recording.py; only a budget under the measured
             # costs' minimum fails now)
             plan = new.plan(self.budget, self.spec.algorithm, self.spec.slots)
-        except RematError:
+        except Exception as exc:
             self._undo()
-            _publish(Explanation(new.costs, None, self.budget, new.names, new.costs))
+            if isinstance(exc, RematError):
+                _publish(Explanation(new.costs, None, self.budget, new.names, new.costs))
             raise
         _publish(Explanation(plan[4], plan[0], self.budget, new.names, new.costs))
 

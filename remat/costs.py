@@ -168,7 +168,7 @@ class Costs:
         try:
             with open(path) as fh:
                 data = json.load(fh)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:   # (JSONDecodeError, UnicodeDecodeError; a file nested too deep)
             raise CostsError(f"remat: {path} is not valid JSON ({exc}); delete it to measure again") from None
         except OSError as exc:
             raise CostsError(f"remat: cannot read costs from {path}: {exc}; give the path of a JSON file") from None

@@ -221,6 +221,25 @@ def _outside_vmap():
             inc()
 
 
+def _outside_inference():
+    """A backward run under ``torch.inference_mode()`` (plain PyTorch allows it)
+    still needs a recomputation to record and to make tensors with version counters."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
+def _check_hooks(call):
+    """A recomputation collects saved tensors through saved-tensor hooks: a backward
+    run under ``disable_saved_tensors_hooks`` cannot have one."""
+    autograd = torch._C._autograd
+    if hasattr(autograd, "_saved_tensors_hooks_is_enabled") and not autograd._saved_tensors_hooks_is_enabled():
+        why = autograd._saved_tensors_hooks_get_disabled_error_message()
+        raise StageError(
+            f"remat: stage {call.index} ({call.name}) must be recomputed in this backward, which runs where "
+            f"saved-tensor hooks are disabled (by torch.autograd.graph.disable_saved_tensors_hooks: {why!r}); "
+            f"remat recomputes saved tensors through those hooks. Run the backward outside that context, "
+            f"or give the chain a budget that stores every stage")
+
+
 def _drop(_tensor):
     return None
 
@@ -431,7 +450,7 @@ class Run:
             call.check_side()
         _local.replaying = True
         try:
-            with _outside_vmap(), Replay(call, self.autocast):
+            with _outside_vmap(), _outside_inference(), Replay(call, self.autocast):
                 if grad:
                     return call.call(x)
                 if call.grad_replay:
@@ -460,6 +479,7 @@ class Run:
             return None
 
         inp = x.detach().requires_grad_(call.input_requires_grad)
+        _check_hooks(call)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
             out = self._forward(call, inp, grad=True)
         check_saved(call, saved)

@@ -108,6 +108,12 @@ def min_memory(n):
     return tuple(ops)
 
 
+def check_slots(slots):
+    """Raise ValueError unless ``slots`` is an int the solver takes (1..10^7)."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 10**7:
+        raise ValueError(f"remat: slots must be an int in 1..10^7, got {slots!r}")
+
+
 def _parse_algorithm(algorithm, n):
     if not isinstance(algorithm, str):
         raise ValueError(f"remat: algorithm must be a string such as 'optimal', got {algorithm!r}")
@@ -162,8 +168,7 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
     if not isinstance(costs, Costs):
         raise TypeError(f"remat: solve needs a remat.Costs, got {type(costs).__name__}")
     budget = _check_budget(budget)
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 10**7:
-        raise ValueError(f"remat: slots must be an int in 1..10^7, got {slots!r}")
+    check_slots(slots)
     n = costs.length
     if n == 0:
         raise ValueError("remat: the chain has no stages; call at least one @remat.stage inside the chain")

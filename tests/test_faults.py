@@ -331,3 +331,42 @@ def test_random_chain_budget_and_fault(chain, fraction, algorithm):
     assert all(r() is None for r in _made)
     for seed in (3, 4):
         _assert_equal(_step(plain, seed), _step(net, seed))
+
+
+@pytest.mark.parametrize("measured", [False, True], ids=["measuring-call", "scheduled-call"])
+def test_backward_in_inference_mode(measured):
+    """Plain PyTorch runs a backward under ``torch.inference_mode()``; so does a chain:
+    its recomputations leave inference mode to record and to make tensors that have
+    version counters (a raw "Inference tensors do not track version counter", or a
+    false RecomputeMismatchError, before)."""
+    plain, net = _pair()
+    if measured:
+        _step(net, 9)
+        _step(plain, 9)
+    for seed in range(2):
+        grads = []
+        for model in (plain, net):
+            x, loss = _loss(model, seed)
+            with torch.inference_mode():
+                loss.backward()
+            grads.append([x.grad] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+            model.zero_grad(set_to_none=True)
+        _assert_equal(*grads)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+def test_backward_with_saved_tensor_hooks_disabled():
+    """A backward under ``disable_saved_tensors_hooks`` cannot recompute (remat collects
+    a recomputation's saved tensors through those hooks): a StageError naming the
+    stage and the context, not the context's bare RuntimeError; the next step is exact."""
+    plain, net = _pair()
+    _step(net, 0)
+    _step(plain, 0)
+    _loss(plain, 1)   # (the failed step's forward moved BatchNorm statistics: so does plain's)
+    _, loss = _loss(net, 1)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this region"):
+        with pytest.raises(remat.StageError, match="saved-tensor hooks are disabled.*no hooks in this region"):
+            loss.backward()
+    del loss
+    net.zero_grad(set_to_none=True)
+    _assert_equal(_step(plain, 2), _step(net, 2))

@@ -187,6 +187,7 @@ CASES = {
     "costs-file-truncated": lambda t: Costs.load(_write(t, '{"format": "remat.costs/1", "fwd_time": [1')),
     "costs-file-empty": lambda t: Costs.load(_write(t, "")),
     "costs-file-binary": lambda t: Costs.load(_write(t, b"\xff\xfe\x00junk", "wb")),
+    "costs-file-nested-deep": lambda t: Costs.load(_write(t, "[" * 100000 + "]" * 100000)),
     "costs-file-list": lambda t: Costs.load(_write(t, "[1, 2]")),
     "costs-file-missing-fields": lambda t: Costs.load(_write(t, '{"fwd_time": [1]}')),
     "costs-file-nan": lambda t: Costs.load(_write(t, '{"fwd_time": [NaN], "fwd_nograd_time": [1], '
@@ -205,6 +206,7 @@ CASES = {
     "solve-algorithm-unknown": lambda t: remat.solve(Costs.uniform(3), 100, "bogus"),
     "slots-0": lambda t: remat.chain(budget=100, slots=0),
     "slots-float": lambda t: remat.chain(budget=100, slots=1.5),
+    "slots-10**9": lambda t: remat.chain(budget=100, slots=10**9),
     "solve-slots-0": lambda t: remat.solve(Costs.uniform(3), 100, slots=0),
     "empty-chain": _empty_chain,
     "chain-without-stages": _chain_without_stages,
