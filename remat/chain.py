@@ -199,6 +199,7 @@ class _Active(StageMeasuring, StageRunning):
         self.skipped = None     # a stage called under no_grad after stage 1
         self.costs_path = None  # the costs file this measuring call reads or writes
         self.seen = {}          # id of each stage's object -> the first stage it was
+        self.stale = False      # running: a stage saved other tensors than the recording says
 
     # stage calls ---------------------------------------------------------
 

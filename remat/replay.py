@@ -60,6 +60,14 @@ leave no trace:
    new tensors between calls (``load_state_dict(..., assign=True)``) is the
    state put back. Stages that are plain functions reach their modules through
    closures remat cannot see: none of this applies to them.
+6. Parametrization cache: under ``torch.nn.utils.parametrize.cached()`` a
+   parametrized weight is computed once, by the first stage to use it, and the
+   later ones reuse that tensor. Each stage call notes the cache as it found
+   it (its entries then, or off), and every run of the stage again (a
+   recomputation, a measuring run) runs with that cache, whatever it is then
+   (``StageCall.call``): a stage that computed the weight computes it again
+   and saves what it saved, one that reused it reuses the same tensor, in or
+   out of ``cached()`` around the backward.
 """
 
 import contextlib
@@ -356,7 +364,14 @@ def check_saved(call, saved):
     """The determinism guard: what a recomputation of ``call`` saved against what its
     first forward saved (Note [The life of a saved tensor] 5 in remat/runtime.py)."""
     meta = call.meta
-    if meta is None or tuple([(t.shape, t.dtype, t.device) for t in saved]) == meta:
+    if meta is None:
+        if call.count is not None and len(saved) != call.count:
+            raise RecomputeMismatchError(
+                f"remat: stage {call.index} ({call.name}) saved {call.count} tensors in its forward but "
+                f"{len(saved)} when recomputed. The stage must take the same path each time it runs: "
+                f"make control flow depend only on its inputs' shapes, not on values or global state")
+        return
+    if tuple([(t.shape, t.dtype, t.device) for t in saved]) == meta:
         return
     if call.flags is not None and call.tensors is not None and param_flags(call.tensors, call.slots[1]) != call.flags:
         raise StageError(
@@ -365,7 +380,7 @@ def check_saved(call, saved):
             f"change them before the forward or after the backward")
     if len(saved) != len(meta):
         raise RecomputeMismatchError(
-            f"remat: stage {call.index} ({call.name}) saved {len(meta)} tensors in its forward but "
+            f"remat: stage {call.index} ({call.name}) saved {len(meta)} tensors when measured but "
             f"{len(saved)} when recomputed. The stage must take the same path each time it runs: "
             f"make control flow depend only on its inputs' shapes, not on values or global state"
         )

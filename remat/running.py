@@ -96,16 +96,25 @@ class StageRunning:
             if first(out).untyped_storage() is not storage:   # (unless its output is a view of it)
                 self.dropped.append((k - 1, weakref.ref(storage)))
         run.settle(anchor, count[0], x)
+        if call.meta is not None and count[0] != len(call.meta):
+            # another path than the recorded one (fake quantization switched on, a
+            # parametrization cache): its recomputations are checked against this
+            # forward, and the next call measures again
+            call.count, call.meta = count[0], None
+            self.stale = True
         if count[0]:
             run.watch(anchor, first(out))
         return out
 
     def _finish_run(self):
         """The end of a run-mode call: the recording learns what the call let go
-        and kept; True if the chain stopped short of its recorded stages (the
-        caller forgets the recording)."""
+        and kept; True if the chain stopped short of its recorded stages or a
+        stage saved other tensors than recorded (the caller forgets the
+        recording)."""
         if self.k != len(self.entry.idents):
             self.run.ops = None
+            return True
+        if self.stale:
             return True
         self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
         return False

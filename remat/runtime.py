@@ -45,6 +45,7 @@ import time
 import weakref
 
 import torch
+import torch.nn.utils.parametrize as _parametrize
 
 from .dynamo import STANCES
 from .errors import RecomputeMismatchError, StageError
@@ -71,7 +72,8 @@ class StageCall:
     """One stage's call in one run: what it needs to run again."""
 
     __slots__ = ("index", "name", "fn", "args", "kwargs", "pos", "in_kw", "rng", "state", "before", "meta",
-                 "input_requires_grad", "grad_replay", "slots", "tensors", "versions", "side", "autocast", "flags")
+                 "input_requires_grad", "grad_replay", "slots", "tensors", "versions", "side", "autocast", "flags",
+                 "count", "pcache")
 
     def __init__(self, index, name, fn, args, kwargs, pos, in_kw, input_requires_grad):
         self.index = index
@@ -99,6 +101,9 @@ class StageCall:
         self.side = ()          # (tensor, version after its forward) of each tensor side input
         self.autocast = None    # the autocast state it ran in (Note [Replaying a stage] 2)
         self.flags = None       # its parameters' dtype and requires_grad as it ran (replay.param_flags)
+        self.count = None       # how many tensors its forward saved, where ``meta`` (recorded) is not it
+        # the parametrization cache as its forward found it (Note [Replaying a stage] 6)
+        self.pcache = dict(_parametrize._cache) if _parametrize._cache_enabled else None
 
     def seal(self):
         """After the stage's forward: note the version counters a recomputation checks."""
@@ -123,8 +128,11 @@ class StageCall:
                     f"the stage a copy (.clone()), or change the tensor after the backward")
 
     def call(self, x):
-        """Run the stage on activation ``x`` with its side inputs; return the activation out."""
-        return first(self.invoke(x))
+        """Run the stage again on activation ``x`` with its side inputs; return the activation out."""
+        if self.pcache is None and not _parametrize._cache_enabled:
+            return first(self.invoke(x))
+        with _parametrize_cache(self.pcache):
+            return first(self.invoke(x))
 
     def invoke(self, x):
         """Run the stage on activation ``x``; return what it returns."""
@@ -138,6 +146,20 @@ class StageCall:
             with torch.compiler.set_stance("force_eager"):
                 return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
+
+@contextlib.contextmanager
+def _parametrize_cache(entries):
+    """``torch.nn.utils.parametrize``'s cache as a stage's forward found it: on
+    (holding ``entries``, the parametrized tensors computed before the stage) or
+    off, whatever it is now."""
+    enabled, cache = _parametrize._cache_enabled, _parametrize._cache
+    _parametrize._cache_enabled = 0 if entries is None else 1
+    _parametrize._cache = {} if entries is None else dict(entries)
+    try:
+        yield
+    finally:
+        _parametrize._cache_enabled, _parametrize._cache = enabled, cache
+
 
 def _ordinal(n):
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")

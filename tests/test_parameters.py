@@ -273,3 +273,91 @@ def test_freezing_between_the_forward_and_the_backward_is_named():
         loss.backward()
     net.blocks[1].requires_grad_(True)
     _next_call_exact(ref, net)
+
+
+@pytest.mark.parametrize("around", ["forward", "forward-and-backward"])
+def test_parametrization_cache_is_replayed(around):
+    """Under ``parametrize.cached()`` a weight-normed weight shared by two stages is
+    computed by the first and reused by the second; a recomputation runs with the
+    cache as the stage's forward found it, inside ``cached()`` or not (it saved other
+    tensors than its forward, a RecomputeMismatchError or a raw engine error before)."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    ref, net = _pair()
+    for model in (ref, net):
+        for b in model.blocks:
+            weight_norm(b.l1)
+        model.blocks[3].l1 = model.blocks[1].l1
+    torch.manual_seed(0)
+    probe = copy.deepcopy(net)
+    probe.budget = 2**40
+    with parametrize.cached():
+        probe(torch.randn(4, 8, 16)).sum().backward()
+    net.budget = minimum_budget(remat.explain().costs)
+    remat.clear_cache()
+    for call in range(4):
+        grads = []
+        for model in (ref, net):
+            torch.manual_seed(call)
+            x = torch.randn(4, 8, 16)
+            with parametrize.cached():
+                loss = model(x).square().sum()
+                if around == "forward-and-backward":
+                    loss.backward()
+            if around == "forward":
+                loss.backward()
+            grads.append(_grads(model))
+            model.zero_grad()
+        _assert_equal(*grads)
+    assert remat.explain().schedule.recomputations() > 0
+
+
+class _Switch(Block):
+    """A block whose path depends on a flag its forward reads (as fake quantization
+    switched on after calibration): other tensors saved once it is set."""
+
+    quant = False
+
+    @remat.stage
+    def forward(self, x, pos=None):
+        h = self.l1(self.norm(x))
+        if self.quant:
+            h = h * torch.sigmoid(h)
+        return x + self.l2(F.gelu(h))
+
+
+def test_stage_taking_another_path_than_measured():
+    """A stage that saves other tensors than when measured (a global flag set since)
+    runs this call checked against its own forward, and the next call measures the
+    chain again (its saved tensors were handed back by position, from a recording of
+    the other path: a raw engine error or a false RecomputeMismatchError before)."""
+    torch.manual_seed(0)
+    ref = Net()
+    ref.blocks = nn.ModuleList(_Switch(16) for _ in range(5))
+    probe = copy.deepcopy(ref)
+    probe.budget = 2**40
+    for b in probe.blocks:
+        b.quant = True
+    probe(torch.randn(4, 8, 16)).sum().backward()
+    net = copy.deepcopy(ref)
+    net.budget = minimum_budget(remat.explain().costs) + 4096
+    remat.clear_cache()
+    first = None
+    for call in range(5):
+        if call == 2:
+            for model in (ref, net):
+                for b in model.blocks:
+                    b.quant = True
+        grads = []
+        for model in (ref, net):
+            torch.manual_seed(call)
+            model(torch.randn(4, 8, 16)).square().sum().backward()
+            grads.append(_grads(model))
+            model.zero_grad()
+        _assert_equal(*grads)
+        assert remat.explain().schedule.recomputations() > 0
+        if call == 0:
+            first = remat.explain().costs
+        elif call == 3:
+            assert remat.explain().costs.saved_bytes != first.saved_bytes   # measured again
