@@ -271,8 +271,6 @@ class _Active(StageMeasuring, StageRunning):
             self.in_stage = False
         act = check_output(call, out, x, version)
         call.seal()
-        if self.mode == "run" and not act.requires_grad:
-            self.run.pin()
         if self.mode == "measure":
             self.outs[k] = weakref.ref(act)
         elif k not in self.entry.caller:

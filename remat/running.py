@@ -83,7 +83,9 @@ class StageRunning:
             run.add_whole(call)
             if k > 1 and entry.drops_input(k, run.whole[k - 1]):
                 self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
-            return call.invoke(x)
+            out = call.invoke(x)
+            _pin_if_cut(run, out)
+            return out
         if entry.uses_rng[k - 1]:
             call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
                                    entry.generators[k - 1])
@@ -91,6 +93,7 @@ class StageRunning:
         anchor, pack, count = run.new_anchor(call, keep, x)
         with run.hooks(pack):
             out = call.invoke(x)
+        _pin_if_cut(run, out)   # (while ``anchor`` holds this stage's)
         if not keep and k > 1 and k - 1 not in entry.caller:   # Fn lets a^(k-1) go (Note [What the ...])
             storage = x.untyped_storage()
             if first(out).untyped_storage() is not storage:   # (unless its output is a view of it)
@@ -118,3 +121,12 @@ class StageRunning:
             return True
         self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
         return False
+
+
+def _pin_if_cut(run, out):
+    """A stage returned an activation that needs no grad: the run keeps the anchors
+    of the stages so far (``Run.pin``) now, while they are alive; this stage's graph,
+    which held its own, went as it returned."""
+    act = first(out)
+    if isinstance(act, torch.Tensor) and not act.requires_grad:
+        run.pin()
