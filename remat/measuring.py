@@ -106,6 +106,8 @@ class StageMeasuring:
                 returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                 row["held_outside"] = detector.alive_bytes(kept + returned)
         held = row.pop("held_grads", {}) if row is not None else {}
+        if row is not None and first(out).requires_grad:
+            held.update(side_grads(call))
         outside = row.pop("held_outside", 0) if row is not None else 0
         if outside:
             held[("outside", k)] = outside
@@ -367,6 +369,22 @@ def check_hooks_enabled(name):
             f"torch.autograd.graph.disable_saved_tensors_hooks: {why!r}), at its first stage ({name}); "
             f"remat drops and recomputes saved tensors through those hooks. Run the chain outside "
             f"that context, or without remat.chain there")
+
+
+def side_grads(call):
+    """{("side", id): gradient bytes} of the side inputs of ``call`` that need grad
+    and are not leaves (an encoder's output into cross-attention stages, a skip from
+    code before the chain). The engine sums each one's gradient into a buffer it
+    holds from the backward of the last stage using it until it runs the node that
+    made it, after the chain's (made before it): held through the chain's backward,
+    like a shared parameter's (``Upstream.held_grads``), counted once in held_bytes.
+    What each stage adds into it is in that stage's bwd_tmp: the measured backward
+    takes it at the side input's edge (remat/profile.py, ``instrumented_run``)."""
+    out = {}
+    for a in tree_leaves((call.args, call.kwargs)):
+        if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
+            out[("side", id(a))] = a.numel() * a.element_size()
+    return out
 
 
 def shared_grad_transients(held):

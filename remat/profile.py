@@ -190,7 +190,12 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         # the meter is off between the two runs: what is made here is no stage's
         grad_out = torch.ones_like(act)
         row["grad_layout"] = grad_out.stride()
-        own = held_hooks([x] if x.requires_grad else [])   # x's hooks held back (its .grad kept)
+        # non-leaf side inputs needing grad: their gradients are taken at their edges as
+        # x's is (what the stage adds into the sum the engine holds: remat/measuring.py
+        # side_grads), their nodes, before the chain, not run
+        side = [a for a in tree_leaves((call.args, call.kwargs))
+                if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None and a is not x]
+        own = held_hooks(([x] if x.requires_grad else []) + side)   # their hooks held back (x's .grad kept)
         own.__enter__()
         hook = x.register_hook(lambda g: row.__setitem__("input_grad_layout", g.stride())) if x.requires_grad else None
         # a training step hands the stage a gradient only the engine holds, which
@@ -209,7 +214,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
             ops_before = inst.op_seconds
             try:
                 with inst:
-                    _backward(act, grad_out, x if x.requires_grad else None, params, grads)
+                    _backward(act, grad_out, x if x.requires_grad else None, params, grads, side)
             except BaseException as exc:
                 if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
                     exc.add_note(_BACKWARD_FAILED)
@@ -329,7 +334,7 @@ def _engine_owned(grad):
     return grad.clone()
 
 
-def _backward(out, grad, x, params, grads):
+def _backward(out, grad, x, params, grads, side=()):
     """The stage's backward on the real forward's graph (kept for the real backward
     later), for ``grad = ones_like(out)``, as a training step runs it, stopping at
     its input ``x`` (or None) without running x's node: that node is the stage
@@ -356,7 +361,7 @@ def _backward(out, grad, x, params, grads):
         return add
 
     handles = [p.register_hook(adder(b)) for p, b in zip(params, grads)]
-    inputs = ([] if x is None else [x]) + list(params)
+    inputs = ([] if x is None else [x]) + list(side) + list(params)
     try:
         run = getattr(torch.autograd.graph, "_engine_run_backward", None)
         edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
