@@ -26,7 +26,9 @@ import warnings
 import weakref
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch.nn.parameter import is_lazy
+from torch.utils._pytree import tree_leaves
 
 from .budget import parse_budget, resolve_budget
 from .costs_source import chain_costs, distributed, read_costs, write_costs
@@ -164,6 +166,15 @@ def _transformed(x):
     return check is not None and check(x)
 
 
+def _dual(x, args, kwargs):
+    """True if a forward-mode AD level is open and the chain's input or a tensor side
+    input of its first stage carries a tangent."""
+    if forward_ad._current_level < 0:
+        return False
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+               for t in [x, *tree_leaves((args, kwargs))])
+
+
 class _Active(StageMeasuring, StageRunning):
     """One open chain on one thread (one call of the user's forward)."""
 
@@ -217,13 +228,16 @@ class _Active(StageMeasuring, StageRunning):
                 f"argument of a stage is the activation that flows along the chain"
             )
         k = self.k + 1
-        if k == 1 and _transformed(x):
+        if k == 1 and (_transformed(x) or _dual(x, args, kwargs)):
             # inside torch.func.vmap / grad: remat's hooks and meter cannot see through
-            # the transforms' wrapped tensors; the chain runs plainly this call
+            # the transforms' wrapped tensors; dual tensors of forward-mode AD carry
+            # tangents whose formulas save tensors for the backward that a recomputation
+            # (of the primal) cannot make again. The chain runs plainly this call
             if not _warned_transforms:
                 _warned_transforms.append(True)
-                warnings.warn("remat: a chain called inside a torch.func transform (vmap, grad, ...) runs "
-                              "its stages plainly, without a budget", RuntimeWarning, stacklevel=3)
+                warnings.warn("remat: a chain called inside a torch.func transform (vmap, grad, ...) or on "
+                              "forward-mode AD's dual tensors runs its stages plainly, without a budget",
+                              RuntimeWarning, stacklevel=3)
             self.in_stage = True   # (every stage of this call: the chain is never entered)
             return fn(*args, **kwargs)
         if k == 1:

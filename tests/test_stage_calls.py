@@ -4,6 +4,7 @@ in the middle of a chain, nested tuples, autocast around some stage calls only,
 a stage's own generator, sparse gradients, torch.func transforms around a
 chain."""
 
+import contextlib
 import copy
 import importlib
 
@@ -118,6 +119,45 @@ def test_chain_inside_torch_func_transforms_runs_plainly():
     assert torch.equal(grad(lambda xx: f(xx, True))(x), grad(lambda xx: f(xx, False))(x))
     f(x, True).backward()   # an ordinary call afterwards measures and runs the chain
     assert remat.explain().costs.length == 3
+
+
+def test_chain_on_forward_ad_dual_tensors_runs_plainly():
+    """Forward-mode AD's dual tensors carry tangents whose formulas save tensors for
+    the backward, which recomputing the primal cannot make again (a false
+    RecomputeMismatchError from the second call), and the measuring call's meter
+    moved LayerNorm's tangent by 2e-7: the chain runs plainly on them, with a
+    warning; primal, tangent and gradients are plain PyTorch's."""
+    import torch.autograd.forward_ad as fwAD
+
+    chain_module._warned_transforms.clear()
+    torch.manual_seed(0)
+    layers = nn.ModuleList(remat.stage(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.Tanh(),
+                                                     nn.Linear(32, 16))) for _ in range(4))
+    plain = copy.deepcopy(layers)
+
+    def f(mods, chained, x, t):
+        with fwAD.dual_level():
+            h = fwAD.make_dual(x, t)
+            if chained:
+                with remat.chain(budget=1):   # (below any minimum: never measured)
+                    for s in mods:
+                        h = s(h)
+            else:
+                for s in mods:
+                    h = s(h)
+            primal, tangent = fwAD.unpack_dual(h)
+        (primal.square().sum() + tangent.square().sum()).backward()
+        return [primal, tangent] + [p.grad.clone() for p in mods.parameters()]
+
+    remat.clear_cache()
+    before = remat.explain()
+    for call in range(3):
+        x, t = torch.randn(8, 16, generator=torch.Generator().manual_seed(call)), torch.ones(8, 16)
+        with pytest.warns(RuntimeWarning, match="dual tensors") if call == 0 else contextlib.nullcontext():
+            got = f(layers, True, x, t)
+        want = f(plain, False, x, t)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert remat.explain() is before   # (nothing recorded)
 
 
 @pytest.mark.parametrize("cut", ["detach", "argmax", "work-then-detach"])
