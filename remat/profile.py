@@ -67,7 +67,7 @@ import time
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .errors import input_modified
+from .errors import StageError, input_modified
 from .leaves import held_hooks, stage_leaves, step_grads
 from .meter import Instrument, InputWritten, storage_key
 from .replay import restore_tensors
@@ -216,6 +216,13 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
                 with inst:
                     _backward(act, grad_out, x if x.requires_grad else None, params, grads, side)
             except BaseException as exc:
+                if isinstance(exc, RuntimeError) and "use_reentrant=True" in str(exc):
+                    raise StageError(
+                        f"remat: stage {call.index} ({call.name}) runs torch.utils.checkpoint with "
+                        f"use_reentrant=True inside, whose backward cannot be run on one stage alone, as "
+                        f"remat's first call measures each stage. Pass use_reentrant=False (or drop the "
+                        f"checkpoint: remat decides what to recompute), or measure the costs once that way "
+                        f"and pass the file: remat.chain(..., costs=\"costs.json\")") from exc
                 if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
                     exc.add_note(_BACKWARD_FAILED)
                 raise

@@ -338,3 +338,54 @@ def test_backward_hooks_on_every_module():
         assert torch.equal(a.grad, b.grad)
     assert len(seen[id(net)]) == len(seen[id(ref)]) == 32
     assert all(torch.equal(a, b) for a, b in zip(seen[id(ref)], seen[id(net)]))
+
+
+class _Checkpointed(nn.Module):
+    """A block that checkpoints part of itself (as library blocks may)."""
+
+    reentrant = True
+
+    def __init__(self, d):
+        super().__init__()
+        self.l1 = nn.Linear(d, d)
+        self.l2 = nn.Linear(d, d)
+
+    def _inner(self, h):
+        return torch.tanh(self.l1(h))
+
+    @remat.stage
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return x + self.l2(checkpoint(self._inner, x, use_reentrant=self.reentrant))
+
+
+def test_reentrant_checkpoint_inside_a_stage_is_named():
+    """``checkpoint(use_reentrant=True)`` inside a stage rejects the backward remat's
+    first call runs on each stage alone (PyTorch's 'incompatible with .grad()', with
+    a note blaming hooks, before): a StageError naming the stage and the fixes; the
+    next call, the checkpoint made non-reentrant, is plain PyTorch's."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Checkpointed(8) for _ in range(3))
+    plain = copy.deepcopy(blocks)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run(mods, budget):
+        h = x
+        if budget is None:
+            for b in mods:
+                h = b(h)
+        else:
+            with remat.chain(budget=budget):
+                for b in mods:
+                    h = b(h)
+        h.square().sum().backward()
+        return [p.grad.clone() for p in mods.parameters()]
+
+    remat.clear_cache()
+    with pytest.raises(remat.StageError, match=r"stage 1 \(_Checkpointed\) runs torch.utils.checkpoint with "
+                                               r"use_reentrant=True.*use_reentrant=False.*costs="):
+        run(blocks, 2**30)
+    for b in blocks:
+        b.reentrant = False
+    blocks.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(run(blocks, 2**30), run(plain, None)))
