@@ -91,8 +91,15 @@ class StageRunning:
                                    entry.generators[k - 1])
         keep = mode == FCK or (k > 1 and run.whole[k - 1])
         anchor, pack, count = run.new_anchor(call, keep, x)
-        with run.hooks(pack):
-            out = call.invoke(x)
+        # what the stage saves stays while it runs: a stage may backward its own graph
+        # inside its forward (forces as an energy's gradient), and its recording
+        # forward's peak, which bounds this one's (fwd_tmp), held it all the same
+        anchor.live = []
+        try:
+            with run.hooks(pack):
+                out = call.invoke(x)
+        finally:
+            anchor.live = None
         _pin_if_cut(run, out)   # (while ``anchor`` holds this stage's)
         if not keep and k > 1 and k - 1 not in entry.caller:   # Fn lets a^(k-1) go (Note [What the ...])
             storage = x.untyped_storage()

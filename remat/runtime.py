@@ -171,7 +171,7 @@ def first(out):
 
 
 class _Anchor:
-    __slots__ = ("run", "stage", "input", "version", "saved", "versions", "observe", "__weakref__")
+    __slots__ = ("run", "stage", "input", "version", "saved", "versions", "observe", "live", "__weakref__")
 
     def __init__(self, run, stage):
         self.run = run
@@ -181,6 +181,7 @@ class _Anchor:
         self.saved = None
         self.versions = None  # version counters of ``saved`` as packed, where they were not recomputed
         self.observe = None   # called with each unpacked index instead of releasing (measuring)
+        self.live = None      # what the stage saved so far, while its forward-phase run lasts
 
 
 class _Saved:
@@ -203,6 +204,9 @@ def _releasing():
 
 def _unpack(handle):
     anchor = handle.anchor
+    live = anchor.live
+    if live is not None:   # (read inside the stage's own forward: a torch.autograd.grad there)
+        return live[handle.index]
     saved = anchor.saved
     if saved is None or saved[handle.index] is None:
         anchor.saved = None   # (the second case: released, then asked for again)
@@ -262,14 +266,6 @@ def _check_hooks(call):
             f"or give the chain a budget that stores every stage")
 
 
-def _drop(_tensor):
-    return None
-
-
-def _never(_):
-    raise RuntimeError("remat: a recomputation's own graph was backwarded; please report this bug")
-
-
 def _unchanged(anchor, x):
     """``x``, the input ``anchor`` holds, if it was not modified in place since it was taken."""
     if x._version != anchor.version:
@@ -311,9 +307,12 @@ class Run:
         self.whole.append(False)
         count = [0]
 
-        def pack(_tensor):
+        def pack(tensor):
             i = count[0]
             count[0] = i + 1
+            live = anchor.live
+            if live is not None:
+                live.append(tensor)
             return _Saved(anchor, i)
 
         return anchor, pack, count
@@ -475,9 +474,17 @@ class Run:
             with _outside_vmap(), _outside_inference(), Replay(call, self.autocast):
                 if grad:
                     return call.call(x)
+                if call.input_requires_grad and not x.requires_grad:
+                    x = x.detach().requires_grad_()   # (as its forward had it: a stage may differentiate by it)
                 if call.grad_replay:
-                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never):
-                        return call.call(x).detach()
+                    _check_hooks(call)
+                    made = []   # (read only by a stage backwarding its own graph inside its forward)
+                    try:
+                        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                                lambda t: made.append(t) or len(made) - 1, made.__getitem__):
+                            return call.call(x).detach()
+                    finally:
+                        made.clear()
                 with torch.no_grad():
                     return call.call(x).detach()
         except (StageError, RecomputeMismatchError):
@@ -495,15 +502,20 @@ class Run:
         """Fall(k): recompute stage k recording, collect what autograd saves."""
         call = self.calls[k]
         saved = []
+        made = []   # as saved, for a stage that backwards its own graph inside its forward
 
         def pack(t):
             saved.append(t.detach() if t.requires_grad else t)
-            return None
+            made.append(t)
+            return len(made) - 1
 
         inp = x.detach().requires_grad_(call.input_requires_grad)
         _check_hooks(call)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
-            out = self._forward(call, inp, grad=True)
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, made.__getitem__):
+                out = self._forward(call, inp, grad=True)
+        finally:
+            made.clear()   # (the recomputed graph holds its hooks: no cycle through it)
         check_saved(call, saved)
         anchor = self._anchor(k)
         if anchor is None:

@@ -266,6 +266,59 @@ def test_higher_order_gradients():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+class _Energy(nn.Module):
+    """A block whose forward takes a gradient of its own graph: x - dE/dx, with
+    create_graph (forces from an energy, physics-informed and energy-based models)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(2 * d, 1)
+
+    @remat.stage
+    def forward(self, x):
+        with torch.enable_grad():
+            e = self.out(torch.tanh(self.lin(x))).sum()
+            g, = torch.autograd.grad(e, x, create_graph=True)
+        return x - 0.1 * g
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_stage_taking_a_gradient_inside_its_forward(fraction):
+    """A stage whose forward backwards its own graph reads its saved tensors while it
+    runs: a forward-phase run without recording keeps them until the stage returns
+    (its recording forward's peak held them too), and a recomputation hands them to
+    it (remat's internal 'a recomputation's own graph was backwarded' or a false
+    'no longer held' before). Gradients are plain PyTorch's at every budget."""
+    torch.manual_seed(0)
+    base = nn.ModuleList(_Energy(8) for _ in range(5))
+    probe = copy.deepcopy(base)
+
+    def run(mods, budget, seed):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+        h = x
+        if budget is None:
+            for b in mods:
+                h = b(h)
+        else:
+            with remat.chain(budget=budget):
+                for b in mods:
+                    h = b(h)
+        h.square().sum().backward()
+        return [x.grad] + [p.grad.clone() for p in mods.parameters() if p.grad is not None]
+
+    run(probe, 2**40, 0)
+    costs = remat.explain().costs
+    low, high = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    remat.clear_cache()
+    net, plain = copy.deepcopy(base), copy.deepcopy(base)
+    for seed in range(4):
+        got, want = run(net, int(low + fraction * (high - low)), seed), run(plain, None, seed)
+        assert len(got) == len(want) > 1 and all(torch.equal(a, b) for a, b in zip(got, want))
+    if fraction < 1:
+        assert remat.explain().schedule.recomputations() > 0
+
+
 def test_batched_gradients_with_dropout():
     """``torch.autograd.grad(..., is_grads_batched=True)`` (what jacobian(vectorize=
     True) uses) runs the backward under vmap, which refuses random ops: remat's
