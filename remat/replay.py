@@ -31,7 +31,11 @@ leave no trace:
    before the stage's first forward (``snapshot``, counted as held in the
    budget) and a recomputation starts from those. BatchNorm's statistics are
    read only by the op that updates them, and the output in training does
-   not depend on them: no copy is kept.
+   not depend on them: no copy is kept. A later call whose stage writes a
+   buffer it did not write when measured (version counters, compared around
+   each stage) measures the chain again on the next call; that call's
+   recomputations put the buffer back as its forward left it
+   (remat/running.py, ``_new_writes``).
 4. Grad mode: a recomputation that only rebuilds an activation runs without
    recording, which is cheaper, unless the stage computes something else
    that way: some kernels are chosen by grad mode (scaled_dot_product_attention

@@ -7,6 +7,7 @@ methods, as it takes the measuring ones of remat/measuring.py.
 """
 
 import time
+import warnings
 import weakref
 
 import torch
@@ -19,6 +20,8 @@ from .replay import capture_rng, cuda_devices, param_flags, resolve_state, snaps
 from .runtime import FALL, FCK, first
 
 __all__ = ["StageRunning"]
+
+_warned_writes = set()   # names of stages warned of by ``_new_writes``
 
 
 class StageRunning:
@@ -61,14 +64,45 @@ class StageRunning:
         self.diverged = k
 
     def _run_stage(self, call, x):
+        tensors = call.tensors
+        buffers = tensors[call.slots[1]:] if tensors else ()
+        versions = [-1 if b is None else b._version for b in buffers] if buffers else None
         clock = self.run.clock
         if clock is None:
-            return self._run_mode(call, x)
-        t0 = time.perf_counter()
-        out = self._run_mode(call, x)
-        clock.ran(call.index, time.perf_counter() - t0, first(out),
-                  [x, *tree_leaves((call.args, call.kwargs))])
+            out = self._run_mode(call, x)
+        else:
+            t0 = time.perf_counter()
+            out = self._run_mode(call, x)
+            clock.ran(call.index, time.perf_counter() - t0, first(out),
+                      [x, *tree_leaves((call.args, call.kwargs))])
+        if versions is not None:
+            self._new_writes(call, buffers, versions)
         return out
+
+    def _new_writes(self, call, buffers, versions):
+        """Buffers the stage wrote in place that it did not write when measured (a
+        quantisation observer switched on since): the next call measures again, and
+        this call's recomputations of the stage put them back as its forward left
+        them (their writes undone, as those of the measured state are)."""
+        state = call.state
+        new = [b for b, v in zip(buffers, versions)
+               if b is not None and b._version != v and not any(b is t for t in state)]
+        if not new:
+            return
+        self.stale = True
+        if self.plan[1][call.index] == FALL:
+            return   # (a stage recorded whole in the forward phase is not run again this call)
+        call.state = list(state) + new
+        if call.before is not None:
+            call.before = list(call.before) + [None] * len(new)
+        if call.name not in _warned_writes:
+            _warned_writes.add(call.name)
+            warnings.warn(
+                f"remat: stage {call.index} ({call.name}) wrote buffers in place that it did not write when "
+                f"measured (an observer or a statistic switched on since?); the chain is measured again on "
+                f"the next call. In this call its recomputations start from their values after its forward, "
+                f"which is exact unless the stage reads them (a moving-average observer's range)",
+                RuntimeWarning, stacklevel=5)
 
     def _run_mode(self, call, x):
         """Stage ``call`` in its forward-phase mode of the plan."""

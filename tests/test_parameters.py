@@ -6,6 +6,7 @@ changed in place before the backward, stepped by an optimizer inside the
 backward. Each against plain PyTorch, bit for bit, or a clear error that leaves
 the next call exact."""
 
+import contextlib
 import copy
 
 import pytest
@@ -361,3 +362,56 @@ def test_stage_taking_another_path_than_measured():
             first = remat.explain().costs
         elif call == 3:
             assert remat.explain().costs.saved_bytes != first.saved_bytes   # measured again
+
+
+class _Tracking(Block):
+    """A block that starts updating a buffer in place once a flag is set (an
+    observer switched on after some steps), the update not read by its output."""
+
+    track = False
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.register_buffer("peak", torch.zeros(()))
+
+    @remat.stage
+    def forward(self, x, pos=None):
+        if self.track:
+            self.peak.copy_(torch.maximum(self.peak, x.detach().abs().amax()))
+        return x + self.l2(F.gelu(self.l1(self.norm(x))))
+
+
+def test_stage_writing_a_buffer_it_did_not_write_when_measured():
+    """A stage that writes a buffer in place it did not write when measured: this
+    call's recomputations put it back as the forward left it (they updated it again:
+    the buffer plain PyTorch's after one forward no longer), with a warning, and the
+    next call measures the chain again, the buffer then part of its state."""
+    torch.manual_seed(0)
+    ref = Net()
+    ref.blocks = nn.ModuleList(_Tracking(16) for _ in range(5))
+    probe = copy.deepcopy(ref)
+    probe.budget = 2**40
+    for b in probe.blocks:
+        b.track = True
+    probe(torch.randn(4, 8, 16)).sum().backward()
+    net = copy.deepcopy(ref)
+    net.budget = minimum_budget(remat.explain().costs) + 4096
+    remat.clear_cache()
+    for call in range(5):
+        if call == 2:
+            for model in (ref, net):
+                for b in model.blocks:
+                    b.track = True
+        grads = []
+        for model in (ref, net):
+            x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(call)) * (call + 1)
+            with pytest.warns(RuntimeWarning, match="did not write when measured") if (
+                    call == 2 and model is net) else contextlib.nullcontext():
+                model(x).square().sum().backward()
+            grads.append(_grads(model))
+            model.zero_grad()
+        _assert_equal(*grads)
+        assert remat.explain().schedule.recomputations() > 0
+        for a, b in zip(ref.blocks, net.blocks):
+            assert torch.equal(a.peak, b.peak), call
+    assert float(net.blocks[4].peak) > 0
