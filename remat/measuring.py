@@ -37,7 +37,7 @@ from .leaves import GradPool, Upstream, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
 from .replay import Replay, capture_rng, cuda_devices, param_flags, restore_tensors, state_plan
-from .runtime import _Saved, first
+from .runtime import _Saved, first, hooks_disabled
 from .units import format_bytes
 
 __all__ = ["StageMeasuring", "check_output", "input_signature", "module_dicts", "shared_grad_transients", "signature"]
@@ -361,9 +361,8 @@ def check_output(call, out, x, version):
 
 def check_hooks_enabled(name):
     """A chain needs saved-tensor hooks, which ``disable_saved_tensors_hooks`` turns off."""
-    autograd = torch._C._autograd
-    if hasattr(autograd, "_saved_tensors_hooks_is_enabled") and not autograd._saved_tensors_hooks_is_enabled():
-        why = autograd._saved_tensors_hooks_get_disabled_error_message()
+    why = hooks_disabled()
+    if why is not None:
         raise StageError(
             f"remat: a chain opened where saved-tensor hooks are disabled (by "
             f"torch.autograd.graph.disable_saved_tensors_hooks: {why!r}), at its first stage ({name}); "

@@ -253,12 +253,20 @@ def _outside_inference():
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
+def hooks_disabled():
+    """The message ``disable_saved_tensors_hooks`` was given, where it is in force
+    (remat drops and recomputes saved tensors through those hooks), else None."""
+    autograd = torch._C._autograd
+    if hasattr(autograd, "_saved_tensors_hooks_is_enabled") and not autograd._saved_tensors_hooks_is_enabled():
+        return autograd._saved_tensors_hooks_get_disabled_error_message()
+    return None
+
+
 def _check_hooks(call):
     """A recomputation collects saved tensors through saved-tensor hooks: a backward
     run under ``disable_saved_tensors_hooks`` cannot have one."""
-    autograd = torch._C._autograd
-    if hasattr(autograd, "_saved_tensors_hooks_is_enabled") and not autograd._saved_tensors_hooks_is_enabled():
-        why = autograd._saved_tensors_hooks_get_disabled_error_message()
+    why = hooks_disabled()
+    if why is not None:
         raise StageError(
             f"remat: stage {call.index} ({call.name}) must be recomputed in this backward, which runs where "
             f"saved-tensor hooks are disabled (by torch.autograd.graph.disable_saved_tensors_hooks: {why!r}); "

@@ -314,6 +314,28 @@ def test_parametrization_cache_is_replayed(around):
     assert remat.explain().schedule.recomputations() > 0
 
 
+def _set_flag(flag, *models):
+    for model in models:
+        for b in model.blocks:
+            setattr(b, flag, True)
+
+
+def _flag_pair(block, flag):
+    """A model of five ``block``s and its remat twin, at a budget just above the
+    minimum of the chain with ``flag`` set on every block (not set yet)."""
+    torch.manual_seed(0)
+    ref = Net()
+    ref.blocks = nn.ModuleList(block(16) for _ in range(5))
+    probe = copy.deepcopy(ref)
+    probe.budget = 2**40
+    _set_flag(flag, probe)
+    probe(torch.randn(4, 8, 16)).sum().backward()
+    net = copy.deepcopy(ref)
+    net.budget = minimum_budget(remat.explain().costs) + 4096
+    remat.clear_cache()
+    return ref, net
+
+
 class _Switch(Block):
     """A block whose path depends on a flag its forward reads (as fake quantization
     switched on after calibration): other tensors saved once it is set."""
@@ -333,23 +355,11 @@ def test_stage_taking_another_path_than_measured():
     runs this call checked against its own forward, and the next call measures the
     chain again (its saved tensors were handed back by position, from a recording of
     the other path: a raw engine error or a false RecomputeMismatchError before)."""
-    torch.manual_seed(0)
-    ref = Net()
-    ref.blocks = nn.ModuleList(_Switch(16) for _ in range(5))
-    probe = copy.deepcopy(ref)
-    probe.budget = 2**40
-    for b in probe.blocks:
-        b.quant = True
-    probe(torch.randn(4, 8, 16)).sum().backward()
-    net = copy.deepcopy(ref)
-    net.budget = minimum_budget(remat.explain().costs) + 4096
-    remat.clear_cache()
+    ref, net = _flag_pair(_Switch, "quant")
     first = None
     for call in range(5):
         if call == 2:
-            for model in (ref, net):
-                for b in model.blocks:
-                    b.quant = True
+            _set_flag("quant", ref, net)
         grads = []
         for model in (ref, net):
             torch.manual_seed(call)
@@ -386,22 +396,10 @@ def test_stage_writing_a_buffer_it_did_not_write_when_measured():
     call's recomputations put it back as the forward left it (they updated it again:
     the buffer plain PyTorch's after one forward no longer), with a warning, and the
     next call measures the chain again, the buffer then part of its state."""
-    torch.manual_seed(0)
-    ref = Net()
-    ref.blocks = nn.ModuleList(_Tracking(16) for _ in range(5))
-    probe = copy.deepcopy(ref)
-    probe.budget = 2**40
-    for b in probe.blocks:
-        b.track = True
-    probe(torch.randn(4, 8, 16)).sum().backward()
-    net = copy.deepcopy(ref)
-    net.budget = minimum_budget(remat.explain().costs) + 4096
-    remat.clear_cache()
+    ref, net = _flag_pair(_Tracking, "track")
     for call in range(5):
         if call == 2:
-            for model in (ref, net):
-                for b in model.blocks:
-                    b.track = True
+            _set_flag("track", ref, net)
         grads = []
         for model in (ref, net):
             x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(call)) * (call + 1)
