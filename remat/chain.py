@@ -39,9 +39,10 @@ from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices, module_slots, take
-from .runtime import Run, StageCall, replaying
+from .runtime import Run, replaying
 from .running import StageRunning
 from .solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
+from .stage_call import StageCall
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 

@@ -37,7 +37,8 @@ from .leaves import GradPool, Upstream, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
 from .replay import Replay, capture_rng, cuda_devices, param_flags, restore_tensors, state_plan
-from .runtime import _Saved, first, hooks_disabled
+from .runtime import _Saved, hooks_disabled
+from .stage_call import first
 from .units import format_bytes
 
 __all__ = ["StageMeasuring", "check_output", "input_signature", "module_dicts", "shared_grad_transients", "signature"]

@@ -17,7 +17,8 @@ from .costs_source import rows_of
 from .measuring import input_signature
 from .recording import Recording
 from .replay import capture_rng, cuda_devices, param_flags, resolve_state, snapshot, take
-from .runtime import FALL, FCK, first
+from .runtime import FALL, FCK
+from .stage_call import first
 
 __all__ = ["StageRunning"]
 
