@@ -22,6 +22,7 @@ import functools
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -222,6 +223,7 @@ class _Active(StageMeasuring, StageRunning):
             if self.k:
                 self.skipped = name   # (named if a stage follows, which cannot take its output)
             return fn(*args, **kwargs)
+        t0 = time.perf_counter()   # (a stamped call's forward time: remat's checks included)
         pos, in_kw, x = find_activation(args, kwargs, start, fn)
         if x is None:
             raise StageError(
@@ -260,7 +262,7 @@ class _Active(StageMeasuring, StageRunning):
         self.k = k
         self.seen.setdefault(id(ident), k)
         call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
-        call.autocast = self.autocast if k == 1 else capture_autocast()
+        call.autocast = self.autocast if k == 1 else capture_autocast(self.autocast)
         if self.mode == "run" and not self._matches(k, ident, x, call):
             self._diverge(k)
         if self.mode == "measure":
@@ -293,6 +295,8 @@ class _Active(StageMeasuring, StageRunning):
         self.prev = act
         self.prev_version = act._version
         self.prev_name = name
+        if self.mode == "run" and self.run.clock is not None:
+            self.run.clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))])
         return out
 
     def _begin(self, ident, args, kwargs, x):
@@ -354,11 +358,14 @@ class _Active(StageMeasuring, StageRunning):
         if self.k == 0:
             return
         if self.mode == "run":
+            t0 = time.perf_counter()
             if self._finish_run():
                 with _cache_lock:
                     _cache.pop(self.key, None)
             _publish(Explanation(self.plan[4], self.plan[0], self.budget, self.entry.names,
                                  self.entry.costs))
+            if self.run.clock is not None:   # (the call's end is charged to its last stage)
+                self.run.clock.ran_more(self.k, time.perf_counter() - t0)
             return
         new = self.new
         try:

@@ -41,7 +41,8 @@ from .runtime import _Saved, hooks_disabled
 from .stage_call import first
 from .units import format_bytes
 
-__all__ = ["StageMeasuring", "check_output", "input_signature", "module_dicts", "shared_grad_transients", "signature"]
+__all__ = ["StageMeasuring", "check_output", "input_signature", "module_dicts", "shared_grad_transients", "signature",
+           "signature_matches"]
 
 
 class StageMeasuring:
@@ -332,6 +333,20 @@ def input_signature(x, call, dicts):
     model's weights passed to a function stage)."""
     return (tuple(x.shape), x.dtype, tuple([d.get("training") for d in dicts]),
             signature((call.args, call.kwargs)))
+
+
+_NO_SIDE = signature(((None,), {}))   # a stage given its activation alone
+
+
+def signature_matches(sig, x, call, dicts):
+    """``input_signature(x, call, dicts) == sig``, with less work: every stage of
+    every call is checked."""
+    if x.shape != sig[0] or x.dtype != sig[1] or tuple([d.get("training") for d in dicts]) != sig[2]:
+        return False
+    args, kwargs = call.args, call.kwargs
+    if len(args) == 1 and not kwargs:   # (args is (None,): the activation, left out)
+        return sig[3] == _NO_SIDE
+    return signature((args, kwargs)) == sig[3]
 
 
 def check_output(call, out, x, version):

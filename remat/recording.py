@@ -166,6 +166,18 @@ class Recording:
         self.unsaved = False     # refined costs not yet written to it
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
         self._held_costs = None  # (costs, the same with a^L held) for planning_costs
+        self._quiet = {}         # stage -> ``quiet``'s answer
+
+    def quiet(self, k):
+        """The indices, among stage k's slots (``slots``), of the buffers it did not
+        write in place when measured: those a later call watches for new writes
+        (remat/running.py, ``_new_writes``); its state's are written every call."""
+        quiet = self._quiet.get(k)
+        if quiet is None:
+            slots, n, _ = self.slots[k - 1]
+            written = {p for p in self.state[k - 1] if type(p) is int}
+            quiet = self._quiet[k] = tuple(i for i in range(n, len(slots)) if i not in written)
+        return quiet
 
     def planning_costs(self):
         """The costs plans are solved on: the measured ones, with a^L held through the

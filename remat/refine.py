@@ -15,7 +15,10 @@ The next calls run the schedule as every later one does, and ``StageTimes``
 stamps two of them (``SAMPLES``):
 
 1. Forward phase: each stage's wall time, remat's own work around it included
-   (a recording forward, with or without pack hooks): ``fwd_time``.
+   (a recording forward, with or without pack hooks, and the checks of Note
+   [Chain keys] before it), the last stage's with the chain's end of call:
+   ``fwd_time``. The per-stage checks are tens of µs: on ResNet-101's small
+   stages on CPU, left out, they put the chain 4% above its prediction.
 2. Backward: a pre-hook on the node that made stage k's output notes when
    stage k's backward begins. On CPU the engine runs a graph on the calling
    thread, always the ready node made last first, so stage k's nodes run
@@ -108,6 +111,11 @@ class StageTimes:
             for n in _stage_nodes(node, stop):
                 if not hasattr(n, "variable"):   # (AccumulateGrad: see the Note, 2)
                     n.register_hook(self._end)
+
+    def ran_more(self, k, seconds):
+        """Stage ``k``'s forward-phase time gets ``seconds`` more (the chain's end of call)."""
+        if k in self.forward:
+            self.forward[k] += seconds
 
     def recomputed(self, k, seconds):
         """Stage ``k`` ran without recording in ``seconds`` (a recomputation)."""

@@ -75,6 +75,8 @@ leave no trace:
 """
 
 import contextlib
+import functools
+import itertools
 import weakref
 
 import torch
@@ -165,16 +167,20 @@ class AutocastState:
         return hash(self.key)
 
 
-def capture_autocast():
-    """The autocast state now, for CPU and (if available) CUDA."""
+def capture_autocast(like=None):
+    """The autocast state now, for CPU and (if available) CUDA: ``like`` itself
+    if it is that state (every stage of a call checks it: no new object)."""
     cache = torch.is_autocast_cache_enabled()
-    key = []
-    for device_type in ("cpu", "cuda"):
-        if device_type == "cuda" and not torch.cuda.is_available():
-            continue
-        key.append((device_type, torch.is_autocast_enabled(device_type),
-                    torch.get_autocast_dtype(device_type), cache))
-    return AutocastState(tuple(key))
+    key = tuple([(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), cache)
+                 for device_type in _autocast_devices()])
+    if like is not None and like.key == key:
+        return like
+    return AutocastState(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_devices():
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 @contextlib.contextmanager
@@ -229,12 +235,16 @@ def module_slots(ident):
 
 def take(slots):
     """The tensors in ``slots`` now (None where a slot is empty or gone)."""
-    return [d.get(name) for d, name in slots]
+    try:
+        return list(itertools.starmap(dict.get, slots))
+    except TypeError:   # (a module whose parameters live in a mapping that is no dict)
+        return [d.get(name) for d, name in slots]
 
 
 def param_flags(tensors, n):
-    """dtype and requires_grad of each of the first ``n`` of ``tensors`` (the parameters)."""
-    return tuple(None if t is None else (t.dtype, t.requires_grad) for t in tensors[:n])
+    """dtype and requires_grad of each of the first ``n`` of ``tensors`` (the
+    parameters), a list."""
+    return [None if t is None else (t.dtype, t.requires_grad) for t in tensors[:n]]
 
 
 def state_plan(state, tensors):

@@ -6,15 +6,13 @@ update at the end of the call. ``_Active`` (remat/chain.py) takes these
 methods, as it takes the measuring ones of remat/measuring.py.
 """
 
-import time
 import warnings
 import weakref
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from .costs_source import rows_of
-from .measuring import input_signature
+from .measuring import signature_matches
 from .recording import Recording
 from .replay import capture_rng, cuda_devices, param_flags, resolve_state, snapshot, take
 from .runtime import FALL, FCK
@@ -38,7 +36,7 @@ class StageRunning:
             return False
         if entry.idents[k - 1]() is not ident:
             return False
-        if entry.in_sigs[k - 1] != input_signature(x, call, entry.dicts[k - 1]):
+        if not signature_matches(entry.in_sigs[k - 1], x, call, entry.dicts[k - 1]):
             return False
         if entry.autocasts[k - 1] != call.autocast:
             return False
@@ -66,25 +64,21 @@ class StageRunning:
 
     def _run_stage(self, call, x):
         tensors = call.tensors
-        buffers = tensors[call.slots[1]:] if tensors else ()
-        versions = [-1 if b is None else b._version for b in buffers] if buffers else None
-        clock = self.run.clock
-        if clock is None:
-            out = self._run_mode(call, x)
-        else:
-            t0 = time.perf_counter()
-            out = self._run_mode(call, x)
-            clock.ran(call.index, time.perf_counter() - t0, first(out),
-                      [x, *tree_leaves((call.args, call.kwargs))])
-        if versions is not None:
-            self._new_writes(call, buffers, versions)
+        quiet = self.entry.quiet(call.index) if tensors else ()
+        if not quiet:
+            return self._run_mode(call, x)
+        buffers = [tensors[i] for i in quiet]
+        versions = [-1 if b is None else b._version for b in buffers]
+        out = self._run_mode(call, x)
+        self._new_writes(call, buffers, versions)
         return out
 
     def _new_writes(self, call, buffers, versions):
         """Buffers the stage wrote in place that it did not write when measured (a
         quantisation observer switched on since): the next call measures again, and
         this call's recomputations of the stage put them back as its forward left
-        them (their writes undone, as those of the measured state are)."""
+        them (their writes undone, as those of the measured state are). ``buffers``
+        are those the stage did not write when measured (``Recording.quiet``)."""
         state = call.state
         new = [b for b, v in zip(buffers, versions)
                if b is not None and b._version != v and not any(b is t for t in state)]

@@ -60,9 +60,12 @@ class StageCall:
         tensors = self.tensors
         if tensors is not None:
             self.versions = [-1 if t is None else t._version for t in tensors[:self.slots[1]]]
-        side = [a for a in self.args if isinstance(a, torch.Tensor)]
-        if self.kwargs:
-            side += [a for a in self.kwargs.values() if isinstance(a, torch.Tensor)]
+        args, kwargs = self.args, self.kwargs
+        if len(args) == 1 and not kwargs:
+            return   # (args is (None,): the activation alone, left out)
+        side = [a for a in args if isinstance(a, torch.Tensor)]
+        if kwargs:
+            side += [a for a in kwargs.values() if isinstance(a, torch.Tensor)]
         if side:
             self.side = [(t, t._version) for t in side]
 

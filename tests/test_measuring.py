@@ -292,3 +292,37 @@ def test_first_call_is_bitwise_where_an_activation_has_several_users(use):
         grads.append([x.grad] + [p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_signature_check_agrees_with_the_signature():
+    """``signature_matches``, the check every stage of every later call makes, says
+    exactly what comparing ``input_signature``s says: activation alone (its fast
+    path), passed by keyword, with tensor, tuple and Python side inputs, and with
+    a submodule switched to eval."""
+    from remat.measuring import input_signature, module_dicts, signature_matches
+    from remat.stage_call import StageCall
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    dicts = module_dicts(block)
+    x, y = torch.randn(2, 4), torch.randn(3, 4)
+    mask, other = torch.ones(2, 2), torch.ones(2, 3)
+
+    def call(x, *side, kw=False, **kwargs):
+        if kw:
+            return x, StageCall(1, "b", block, side, {"x": x, **kwargs}, None, "x", False)
+        return x, StageCall(1, "b", block, (x, *side), kwargs, 0, None, False)
+
+    variants = [lambda: call(x), lambda: call(y), lambda: call(x.double()), lambda: call(x, kw=True),
+                lambda: call(x, mask), lambda: call(x, other), lambda: call(x, (mask, 3)), lambda: call(x, (mask, 4)),
+                lambda: call(x, scale=2.0), lambda: call(x, None), lambda: call(x, mask=mask),
+                lambda: call(x, mask=other)]
+    for train in (True, False):
+        block[1].train(train)
+        for a in variants:
+            xa, ca = a()
+            sig = input_signature(xa, ca, dicts)
+            for b in variants:
+                xb, cb = b()
+                assert signature_matches(sig, xb, cb, dicts) == (input_signature(xb, cb, dicts) == sig)
+        block[1].train(not train)
+        assert not signature_matches(sig, xb, cb, dicts)

@@ -208,3 +208,33 @@ def test_times_stay_measured_without_a_whole_backward(tmp_path):
     remat.clear_cache()
     seen = [call(2**50, path).costs for _ in range(3)]
     assert all(c.bwd_time == given.bwd_time for c in seen)
+
+
+def test_stamped_times_hold_remat_own_work(monkeypatch):
+    """A stamped forward time covers remat's work for the stage as well as the
+    stage (the checks against the recording before it), and the last stage's the
+    chain's end of call: simulate charges nothing else, and on small stages that
+    work is a few percent of a step (Note [Timing the second call], 1)."""
+    import remat.running as running
+
+    remat.clear_cache()
+    call = _sleepy_chain(0.0, 0.0)
+    call(2**50)   # measuring
+    slow_check, slow_end = 0.01, 0.03
+    matches, finish = running.StageRunning._matches, running.StageRunning._finish_run
+
+    def slow_matches(self, *args):
+        time.sleep(slow_check)
+        return matches(self, *args)
+
+    def slow_finish(self):
+        time.sleep(slow_end)
+        return finish(self)
+
+    monkeypatch.setattr(running.StageRunning, "_matches", slow_matches)
+    monkeypatch.setattr(running.StageRunning, "_finish_run", slow_finish)
+    call(2**50), call(2**50)   # stamped
+    costs = call(2**50).costs
+    assert all(t >= slow_check for t in costs.fwd_time), costs.fwd_time
+    assert costs.fwd_time[-1] >= slow_check + slow_end, costs.fwd_time
+    assert all(t < slow_check + slow_end for t in costs.fwd_time[:-1]), costs.fwd_time
