@@ -180,7 +180,6 @@ def summarise(result):
 
 def table(result):
     """A markdown table of one result."""
-    plain = next(r for r in result["runs"] if r["method"] == "plain")
     lines = [f"### {result['model']} on {result['machine']} (torch {result['torch']}, {result['stages']} stages)",
              "", "| method | budget | peak | step ms | x plain | chain ms | predicted ms | predicted ms (run's costs) |",
              "|---|---|---|---|---|---|---|---|"]

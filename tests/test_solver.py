@@ -17,7 +17,7 @@ from remat import _c_solver
 from remat._solver import ffi, lib
 from remat.costs import Costs
 from remat.errors import BudgetError, CostsError, SolverError
-from remat.schedule import B, Fall, Fck, Fn, Loss, simulate
+from remat.schedule import simulate
 from remat.solve import discretise, minimum_budget, periodic, slot_size, solve, store_all
 from remat.units import format_bytes
 
