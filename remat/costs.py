@@ -12,6 +12,8 @@ from .units import format_bytes
 
 __all__ = ["Costs"]
 
+FORMAT = "remat.costs/1"   # the "format" a costs file is written with (read: this one, or none)
+
 _TIMES = ("fwd_time", "fwd_nograd_time", "bwd_time")
 _SIZES = ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
 
@@ -147,6 +149,11 @@ class Costs:
         """Build from ``to_dict``'s output; raises ``CostsError`` on missing or extra keys."""
         if not isinstance(data, dict):
             raise CostsError(f"remat: costs must be a JSON object, got {type(data).__name__}")
+        form = data.get("format", FORMAT)
+        if form != FORMAT:
+            raise CostsError(
+                f"remat: the costs record is in format {form!r}, and this remat reads {FORMAT!r} (written by "
+                f"another version of remat?); delete the file to measure again")
         names = {f.name for f in fields(cls)}
         optional = {f.name for f in fields(cls) if f.default is not MISSING}   # absent from older files
         missing, extra = names - optional - set(data), set(data) - names - {"format"}
@@ -160,7 +167,7 @@ class Costs:
     def save(self, path):
         """Write the costs to ``path`` as JSON."""
         with open(path, "w") as fh:
-            json.dump({"format": "remat.costs/1", **self.to_dict()}, fh, indent=1)
+            json.dump({"format": FORMAT, **self.to_dict()}, fh, indent=1)
 
     @classmethod
     def load(cls, path):

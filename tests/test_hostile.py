@@ -189,6 +189,7 @@ CASES = {
     "costs-file-binary": lambda t: Costs.load(_write(t, b"\xff\xfe\x00junk", "wb")),
     "costs-file-nested-deep": lambda t: Costs.load(_write(t, "[" * 100000 + "]" * 100000)),
     "costs-file-list": lambda t: Costs.load(_write(t, "[1, 2]")),
+    "costs-file-other-format": lambda t: Costs.load(_write(t, '{"format": "remat.costs/99", "fwd_time": [1]}')),
     "costs-file-missing-fields": lambda t: Costs.load(_write(t, '{"fwd_time": [1]}')),
     "costs-file-nan": lambda t: Costs.load(_write(t, '{"fwd_time": [NaN], "fwd_nograd_time": [1], '
                                                       '"bwd_time": [1], "out_bytes": [1], "saved_bytes": [1], '
