@@ -3,8 +3,9 @@ buffers the measuring call's stage backwards add into (Note [Measuring a
 stage] 2 in remat/profile.py)."""
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["GradPool", "Upstream", "held_hooks", "stage_leaves", "step_grads"]
+__all__ = ["GradPool", "Upstream", "grad_side_inputs", "held_hooks", "stage_leaves", "step_grads"]
 
 
 def stage_leaves(out, stop):
@@ -147,3 +148,15 @@ class step_grads(held_hooks):
         for p, g in zip(params, grads):
             p.grad = g
         return grads
+
+
+def grad_side_inputs(call, x):
+    """The side inputs of ``call`` (not its activation ``x``) whose gradients
+    ``side_grads`` counts: those that need grad and are not parameters (an
+    encoder's output into cross-attention stages, a skip from code before the
+    chain, a tensor made with ``requires_grad=True`` and handed to every stage).
+    A parameter passed as a side input (a tied weight) is counted as a shared
+    parameter is (``Upstream.held_grads``, ``shared_grad_transients``)."""
+    return [a for a in tree_leaves((call.args, call.kwargs))
+            if isinstance(a, torch.Tensor) and a.requires_grad and a is not x
+            and (a.grad_fn is not None or not isinstance(a, torch.nn.Parameter))]

@@ -33,7 +33,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .errors import StageError, input_modified
-from .leaves import GradPool, Upstream, stage_leaves
+from .leaves import GradPool, Upstream, grad_side_inputs, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
 from .replay import Replay, capture_rng, cuda_devices, param_flags, restore_tensors, state_plan
@@ -103,13 +103,15 @@ class StageMeasuring:
             row = {"out_bytes": act.untyped_storage().nbytes()} if isinstance(act, torch.Tensor) else None
             if row is not None and act.requires_grad:
                 stop = {a.grad_fn for a in (x, *call.args) if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-                row["held_grads"] = self.upstream.held_grads(p for p in stage_leaves(act, stop) if p is not x)
+                side = grad_side_inputs(call, x)
+                row["held_grads"] = self.upstream.held_grads(
+                    p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side))
             if row is not None:
                 returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                 row["held_outside"] = detector.alive_bytes(kept + returned)
         held = row.pop("held_grads", {}) if row is not None else {}
         if row is not None and first(out).requires_grad:
-            held.update(side_grads(call))
+            held.update(side_grads(call, x))
         outside = row.pop("held_outside", 0) if row is not None else 0
         if outside:
             held[("outside", k)] = outside
@@ -386,20 +388,16 @@ def check_hooks_enabled(name):
             f"that context, or without remat.chain there")
 
 
-def side_grads(call):
-    """{("side", id): gradient bytes} of the side inputs of ``call`` that need grad
-    and are not leaves (an encoder's output into cross-attention stages, a skip from
-    code before the chain). The engine sums each one's gradient into a buffer it
-    holds from the backward of the last stage using it until it runs the node that
-    made it, after the chain's (made before it): held through the chain's backward,
-    like a shared parameter's (``Upstream.held_grads``), counted once in held_bytes.
-    What each stage adds into it is in that stage's bwd_tmp: the measured backward
-    takes it at the side input's edge (remat/profile.py, ``instrumented_run``)."""
-    out = {}
-    for a in tree_leaves((call.args, call.kwargs)):
-        if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
-            out[("side", id(a))] = a.numel() * a.element_size()
-    return out
+def side_grads(call, x):
+    """{("side", id): gradient bytes} of ``grad_side_inputs``. The engine sums
+    each one's gradient into a buffer it holds from the backward of the last stage
+    using it until it runs the node that made it (or accumulates it into a leaf's
+    ``.grad``), after the chain's: held through the chain's backward, like a shared
+    parameter's, counted once in held_bytes. What each stage adds into it is in that
+    stage's bwd_tmp: the measured backward takes it at the side input's edge
+    (remat/profile.py, ``instrumented_run``), as it comes out of the stage, summed
+    over the stage's own uses of it (two in an attention: keys and values)."""
+    return {("side", id(a)): a.numel() * a.element_size() for a in grad_side_inputs(call, x)}
 
 
 def shared_grad_transients(held):

@@ -68,7 +68,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .errors import StageError, input_modified
-from .leaves import held_hooks, stage_leaves, step_grads
+from .leaves import grad_side_inputs, held_hooks, stage_leaves, step_grads
 from .meter import Instrument, InputWritten, storage_key
 from .replay import restore_tensors
 from .runtime import RELEASES
@@ -171,7 +171,11 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["out_freed"] = 0 if any(storage_key(t) == out_key for t in saved) else out_bytes
     bwd_delta = 0
     in_grad = 0
-    params = [p for p in stage_leaves(act, stop) if p is not x] if act.requires_grad else []
+    # side inputs needing grad (remat/leaves.py grad_side_inputs): their gradients are
+    # taken at their edges below, as x's is, not as parameters'
+    side = grad_side_inputs(call, x) if act.requires_grad else []
+    params = [p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side)] \
+        if act.requires_grad else []
     if upstream is not None:
         row["held_grads"] = upstream.held_grads(params)
         params = [p for p in params if id(p) not in upstream.leaves]
@@ -190,11 +194,9 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         # the meter is off between the two runs: what is made here is no stage's
         grad_out = torch.ones_like(act)
         row["grad_layout"] = grad_out.stride()
-        # non-leaf side inputs needing grad: their gradients are taken at their edges as
-        # x's is (what the stage adds into the sum the engine holds: remat/measuring.py
-        # side_grads), their nodes, before the chain, not run
-        side = [a for a in tree_leaves((call.args, call.kwargs))
-                if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None and a is not x]
+        # side inputs needing grad: their gradients are taken at their edges as x's is
+        # (what the stage adds into the sum the engine holds: remat/measuring.py
+        # side_grads), their nodes (before the chain, or a leaf's AccumulateGrad) not run
         own = held_hooks(([x] if x.requires_grad else []) + side)   # their hooks held back (x's .grad kept)
         own.__enter__()
         hook = x.register_hook(lambda g: row.__setitem__("input_grad_layout", g.stride())) if x.requires_grad else None

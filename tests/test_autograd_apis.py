@@ -133,14 +133,17 @@ class _CrossAttention(nn.Module):
         return x + torch.tanh(self.o(a @ mem))
 
 
+@pytest.mark.parametrize("leaf", [False, True])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
-def test_encoder_output_side_input_stays_under_budget(fraction):
+def test_encoder_output_side_input_stays_under_budget(fraction, leaf):
     """Decoder stages cross-attending to an encoder's output (a side input that needs
-    grad, not a leaf): the engine sums its gradient from every stage into a buffer
-    held through the chain's backward, and each stage makes its share. Both are in
-    the costs now (held_bytes; bwd_tmp, the measured backward taking the side
-    input's gradient at its edge): the real peak was 1.9x the budget at store-all,
-    3.6x at the minimum. The gradients are plain PyTorch's."""
+    grad, not a leaf), or to a memory made with requires_grad (a leaf, no
+    parameter): the engine sums its gradient from every stage into a buffer held
+    through the chain's backward, and each stage makes its share. Both are in the
+    costs now (held_bytes; bwd_tmp, the measured backward taking the side input's
+    gradient at its edge): the real peak was 1.9x the budget at store-all, 3.6x at
+    the minimum (the leaf: 1.2x, its share counted as a shared parameter's, which
+    misses a stage's two uses of it). The gradients are plain PyTorch's."""
     from remat.meter import Instrument
 
     torch.manual_seed(0)
@@ -155,7 +158,7 @@ def test_encoder_output_side_input_stays_under_budget(fraction):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)   # (gradients of parameters are outside the budget)
         x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
-        mem = encoder(src)
+        mem = src.clone().requires_grad_() if leaf else encoder(src)
         with Instrument() as inst:
             x.register_hook(lambda g: inst.set_gate(False))
             if budget is None:
@@ -172,7 +175,7 @@ def test_encoder_output_side_input_stays_under_budget(fraction):
             seed_grad = torch.ones(())
             inst.set_gate(True)
             loss.backward(seed_grad)
-        return inst.peak + x.untyped_storage().nbytes(), [p.grad.clone() for p in params]
+        return inst.peak + x.untyped_storage().nbytes(), [p.grad.clone() for p in params] + [x.grad] + ([mem.grad] if leaf else [])
 
     step(2**40, 0, *copy.deepcopy((decs, enc)))
     costs = remat.explain().costs
