@@ -26,6 +26,8 @@ next two calls' own times then replace the shared ones (remat/refine.py).
 
 import functools
 import inspect
+import itertools
+import operator
 import warnings
 import weakref
 
@@ -41,8 +43,8 @@ from .runtime import _Saved, hooks_disabled
 from .stage_call import first
 from .units import format_bytes
 
-__all__ = ["StageMeasuring", "check_output", "input_signature", "module_dicts", "shared_grad_transients", "signature",
-           "signature_matches"]
+__all__ = ["StageMeasuring", "check_output", "input_signature", "module_dicts", "module_structure", "same_structure",
+           "shared_grad_transients", "signature", "signature_matches"]
 
 
 class StageMeasuring:
@@ -167,6 +169,7 @@ class StageMeasuring:
         new.names.append(call.name)
         dicts = module_dicts(ident)
         new.dicts.append(dicts)
+        new.structures.append(module_structure(ident))
         new.in_sigs.append(input_signature(x, call, dicts))
         new.meta.append(meta)
         new.uses_rng.append(uses_rng)
@@ -317,6 +320,36 @@ def _bitwise_equal(a, b):
             and torch.equal(a.reshape(-1).view(torch.uint8) if a.is_contiguous() and b.is_contiguous()
                             else a.contiguous().reshape(-1).view(torch.uint8),
                             b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def module_structure(ident):
+    """What a stage module is made of, for ``same_structure`` on later calls: each
+    module's ``_modules`` dict with weak references to its children as measured (a
+    submodule replaced: a BatchNorm reset by a new one), and each one's
+    ``_parameters`` and ``_buffers`` dicts with their sizes (a buffer registered
+    since, a parameter deleted); None for a function stage."""
+    if not isinstance(ident, torch.nn.Module):
+        return None
+    mods = tuple(ident.modules())
+    children = tuple(m._modules for m in mods)
+    refs = [_NONE if c is None else weakref.ref(c) for d in children for c in d.values()]
+    tensors = tuple(d for m in mods for d in (m._parameters, m._buffers))
+    return children, refs, tensors, list(map(len, tensors))
+
+
+def _NONE():
+    return None
+
+
+def same_structure(structure):
+    """The stage module is still made as ``module_structure`` found it."""
+    if structure is None:
+        return True
+    children, refs, tensors, sizes = structure
+    if list(map(len, tensors)) != sizes:
+        return False
+    now = list(itertools.chain.from_iterable(map(dict.values, children)))
+    return len(now) == len(refs) and all(map(operator.is_, now, [r() for r in refs]))
 
 
 def module_dicts(ident):

@@ -242,9 +242,9 @@ def take(slots):
 
 
 def param_flags(tensors, n):
-    """dtype and requires_grad of each of the first ``n`` of ``tensors`` (the
-    parameters), a list."""
-    return [None if t is None else (t.dtype, t.requires_grad) for t in tensors[:n]]
+    """dtype, requires_grad and shape of each of the first ``n`` of ``tensors``
+    (the parameters), a list."""
+    return [None if t is None else (t.dtype, t.requires_grad, t.shape) for t in tensors[:n]]
 
 
 def state_plan(state, tensors):

@@ -12,7 +12,7 @@ import weakref
 import torch
 
 from .costs_source import rows_of
-from .measuring import signature_matches
+from .measuring import same_structure, signature_matches
 from .recording import Recording
 from .replay import capture_rng, cuda_devices, param_flags, resolve_state, snapshot, take
 from .runtime import FALL, FCK
@@ -27,10 +27,11 @@ class StageRunning:
     """The running half of ``_Active``: its state is set up by ``_Active``."""
 
     def _matches(self, k, ident, x, call):
-        """Stage k is the one recorded, on a like input, with the same parameters to
-        differentiate, of the same dtypes (a stage frozen or unfrozen since saves
-        other tensors; one cast to another dtype, behind a first stage taking integer
-        ids, keeps the key but not the costs)."""
+        """Stage k is the one recorded, on a like input, made of the same submodules,
+        parameters and buffers, with the same parameters to differentiate, of the same
+        dtypes and shapes (a stage frozen or unfrozen since saves other tensors; one
+        cast to another dtype, behind a first stage taking integer ids, keeps the key
+        but not the costs; a pruned one saves smaller tensors)."""
         entry = self.entry
         if k > len(entry.idents):
             return False
@@ -39,6 +40,8 @@ class StageRunning:
         if not signature_matches(entry.in_sigs[k - 1], x, call, entry.dicts[k - 1]):
             return False
         if entry.autocasts[k - 1] != call.autocast:
+            return False
+        if not same_structure(entry.structures[k - 1]):
             return False
         slots = entry.slots[k - 1]
         if slots[0]:
@@ -52,7 +55,7 @@ class StageRunning:
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "dicts", "meta", "uses_rng", "generators", "grad_replay", "state",
+        for attr in ("idents", "names", "in_sigs", "dicts", "structures", "meta", "uses_rng", "generators", "grad_replay", "state",
                      "reads_state", "held", "slots", "grads", "autocasts"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)
@@ -115,9 +118,10 @@ class StageRunning:
             out = call.invoke(x)
             _pin_if_cut(run, out)
             return out
-        if entry.uses_rng[k - 1]:
-            call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
-                                   entry.generators[k - 1])
+        # (a stage run again replays the RNG even if it drew no random numbers when
+        # measured: dropout's p raised from 0 since, noise switched on)
+        call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
+                               entry.generators[k - 1])
         keep = mode == FCK or (k > 1 and run.whole[k - 1])
         anchor, pack, count = run.new_anchor(call, keep, x)
         # what the stage saves stays while it runs: a stage may backward its own graph

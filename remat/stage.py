@@ -81,9 +81,10 @@ def _hand_over_eagerly(current, ident, name, fn, args, kwargs):
     if not _warned:
         _warned.append(True)
         warnings.warn(
-            f"remat: stage {name} is compiled (torch.compile(remat.stage(block)) or block.compile()) "
-            f"but runs eagerly inside a chain, where remat's own code is kept from Dynamo; outside "
-            f"a chain it runs compiled. Gradients are exact either way",
+            f"remat: stage {name} is reached by torch.compile (a compiled stage, torch.compile("
+            f"remat.stage(block)) or block.compile(), or a model compiled around its chain) but runs "
+            f"eagerly inside a chain, where remat's own code is kept from Dynamo; outside a chain, "
+            f"and around it, code runs compiled. Gradients are exact either way",
             stacklevel=2,
         )
     return current.call(ident, name, fn, args, kwargs, 0)

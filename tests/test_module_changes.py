@@ -1,0 +1,103 @@
+"""A stage module changed between calls of a chain, in ways the recording cannot
+show by its key: it starts drawing random numbers, a submodule is replaced, a
+buffer is registered, parameters are pruned to another shape. Each call after
+the change is plain PyTorch's, at a budget that recomputes."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat
+from remat.schedule import simulate
+from remat.solve import minimum_budget, store_all
+
+D = 16
+
+
+class Block(nn.Module):
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.lin = nn.Linear(D, hidden)
+        self.lin2 = nn.Linear(hidden, D)
+        self.bn = nn.BatchNorm1d(D)
+        self.drop = nn.Dropout(0.0)
+        self.sigma = 0.0
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if self.sigma:
+            h = h + self.sigma * torch.randn_like(h)   # noise injection
+        if hasattr(self, "ema"):
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean(0)[:D], alpha=0.1)
+        return x + self.drop(self.bn(self.lin2(h)))
+
+
+def _step(blocks, x, budget):
+    h = x
+    if budget is None:
+        for b in blocks:
+            h = b(h)
+    else:
+        with remat.chain(budget=budget):
+            for b in blocks:
+                h = b(h)
+    h.square().mean().backward()
+    grads = [p.grad.clone() for p in blocks.parameters()]
+    for p in blocks.parameters():
+        p.grad = None
+    return grads
+
+
+def _prune(block):
+    block.lin.weight = nn.Parameter(block.lin.weight.detach()[:8].clone())
+    block.lin.bias = nn.Parameter(block.lin.bias.detach()[:8].clone())
+    block.lin2.weight = nn.Parameter(block.lin2.weight.detach()[:, :8].clone())
+
+
+CHANGES = {
+    "dropout-p-raised": lambda b: setattr(b.drop, "p", 0.5),        # saves one tensor more
+    "noise-switched-on": lambda b: setattr(b, "sigma", 0.1),         # saves as many as before
+    "batchnorm-replaced": lambda b: setattr(b, "bn", nn.BatchNorm1d(D)),
+    "buffer-registered": lambda b: b.register_buffer("ema", torch.zeros(D)),
+    "pruned": _prune,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_stage_changed_between_calls_stays_exact(change):
+    """Before: recomputations drew fresh noise and dropout masks (a stage recorded
+    as drawing no random numbers was not replayed), updated a new BatchNorm's or a
+    new buffer's statistics once per run (gradients and statistics off, every call
+    after), and a pruned stage raised RecomputeMismatchError on every call. Now a
+    recomputed stage always replays the RNG, and a stage made of other submodules,
+    parameters or buffers, or with parameters of other shapes, is measured again."""
+    remat.clear_cache()
+    torch.manual_seed(0)
+    plain = nn.ModuleList(Block() for _ in range(4))
+    blocks = copy.deepcopy(plain)
+    for b in blocks:
+        remat.stage(b)
+    x = torch.randn(8, D)
+    _step(copy.deepcopy(blocks), x, 2**50)
+    costs = remat.explain().costs
+    low, high = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    budget = int(low + 0.3 * (high - low))
+    remat.clear_cache()
+    for step in range(4):
+        if step == 2:
+            for b in list(plain) + list(blocks):
+                CHANGES[change](b)
+        torch.manual_seed(100 + step)
+        want = _step(plain, x, None)
+        rng_want = torch.get_rng_state()
+        torch.manual_seed(100 + step)
+        got = _step(blocks, x, budget)
+        if step < 2 or change != "pruned":   # (pruned, everything fits)
+            assert remat.explain().schedule.recomputations() > 0
+        assert torch.equal(torch.get_rng_state(), rng_want), step
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        for a, b in zip(plain.buffers(), blocks.buffers()):
+            assert torch.equal(a, b), step
