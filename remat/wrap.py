@@ -153,7 +153,9 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
             f"pass [block] for a single one"
         )
-    if getattr(model, "is_gradient_checkpointing", False) is True:
+    # (transformers 5 names it is_activation_checkpointing, the old name warns)
+    if any(getattr(model, name, False) is True for name in ("is_activation_checkpointing", "is_gradient_checkpointing")
+           if name == "is_activation_checkpointing" or not hasattr(type(model), "is_activation_checkpointing")):
         raise StageError(
             f"remat.wrap: this {type(model).__name__} has transformers' gradient checkpointing on "
             f"(gradient_checkpointing_enable()); remat recomputes on its own schedule, and both "
