@@ -55,8 +55,8 @@ class StageRunning:
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "dicts", "structures", "meta", "uses_rng", "generators", "grad_replay", "state",
-                     "reads_state", "held", "slots", "grads", "autocasts"):
+        for attr in ("idents", "names", "in_sigs", "dicts", "structures", "meta", "uses_rng", "generators",
+                     "grad_replay", "state", "reads_state", "held", "slots", "grads", "autocasts"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)
         new.input_bytes = old.input_bytes

@@ -153,9 +153,10 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
             f"pass [block] for a single one"
         )
-    # (transformers 5 names it is_activation_checkpointing, the old name warns)
-    if any(getattr(model, name, False) is True for name in ("is_activation_checkpointing", "is_gradient_checkpointing")
-           if name == "is_activation_checkpointing" or not hasattr(type(model), "is_activation_checkpointing")):
+    # (transformers 5 names it is_activation_checkpointing; its old name warns there)
+    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    if getattr(model, flag, False) is True:
         raise StageError(
             f"remat.wrap: this {type(model).__name__} has transformers' gradient checkpointing on "
             f"(gradient_checkpointing_enable()); remat recomputes on its own schedule, and both "

@@ -175,7 +175,8 @@ def test_encoder_output_side_input_stays_under_budget(fraction, leaf):
             seed_grad = torch.ones(())
             inst.set_gate(True)
             loss.backward(seed_grad)
-        return inst.peak + x.untyped_storage().nbytes(), [p.grad.clone() for p in params] + [x.grad] + ([mem.grad] if leaf else [])
+        grads = [p.grad.clone() for p in params] + [x.grad] + ([mem.grad] if leaf else [])
+        return inst.peak + x.untyped_storage().nbytes(), grads
 
     step(2**40, 0, *copy.deepcopy((decs, enc)))
     costs = remat.explain().costs
