@@ -6,6 +6,21 @@ their saved tensors for the call's own backward. ``_Active`` (remat/chain.py)
 takes these methods; the checks on what a stage returns live here too, as the
 measuring runs them on every forward it makes.
 
+Note [Saved tensors held elsewhere]
+-----------------------------------
+A stage may save a tensor for its backward and keep it some other way too:
+a hook collecting attention maps (transformers' ``output_attentions=True``),
+``self.maps = att.detach()``. Dropped with the stage, it stays all the same,
+and a plan that counted it gone went over the budget by those bytes (18% on
+a 4-layer toy Llama at its minimum), without a word. Nothing holds a saved
+tensor's storage after the forward but autograd (here remat's hooks, one
+``detach()`` each), what the stage returned (and a view's base) and the
+storage's own Python object, so a storage the stage made whose use count is
+above that is held elsewhere (``Instrument.held_elsewhere``): it counts as
+held through the step, like what a stage keeps outside autograd, and the
+measuring call warns. Its bytes stay in a-bar^i too, which counts them twice
+where the stage runs ``Fall``: the peak is over-estimated there, never under.
+
 Note [Twin stages]
 ------------------
 Chains are mostly copies of one block (a transformer's layers, a ResNet
@@ -111,10 +126,23 @@ class StageMeasuring:
             if row is not None:
                 returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                 row["held_outside"] = detector.alive_bytes(kept + returned)
+                row["saved_elsewhere"] = detector.held_elsewhere(kept, returned, besides=[act])
         held = row.pop("held_grads", {}) if row is not None else {}
         if row is not None and first(out).requires_grad:
             held.update(side_grads(call, x))
         outside = row.pop("held_outside", 0) if row is not None else 0
+        elsewhere = row.pop("saved_elsewhere", 0) if row is not None else 0
+        if elsewhere:
+            # Note [Saved tensors held elsewhere]
+            held[("elsewhere", k)] = elsewhere
+            if not any(isinstance(key, tuple) and key[0] == "elsewhere" for h in new.held for key in h):
+                warnings.warn(
+                    f"remat: stage {k} ({call.name}) saves tensors for its backward that something else "
+                    f"keeps too ({format_bytes(elsewhere)}): attention maps a hook collects (transformers' "
+                    f"output_attentions=True), a tensor stored on a module. Dropping them with the stage "
+                    f"would free nothing, so remat counts them, for this stage and any other that does the "
+                    f"same, as held through the step; stop keeping them while training to have that "
+                    f"memory back", RuntimeWarning, stacklevel=2)
         if outside:
             held[("outside", k)] = outside
             if not any(isinstance(key, tuple) and key[0] == "outside" for h in new.held for key in h):

@@ -53,6 +53,7 @@ def _returns_views(schema):
 
 
 _PLANS = {}   # op -> (_written_arguments, _returns_views) of its schema
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 _COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_csc: ("ccol_indices", "row_indices"),
@@ -224,6 +225,10 @@ class Instrument(TorchDispatchMode):
         self.op_seconds += time.perf_counter() - t0
         if isinstance(out, torch.Tensor):
             self._note_outputs((out,), inputs)
+            if func is _TO_COPY and args[0].is_leaf and args[0].requires_grad and out.layout == torch.strided:
+                # autocast's cache holds a cast of a leaf that needs grad (a weight, the
+                # chain's input) to the region's end: counted as a cast of a weight is
+                self._from_params.add(out.untyped_storage()._cdata)
         elif out is not None:
             self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs)
         return out
@@ -271,6 +276,31 @@ class Instrument(TorchDispatchMode):
         made) that are still alive, but those of the tensors ``besides``."""
         skip = {storage_key(t) for t in besides} | self._from_params
         return sum(n for key, n in self.created.items() if key not in skip)
+
+    def held_elsewhere(self, saved, returned, besides=()):
+        """Bytes of the storages the region made that autograd saved and that
+        something else holds too (Note [Saved tensors held elsewhere]): ``saved``
+        are the tensors remat holds for autograd, one each (``detach()``),
+        ``returned`` what the region returned; storages of ``besides`` aside."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:
+            return 0
+        skip = {storage_key(t) for t in besides} | self._from_params
+        ours = {}      # storage -> the tensors known to hold it
+        for t in saved:
+            key = storage_key(t)
+            if key not in skip and self.created.get(key) and t.layout == torch.strided:
+                ours.setdefault(key, [t.untyped_storage(), 0])[1] += 1
+        seen = set()
+        for t in returned:
+            # (a view keeps its base's tensor alive)
+            for u in (t, t._base):
+                if u is not None and id(u) not in seen and u.layout == torch.strided:
+                    seen.add(id(u))
+                    if (key := storage_key(u)) in ours:
+                        ours[key][1] += 1
+        # one more for the storage's own Python object
+        return sum(self.created[key] for key, (st, n) in ours.items() if use_count(st._cdata) > n + 1)
 
     def reads_state(self):
         """True if the region's result may depend on the values it found in the

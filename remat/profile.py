@@ -150,9 +150,12 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     out_bytes = act.untyped_storage().nbytes()
     # what the stage made and still holds after its forward, other than what autograd
     # saved (through the hooks) and what it returned: tensors on a custom Function's
-    # ctx, a module's cache; no mode of the schedule lets them go before B(i)
+    # ctx, a module's cache; no mode of the schedule lets them go before B(i). And what
+    # autograd saved that something else holds too (Note [Saved tensors held
+    # elsewhere], remat/measuring.py)
     returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     row["held_outside"] = inst.alive_bytes(saved + returned)
+    row["saved_elsewhere"] = inst.held_elsewhere(saved, returned, besides=[act])
     # whether the stage, recorded, keeps its input's storage (saved, or returned as a
     # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
     in_key = storage_key(x)

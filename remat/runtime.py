@@ -87,6 +87,25 @@ class _Saved:
         self.index = index
 
 
+def _handle(leaf):
+    """What a recomputation that records is run on, given ``leaf``, a detached copy
+    of its input: ``leaf`` itself, or where it needs grad a view of it, which
+    ``_let_go`` leaves whole."""
+    if not leaf.requires_grad:
+        return leaf
+    with torch.enable_grad():   # (recomputations run inside the engine, grad mode off)
+        return leaf.view_as(leaf)
+
+
+def _let_go(leaf):
+    """The recomputed graph's AccumulateGrad holds ``leaf``: a tensor of that graph
+    kept past B(i) (attention maps a hook collects) would keep a^(i-1) with it.
+    ``leaf`` lets go of its storage; what the stage kept of its input (the view
+    ``_handle`` gave it, saved tensors, detached) keeps it as long as it must."""
+    if leaf.requires_grad:
+        leaf.data = leaf.data.new_empty(0)
+
+
 def _releasing():
     """True in a backward that frees its graph as it goes (Note [The life of a saved tensor], 2)."""
     if _keep_graph is None:
@@ -377,17 +396,23 @@ class Run:
             with _outside_vmap(), _outside_inference(), Replay(call, self.autocast):
                 if grad:
                     return call.call(x)
+                leaf = None
                 if call.input_requires_grad and not x.requires_grad:
-                    x = x.detach().requires_grad_()   # (as its forward had it: a stage may differentiate by it)
+                    # (as its forward had it: a stage may differentiate by it)
+                    leaf = x.detach().requires_grad_()
+                    x = _handle(leaf)
                 if call.grad_replay:
                     _check_hooks(call)
                     made = []   # (read only by a stage backwarding its own graph inside its forward)
                     try:
                         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                                 lambda t: made.append(t) or len(made) - 1, made.__getitem__):
-                            return call.call(x).detach()
+                            out = call.call(x).detach()
                     finally:
                         made.clear()
+                    if leaf is not None:
+                        _let_go(leaf)
+                    return out
                 with torch.no_grad():
                     return call.call(x).detach()
         except (StageError, RecomputeMismatchError):
@@ -412,17 +437,20 @@ class Run:
             made.append(t)
             return len(made) - 1
 
-        inp = x.detach().requires_grad_(call.input_requires_grad)
+        leaf = x.detach().requires_grad_(call.input_requires_grad)
+        inp = _handle(leaf)
         _check_hooks(call)
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, made.__getitem__):
                 out = self._forward(call, inp, grad=True)
         finally:
             made.clear()   # (the recomputed graph holds its hooks: no cycle through it)
+        out = out.detach()
+        _let_go(leaf)
         check_saved(call, saved)
         anchor = self._anchor(k)
         if anchor is None:
             return
         anchor.saved = saved
         anchor.versions = None
-        self._give(k + 1, out.detach())
+        self._give(k + 1, out)

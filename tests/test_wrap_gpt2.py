@@ -200,6 +200,42 @@ def test_gpt2_output_hidden_states_are_counted_as_held(gpt2_setup):
 
 
 @needs_transformers
+def test_gpt2_output_attentions_are_counted_as_held(gpt2_setup):
+    """output_attentions=True on transformers 5 has a hook collect each block's attention
+    map, which autograd also saves: dropping it with the block frees nothing. The
+    measuring call warns and counts the maps as held through the step (Note [Saved
+    tensors held elsewhere], remat/measuring.py); at the minimum budget that gives,
+    gradients and maps stay plain PyTorch's and no later call warns."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4's blocks return their maps, which need grad (refused: see above)")
+    base, _, _ = gpt2_setup["eager"]
+    ids, mask = gpt2_batch(0)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget=2**50)
+    with pytest.warns(RuntimeWarning, match=r"stage 1 \(GPT2Block\) saves tensors for its backward that "
+                      r"something else keeps too \(4.00 KiB\).*output_attentions=True"):
+        model(ids, attention_mask=mask, labels=ids, output_attentions=True).loss.backward()
+    maps = 2 * 2 * 16 * 16 * 4   # (batch, heads, length, length) float32, per block
+    assert remat.explain().measured.held_bytes == 4 * maps
+    remat.unwrap(model)
+    remat.wrap(model, model.transformer.h, budget=minimum_budget(remat.explain().costs))
+    for step in range(2):
+        got = []
+        for m in (ref, model):
+            m.zero_grad()
+            torch.manual_seed(3 + step)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out = m(ids, attention_mask=mask, labels=ids, output_attentions=True)
+                out.loss.backward()
+            got.append((out.attentions, [p.grad for p in m.parameters()]))
+        assert remat.explain().schedule.recomputations() > 0
+        (maps_ref, grads_ref), (maps_got, grads_got) = got
+        assert all(torch.equal(a, b) for a, b in zip(grads_ref, grads_got))
+        assert len(maps_got) == 4 and all(torch.equal(a, b) for a, b in zip(maps_ref, maps_got))
+
+
+@needs_transformers
 def test_gpt2_with_transformers_checkpointing_on_is_refused(gpt2_setup):
     """transformers' own gradient checkpointing and remat would both recompute (and
     remat measure costs the other already cut): wrap says to turn it off; once off,
