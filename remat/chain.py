@@ -35,8 +35,7 @@ from .budget import parse_budget, resolve_budget
 from .costs_source import chain_costs, distributed, read_costs, write_costs
 from .dynamo import skip_for_dynamo
 from .errors import RematError, StageError, not_handed_on
-from .measuring import (StageMeasuring, check_hooks_enabled, check_output, find_activation, handed_on,
-                        shared_grad_transients, signature)
+from .measuring import StageMeasuring, shared_grad_transients
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices, module_slots, take
@@ -44,6 +43,7 @@ from .runtime import Run, replaying
 from .running import StageRunning
 from .solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 from .stage_call import StageCall
+from .stage_check import check_hooks_enabled, check_output, find_activation, handed_on, signature
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 

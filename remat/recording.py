@@ -143,9 +143,9 @@ class Recording:
     def __init__(self):
         self.idents = []      # weak references to each stage's object
         self.names = []
-        self.in_sigs = []     # per stage: what a later call is checked against (measuring.input_signature)
-        self.dicts = []       # per stage: its module's and submodules' __dict__ (measuring.module_dicts)
-        self.structures = []  # per stage: what its module is made of (measuring.module_structure)
+        self.in_sigs = []     # per stage: what a later call is checked against (stage_check.input_signature)
+        self.dicts = []       # per stage: its module's and submodules' __dict__ (stage_check.module_dicts)
+        self.structures = []  # per stage: what its module is made of (stage_check.module_structure)
         self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
         self.uses_rng = []
         self.generators = []  # per stage: its own torch.Generator objects (Note [Replaying a stage] 1)

@@ -12,11 +12,11 @@ import weakref
 import torch
 
 from .costs_source import rows_of
-from .measuring import same_structure, signature_matches
 from .recording import Recording
 from .replay import capture_rng, cuda_devices, param_flags, resolve_state, snapshot, take
 from .runtime import FALL, FCK
 from .stage_call import first
+from .stage_check import same_structure, signature_matches
 
 __all__ = ["StageRunning"]
 

@@ -299,7 +299,7 @@ def test_signature_check_agrees_with_the_signature():
     exactly what comparing ``input_signature``s says: activation alone (its fast
     path), passed by keyword, with tensor, tuple and Python side inputs, and with
     a submodule switched to eval."""
-    from remat.measuring import input_signature, module_dicts, signature_matches
+    from remat.stage_check import input_signature, module_dicts, signature_matches
     from remat.stage_call import StageCall
 
     block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
