@@ -42,7 +42,8 @@ __all__ = ["wrap", "unwrap"]
 class _WrappedForward:
     """A wrapped model's forward: the original one inside the model's chain (Note [Wrapping a model], 2)."""
 
-    def __init__(self, original, spec, blocks, marked, previous):
+    def __init__(self, model, original, spec, blocks, marked, previous):
+        self.model = model          # (a cycle through model.forward, as a bound forward makes)
         self.original = original    # the bound forward wrap found
         self.spec = spec
         self.blocks = blocks
@@ -63,6 +64,7 @@ class _WrappedForward:
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
+        _refuse_checkpointing(self.model, "since remat.wrap")
         if self.cache_at is not None:
             args, kwargs = self._without_cache(args, kwargs)
         with self.spec:
@@ -85,6 +87,20 @@ class _WrappedForward:
                 "torch.no_grad(), where the model runs plainly"
             )
         return args, kwargs
+
+
+def _refuse_checkpointing(model, when):
+    """A StageError if transformers' own gradient checkpointing is on (turned on
+    ``when``, if said): remat's recomputations and its would both run."""
+    # (transformers 5 names it is_activation_checkpointing; its old name warns there)
+    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    if getattr(model, flag, False) is True:
+        raise StageError(
+            f"remat.wrap: this {type(model).__name__} has transformers' gradient checkpointing on"
+            f"{' ' + when if when else ''} (gradient_checkpointing_enable()); remat recomputes on its own "
+            f"schedule, and both together recompute twice and measure the wrong costs. Call "
+            f"model.gradient_checkpointing_disable() first")
 
 
 def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
@@ -153,15 +169,7 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
             f"pass [block] for a single one"
         )
-    # (transformers 5 names it is_activation_checkpointing; its old name warns there)
-    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
-            else "is_gradient_checkpointing")
-    if getattr(model, flag, False) is True:
-        raise StageError(
-            f"remat.wrap: this {type(model).__name__} has transformers' gradient checkpointing on "
-            f"(gradient_checkpointing_enable()); remat recomputes on its own schedule, and both "
-            f"together recompute twice and measure the wrong costs. Call "
-            f"model.gradient_checkpointing_disable() first")
+    _refuse_checkpointing(model, "")
     blocks = list(blocks)
     if not blocks:
         raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
@@ -193,7 +201,7 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             stage(block)
             marked.append(block)
     previous = model.__dict__.get("forward")
-    model.forward = _WrappedForward(model.forward, spec, blocks, marked, previous)
+    model.forward = _WrappedForward(model, model.forward, spec, blocks, marked, previous)
     return model
 
 

@@ -247,4 +247,9 @@ def test_gpt2_with_transformers_checkpointing_on_is_refused(gpt2_setup):
         remat.wrap(model, model.transformer.h, budget="1MiB")
     model.gradient_checkpointing_disable()
     remat.wrap(model, model.transformer.h, budget="1MiB")
+    # turned on after wrap: the next call says so, and runs once it is off again
+    model.gradient_checkpointing_enable()
+    with pytest.raises(remat.StageError, match=r"checkpointing on since remat.wrap .*gradient_checkpointing_disable"):
+        train_gpt2(model, steps=1)
+    model.gradient_checkpointing_disable()
     assert_same(ref, train_gpt2(model))
