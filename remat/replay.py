@@ -48,7 +48,11 @@ leave no trace:
    notes where each of its parameters and buffers lives (the ``_parameters``
    or ``_buffers`` dict of the module or a submodule, and the name: its
    ``slots``), and each call takes the tensors found there as it runs the
-   stage (``take``). Code that swaps them for the forward only
+   stage (``take``). So with plain tensor attributes (in a module's
+   ``__dict__``): the old ``torch.nn.utils.spectral_norm`` sets ``weight`` so
+   in a forward pre-hook, which for the stage module itself runs before the
+   stage, once per call (two forwards before one backward, a GAN's real and
+   fake: the recomputation of the first read the second's weight). Code that swaps them for the forward only
    (``torch.func.functional_call``, an EMA or meta-learning copy) has put the
    module's own back by the time the backward recomputes: the recomputation
    puts the forward's in their place for its length (``ForwardTensors``), as
@@ -220,8 +224,8 @@ _GONE = object()   # a slot's name no longer in its dict
 
 def module_slots(ident):
     """Note 5: ``(slots, n, names)`` for stage object ``ident``: the (dict, name) of
-    each parameter (the first ``n``) and buffer of a module and its submodules, and
-    their dotted names; ``NO_SLOTS`` for a function."""
+    each parameter (the first ``n``), buffer and plain tensor attribute of a module
+    and its submodules, and their dotted names; ``NO_SLOTS`` for a function."""
     if not isinstance(ident, torch.nn.Module):
         return NO_SLOTS
     params, buffers = [], []
@@ -229,6 +233,8 @@ def module_slots(ident):
         dot = prefix + "." if prefix else ""
         params += [(m._parameters, name, dot + name) for name in m._parameters]
         buffers += [(m._buffers, name, dot + name) for name in m._buffers]
+        attrs = m.__dict__
+        buffers += [(attrs, name, dot + name) for name, v in attrs.items() if isinstance(v, torch.Tensor)]
     both = params + buffers
     return tuple((d, name) for d, name, _ in both), len(params), tuple(full for _, _, full in both)
 

@@ -127,6 +127,37 @@ def test_stage_reading_state_it_updates_matches_plain(kind, where):
     assert entry.reads_state == reads
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_weight_set_by_a_pre_hook_of_the_stage_module(shared):
+    """The old torch.nn.utils.spectral_norm sets ``weight`` as a plain attribute in a
+    forward pre-hook, which for a stage module runs before the stage, on every call.
+    A discriminator step runs two forwards (real, fake) before one backward, and a
+    module may be several stages of one chain: each recomputation runs with the
+    weight its own forward used (the slots hold tensor attributes: remat/replay.py
+    Note [Replaying a stage] 5), and gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    layers = [nn.utils.spectral_norm(nn.Linear(16, 16)) for _ in range(4)]
+    if shared:
+        layers = [layers[0]] * 4
+    base = Net([remat.stage(m) for m in layers], d=16)
+
+    def steps(net):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            real, fake = torch.randn(128, 16, generator=g), torch.randn(128, 16, generator=g)
+            opt.zero_grad()
+            (torch.relu(1 - net(real)).mean() + torch.relu(1 + net(fake)).mean()).backward()
+            opt.step()
+
+    ref, net = copy.deepcopy(base), copy.deepcopy(base)
+    net.budget = _budgets(net, torch.randn(128, 16))[0]
+    steps(ref)
+    steps(net)
+    assert remat.explain().schedule.recomputations() > 0
+    _assert_same(ref, net)
+
+
 def test_batchnorm_statistics_need_no_copy():
     """BatchNorm's running statistics are read only by the op that updates them: no
     stage of a BatchNorm chain keeps a copy of its state through the step."""
