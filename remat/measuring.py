@@ -18,8 +18,14 @@ tensor's storage after the forward but autograd (here remat's hooks, one
 storage's own Python object, so a storage the stage made whose use count is
 above that is held elsewhere (``Instrument.held_elsewhere``): it counts as
 held through the step, like what a stage keeps outside autograd, and the
-measuring call warns. Its bytes stay in a-bar^i too, which counts them twice
-where the stage runs ``Fall``: the peak is over-estimated there, never under.
+measuring call warns; its bytes leave a-bar^i (where the stage runs ``Fall``,
+the one copy is the held one; where it is recomputed, the copy made then
+replaces the one held, or comes while the cache that held it is gone). So,
+silently, with what a cache holds that the stage made from parameters and
+buffers alone: autocast's casts of the weights and of a leaf input, kept to
+the end of the autocast region, and ``parametrize.cached()``'s weights (a
+stage dropped with its saved tensors went up to 2x over the budget under
+autocast before, as the plan counted those freed with it).
 
 Note [Twin stages]
 ------------------
@@ -121,14 +127,16 @@ class StageMeasuring:
             if row is not None:
                 returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                 row["held_outside"] = detector.alive_bytes(kept + returned)
-                row["saved_elsewhere"] = detector.held_elsewhere(kept, returned, besides=[act])
+                row["saved_elsewhere"], row["saved_cached"] = detector.held_elsewhere(kept, returned, besides=[act])
         held = row.pop("held_grads", {}) if row is not None else {}
         if row is not None and first(out).requires_grad:
             held.update(side_grads(call, x))
         outside = row.pop("held_outside", 0) if row is not None else 0
         elsewhere = row.pop("saved_elsewhere", 0) if row is not None else 0
+        cached = row.pop("saved_cached", 0) if row is not None else 0
+        if cached:   # (Note [Saved tensors held elsewhere]: a cache's, nothing to say)
+            held[("cached", k)] = cached
         if elsewhere:
-            # Note [Saved tensors held elsewhere]
             held[("elsewhere", k)] = elsewhere
             if not any(isinstance(key, tuple) and key[0] == "elsewhere" for h in new.held for key in h):
                 warnings.warn(

@@ -141,6 +141,9 @@ class Instrument(TorchDispatchMode):
         # ``sources``, what the region made or nothing: autocast's cached casts of the weights
         self._sources = {storage_key(t) for t in sources if isinstance(t, torch.Tensor)}
         self._from_params = set()
+        # storages made from older tensors alone through any number of ops (a
+        # parametrized weight), casts of leaves needing grad, and what is made from those
+        self._derived = set()
         self.generators = {}   # id -> (torch.Generator an op drew from, its state before the first)
 
     def ignore_writes(self, tensors):
@@ -184,6 +187,7 @@ class Instrument(TorchDispatchMode):
     def _free(self, key, nbytes):
         self._refs.pop(key, None)
         self._from_params.discard(key)
+        self._derived.discard(key)
         if self.created.pop(key, None) is not None:
             self.live -= nbytes
             if key in self.window:
@@ -229,6 +233,7 @@ class Instrument(TorchDispatchMode):
                 # autocast's cache holds a cast of a leaf that needs grad (a weight, the
                 # chain's input) to the region's end: counted as a cast of a weight is
                 self._from_params.add(out.untyped_storage()._cdata)
+                self._derived.add(out.untyped_storage()._cdata)
         elif out is not None:
             self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs)
         return out
@@ -250,8 +255,12 @@ class Instrument(TorchDispatchMode):
             self._track(st, nbytes)
             if made is None:
                 made = not inputs or any(k in created or k in self._sources for k in inputs)
+                derived = bool(inputs) and not any(
+                    k in self._sources or (k in created and k not in self._derived) for k in inputs)
             if not made:
                 self._from_params.add(key)
+            if derived:
+                self._derived.add(key)
             self.window.add(key)
             self.window_live += nbytes
             if self.window_live > self.window_peak:
@@ -279,13 +288,15 @@ class Instrument(TorchDispatchMode):
 
     def held_elsewhere(self, saved, returned, besides=()):
         """Bytes of the storages the region made that autograd saved and that
-        something else holds too (Note [Saved tensors held elsewhere]): ``saved``
+        something else holds too (Note [Saved tensors held elsewhere]), as
+        (those made from the region's sources, those made from parameters and
+        buffers alone: a cache's, autocast's or a parametrization's): ``saved``
         are the tensors remat holds for autograd, one each (``detach()``),
         ``returned`` what the region returned; storages of ``besides`` aside."""
         use_count = getattr(torch._C, "_storage_Use_Count", None)
         if use_count is None:
-            return 0
-        skip = {storage_key(t) for t in besides} | self._from_params
+            return 0, 0
+        skip = {storage_key(t) for t in besides}
         ours = {}      # storage -> the tensors known to hold it
         for t in saved:
             key = storage_key(t)
@@ -300,7 +311,9 @@ class Instrument(TorchDispatchMode):
                     if (key := storage_key(u)) in ours:
                         ours[key][1] += 1
         # one more for the storage's own Python object
-        return sum(self.created[key] for key, (st, n) in ours.items() if use_count(st._cdata) > n + 1)
+        held = [key for key, (st, n) in ours.items() if use_count(st._cdata) > n + 1]
+        derived = sum(self.created[key] for key in held if key in self._derived)
+        return sum(self.created[key] for key in held) - derived, derived
 
     def reads_state(self):
         """True if the region's result may depend on the values it found in the

@@ -155,7 +155,8 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     # elsewhere], remat/measuring.py)
     returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     row["held_outside"] = inst.alive_bytes(saved + returned)
-    row["saved_elsewhere"] = inst.held_elsewhere(saved, returned, besides=[act])
+    elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
+    row["saved_elsewhere"], row["saved_cached"] = elsewhere, cached
     # whether the stage, recorded, keeps its input's storage (saved, or returned as a
     # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
     in_key = storage_key(x)
@@ -165,7 +166,8 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         key = storage_key(t)
         if key in inst.created:
             keys[key] = inst.created[key]
-    saved_bytes = max(sum(keys.values()), out_bytes)
+    # (what is held elsewhere counts as held through the step instead: remat/measuring.py)
+    saved_bytes = max(sum(keys.values()) - elsewhere - cached, out_bytes)
     # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
     # next stage needs it; by B(i) the next stage's backward has let it go, unless
     # this stage's own backward reads it: if not, bwd_tmp gives its bytes back

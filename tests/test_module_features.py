@@ -266,18 +266,21 @@ def test_tensors_held_outside_autograd_are_counted():
     assert remat.explain().measured.held_bytes == 6 * 2048 and remat.explain().measured.input_bytes == x.untyped_storage().nbytes()
 
 
-def test_autocast_weight_casts_are_not_held_outside(recwarn):
+def test_autocast_weight_casts_are_held_silently(recwarn):
     """Under autocast the cast weights stay in autocast's cache after a stage's
-    forward: parameter memory, made from parameters alone, not the stage's."""
+    forward, to the end of the autocast region: those autograd saved (the linear
+    layers' weights, not their biases) count as held through the step, as a
+    cache's, without a warning (Note [Saved tensors held elsewhere])."""
     remat.clear_cache()
     x = torch.randn(4, 8, 16)
     net = _net("plain")
     net.budget = 2**40
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _train(net, x, steps=2)
-    assert not [w for w in recwarn if "still holds" in str(w.message)]
+    assert not [w for w in recwarn if "still holds" in str(w.message) or "keeps too" in str(w.message)]
     entry = next(iter(chain_module._cache.values()))
-    assert entry.held_bytes() == 0
+    casts = sum(2 * m.weight.numel() for b in net.blocks for m in (b.l1, b.l2))
+    assert entry.held_bytes() == casts
 
 
 class ViewEma(nn.Module):
