@@ -28,6 +28,7 @@ import weakref
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+from torch.nn.modules import module as nn_module
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
@@ -162,6 +163,22 @@ _warned_transforms = []
 _warned_sizes = set()   # costs files whose input size differed from a call's (warned once each)
 
 
+def _hooks_between(before, after):
+    """For an error about code between two stages: a sentence on the module hooks
+    that run there, around the stages' forwards (``before``'s forward hooks,
+    ``after``'s forward pre-hooks, global ones), or ""."""
+    hooks = []
+    if getattr(before, "_forward_hooks", None) or nn_module._global_forward_hooks:
+        hooks.append("forward hooks")
+    if getattr(after, "_forward_pre_hooks", None) or nn_module._global_forward_pre_hooks:
+        hooks.append("forward pre-hooks")
+    if not hooks:
+        return ""
+    return (f". The stage modules' {' and '.join(hooks)} run there, around the stages' forwards: if one "
+            f"changes the activation, register it on a submodule inside the stage instead, or do its work "
+            f"in the forward")
+
+
 def _transformed(x):
     """True if ``x`` is a torch.func transform's wrapped tensor (vmap's, grad's)."""
     check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -187,6 +204,7 @@ class _Active(StageMeasuring, StageRunning):
         self.prev = None
         self.prev_version = 0
         self.prev_name = None
+        self.prev_ident = None
         self.mode = None
         self.in_stage = False
         self.entry = None
@@ -253,11 +271,13 @@ class _Active(StageMeasuring, StageRunning):
             self._begin(ident, args, kwargs, x)
             self.source = x.untyped_storage()
         elif not handed_on(x, self.prev):
-            raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)))
+            raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)),
+                                _hooks_between(self.prev_ident, ident))
         elif x._version != self.prev_version:
             raise StageError(
                 f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "
                 f"stage {k} ({name}); move the in-place code into one of the stages"
+                f"{_hooks_between(self.prev_ident, ident)}"
             )
         self.k = k
         self.seen.setdefault(id(ident), k)
@@ -295,6 +315,7 @@ class _Active(StageMeasuring, StageRunning):
         self.prev = act
         self.prev_version = act._version
         self.prev_name = name
+        self.prev_ident = ident
         if self.mode == "run" and self.run.clock is not None:
             self.run.clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))])
         return out

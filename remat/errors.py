@@ -47,10 +47,11 @@ def input_modified(index, name):
         f"place or move it to the end of stage {index - 1}")
 
 
-def not_handed_on(k, name, prev_name, skipped=None, again=None):
+def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks=""):
     """The StageError for stage ``k`` (``name``) not getting what stage k-1 returned:
     a stage called under no_grad in between (``skipped``, its name), the same block
-    called again (``again``, the stage it first was), or code between the two."""
+    called again (``again``, the stage it first was), or code between the two
+    (``hooks``: a sentence on module hooks that run there, or "")."""
     if skipped is not None:
         return StageError(
             f"remat: a stage ({skipped}) was called under torch.no_grad() in the middle of a chain, after "
@@ -66,4 +67,4 @@ def not_handed_on(k, name, prev_name, skipped=None, again=None):
     return StageError(
         f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({prev_name}) returned; code "
         f"between the two stages changed the activation. Move that code into stage {k - 1} or {k}, or make "
-        f"it a stage of its own")
+        f"it a stage of its own{hooks}")

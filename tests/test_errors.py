@@ -189,6 +189,31 @@ def test_in_place_between_stages_is_named():
     _assert_exact_next_call(net)
 
 
+@pytest.mark.parametrize("hook", ["forward", "pre", "in_place"])
+def test_hook_on_a_stage_module_changing_the_activation_is_named(hook):
+    """A hook on a stage module runs around the stage's forward, between two stages:
+    one that changes the activation (a steering vector added to a layer's output) is
+    named with its fix, not blamed on code in the loop; without it the next call is
+    exact, and plain code between stages gets no word of hooks."""
+    net = Chain()
+    if hook == "forward":
+        handle = net.stages[1].register_forward_hook(lambda m, args, out: out * 2)
+    elif hook == "pre":
+        handle = net.stages[2].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    else:
+        handle = net.stages[1].register_forward_hook(lambda m, args, out: out.add_(1))
+    said = "modified in place before" if hook == "in_place" else "did not receive"
+    kind = "forward pre-hooks" if hook == "pre" else "forward hooks"
+    with pytest.raises(remat.StageError, match=f"{said}.*{kind} run there.*register it on a submodule"):
+        _grads(net)
+    handle.remove()
+    _assert_exact_next_call(net)
+    net.between = lambda x: x * 2
+    with pytest.raises(remat.StageError, match="Move that code") as caught:
+        _grads(net)
+    assert "hooks" not in str(caught.value)
+
+
 def test_in_place_first_op_on_stage_input():
     """A stage that modifies its input in place is caught through the version counter."""
     net = Chain()
