@@ -131,31 +131,28 @@ class StageMeasuring:
         held = row.pop("held_grads", {}) if row is not None else {}
         if row is not None and first(out).requires_grad:
             held.update(side_grads(call, x))
-        outside = row.pop("held_outside", 0) if row is not None else 0
-        elsewhere = row.pop("saved_elsewhere", 0) if row is not None else 0
-        cached = row.pop("saved_cached", 0) if row is not None else 0
+        pop = row.pop if row is not None else (lambda _key, default: default)
+        cached = pop("saved_cached", 0)
         if cached:   # (Note [Saved tensors held elsewhere]: a cache's, nothing to say)
             held[("cached", k)] = cached
-        if elsewhere:
-            held[("elsewhere", k)] = elsewhere
-            if not any(isinstance(key, tuple) and key[0] == "elsewhere" for h in new.held for key in h):
-                warnings.warn(
-                    f"remat: stage {k} ({call.name}) saves tensors for its backward that something else "
-                    f"keeps too ({format_bytes(elsewhere)}): attention maps a hook collects (transformers' "
-                    f"output_attentions=True), a tensor stored on a module. Dropping them with the stage "
-                    f"would free nothing, so remat counts them, for this stage and any other that does the "
-                    f"same, as held through the step; stop keeping them while training to have that "
-                    f"memory back", RuntimeWarning, stacklevel=2)
-        if outside:
-            held[("outside", k)] = outside
-            if not any(isinstance(key, tuple) and key[0] == "outside" for h in new.held for key in h):
-                warnings.warn(
-                    f"remat: stage {k} ({call.name}) still holds {format_bytes(outside)} it made after its "
-                    f"forward, outside what autograd saves (tensors stored as attributes of a custom "
-                    f"autograd.Function's ctx, or cached on a module). remat can neither drop nor "
-                    f"recompute them and counts them, for this stage and any other that does the same, "
-                    f"as held through the step; save them with ctx.save_for_backward to have them "
-                    f"managed", RuntimeWarning, stacklevel=2)
+        elsewhere = pop("saved_elsewhere", 0)
+        if elsewhere and _held_first(new, held, "elsewhere", k, elsewhere):
+            warnings.warn(
+                f"remat: stage {k} ({call.name}) saves tensors for its backward that something else "
+                f"keeps too ({format_bytes(elsewhere)}): attention maps a hook collects (transformers' "
+                f"output_attentions=True), a tensor stored on a module. Dropping them with the stage "
+                f"would free nothing, so remat counts them, for this stage and any other that does the "
+                f"same, as held through the step; stop keeping them while training to have that "
+                f"memory back", RuntimeWarning, stacklevel=2)
+        outside = pop("held_outside", 0)
+        if outside and _held_first(new, held, "outside", k, outside):
+            warnings.warn(
+                f"remat: stage {k} ({call.name}) still holds {format_bytes(outside)} it made after its "
+                f"forward, outside what autograd saves (tensors stored as attributes of a custom "
+                f"autograd.Function's ctx, or cached on a module). remat can neither drop nor "
+                f"recompute them and counts them, for this stage and any other that does the same, "
+                f"as held through the step; save them with ctx.save_for_backward to have them "
+                f"managed", RuntimeWarning, stacklevel=2)
         if self.given is None and row is not None:
             # a recomputation holds a copy of the state the stage writes in place
             # (remat/replay.py, restore_tensors) on top of what its forward holds
@@ -337,6 +334,14 @@ def _bitwise_equal(a, b):
             and torch.equal(a.reshape(-1).view(torch.uint8) if a.is_contiguous() and b.is_contiguous()
                             else a.contiguous().reshape(-1).view(torch.uint8),
                             b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def _held_first(recording, held, kind, k, nbytes):
+    """Count ``nbytes`` of ``kind`` as held through the step for stage ``k`` (its
+    ``held``); True if no stage of ``recording`` held any of that kind before
+    (the measuring call says so once)."""
+    held[(kind, k)] = nbytes
+    return not any(isinstance(key, tuple) and key[0] == kind for h in recording.held for key in h)
 
 
 def side_grads(call, x):
