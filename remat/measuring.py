@@ -127,7 +127,8 @@ class StageMeasuring:
             if row is not None:
                 returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                 row["held_outside"] = detector.alive_bytes(kept + returned)
-                row["saved_elsewhere"], row["saved_cached"] = detector.held_elsewhere(kept, returned, besides=[act])
+                elsewhere, cached = detector.held_elsewhere(kept, returned, besides=[act])
+                row["saved_elsewhere"], row["saved_cached"] = sum(elsewhere.values()), sum(cached.values())
         held = row.pop("held_grads", {}) if row is not None else {}
         if row is not None and first(out).requires_grad:
             held.update(side_grads(call, x))

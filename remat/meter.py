@@ -287,15 +287,16 @@ class Instrument(TorchDispatchMode):
         return sum(n for key, n in self.created.items() if key not in skip)
 
     def held_elsewhere(self, saved, returned, besides=()):
-        """Bytes of the storages the region made that autograd saved and that
-        something else holds too (Note [Saved tensors held elsewhere]), as
-        (those made from the region's sources, those made from parameters and
-        buffers alone: a cache's, autocast's or a parametrization's): ``saved``
+        """The storages the region made that autograd saved and that something
+        else holds too (Note [Saved tensors held elsewhere]), as two dicts of
+        {storage: bytes}: those made from the region's sources, and those made
+        from parameters and buffers alone (a cache's: autocast's or a
+        parametrization's). ``saved``
         are the tensors remat holds for autograd, one each (``detach()``),
         ``returned`` what the region returned; storages of ``besides`` aside."""
         use_count = getattr(torch._C, "_storage_Use_Count", None)
         if use_count is None:
-            return 0, 0
+            return {}, {}
         skip = {storage_key(t) for t in besides}
         ours = {}      # storage -> the tensors known to hold it
         for t in saved:
@@ -312,8 +313,8 @@ class Instrument(TorchDispatchMode):
                         ours[key][1] += 1
         # one more for the storage's own Python object
         held = [key for key, (st, n) in ours.items() if use_count(st._cdata) > n + 1]
-        derived = sum(self.created[key] for key in held if key in self._derived)
-        return sum(self.created[key] for key in held) - derived, derived
+        return ({key: self.created[key] for key in held if key not in self._derived},
+                {key: self.created[key] for key in held if key in self._derived})
 
     def reads_state(self):
         """True if the region's result may depend on the values it found in the

@@ -156,7 +156,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     row["held_outside"] = inst.alive_bytes(saved + returned)
     elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
-    row["saved_elsewhere"], row["saved_cached"] = elsewhere, cached
+    row["saved_elsewhere"], row["saved_cached"] = sum(elsewhere.values()), sum(cached.values())
     # whether the stage, recorded, keeps its input's storage (saved, or returned as a
     # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
     in_key = storage_key(x)
@@ -166,8 +166,11 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         key = storage_key(t)
         if key in inst.created:
             keys[key] = inst.created[key]
-    # (what is held elsewhere counts as held through the step instead: remat/measuring.py)
-    saved_bytes = max(sum(keys.values()) - elsewhere - cached, out_bytes)
+    # what is held elsewhere counts as held through the step instead (remat/measuring.py),
+    # and its backward lets none of it go (``_Releases``)
+    for key in [*elsewhere, *cached]:
+        keys.pop(key, None)
+    saved_bytes = max(sum(keys.values()), out_bytes)
     # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
     # next stage needs it; by B(i) the next stage's backward has let it go, unless
     # this stage's own backward reads it: if not, bwd_tmp gives its bytes back
