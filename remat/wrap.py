@@ -43,7 +43,10 @@ class _WrappedForward:
     """A wrapped model's forward: the original one inside the model's chain (Note [Wrapping a model], 2)."""
 
     def __init__(self, model, original, spec, blocks, marked, previous):
-        self.model = model          # (a cycle through model.forward, as a bound forward makes)
+        # the modules whose gradient_checkpointing flag transformers' gradient_checkpointing_enable()
+        # sets: read on every call, not the model's property, which walks every module
+        self.flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self.kind = type(model).__name__
         self.original = original    # the bound forward wrap found
         self.spec = spec
         self.blocks = blocks
@@ -64,7 +67,8 @@ class _WrappedForward:
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
-        _refuse_checkpointing(self.model, "since remat.wrap")
+        if self.flagged and any(m.gradient_checkpointing for m in self.flagged):
+            raise _checkpointing_on(self.kind, " since remat.wrap")
         if self.cache_at is not None:
             args, kwargs = self._without_cache(args, kwargs)
         with self.spec:
@@ -89,18 +93,13 @@ class _WrappedForward:
         return args, kwargs
 
 
-def _refuse_checkpointing(model, when):
-    """A StageError if transformers' own gradient checkpointing is on (turned on
-    ``when``, if said): remat's recomputations and its would both run."""
-    # (transformers 5 names it is_activation_checkpointing; its old name warns there)
-    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
-            else "is_gradient_checkpointing")
-    if getattr(model, flag, False) is True:
-        raise StageError(
-            f"remat.wrap: this {type(model).__name__} has transformers' gradient checkpointing on"
-            f"{' ' + when if when else ''} (gradient_checkpointing_enable()); remat recomputes on its own "
-            f"schedule, and both together recompute twice and measure the wrong costs. Call "
-            f"model.gradient_checkpointing_disable() first")
+def _checkpointing_on(kind, when=""):
+    """The StageError for a ``kind`` model with transformers' own gradient
+    checkpointing on (turned on ``when``): its recomputations and remat's would both run."""
+    return StageError(
+        f"remat.wrap: this {kind} has transformers' gradient checkpointing on{when} "
+        f"(gradient_checkpointing_enable()); remat recomputes on its own schedule, and both together "
+        f"recompute twice and measure the wrong costs. Call model.gradient_checkpointing_disable() first")
 
 
 def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
@@ -169,7 +168,11 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
             f"pass [block] for a single one"
         )
-    _refuse_checkpointing(model, "")
+    # (transformers 5 names it is_activation_checkpointing; its old name warns there)
+    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    if getattr(model, flag, False) is True:
+        raise _checkpointing_on(type(model).__name__)
     blocks = list(blocks)
     if not blocks:
         raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
