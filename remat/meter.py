@@ -139,6 +139,7 @@ class Instrument(TorchDispatchMode):
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
         # storages made from older tensors alone (parameters, buffers), not from
         # ``sources``, what the region made or nothing: autocast's cached casts of the weights
+        # (and of leaf inputs needing grad, which its cache holds alike)
         self._sources = {storage_key(t) for t in sources if isinstance(t, torch.Tensor)}
         self._from_params = set()
         # storages made from older tensors alone through any number of ops (a
@@ -291,9 +292,9 @@ class Instrument(TorchDispatchMode):
         else holds too (Note [Saved tensors held elsewhere]), as two dicts of
         {storage: bytes}: those made from the region's sources, and those made
         from parameters and buffers alone (a cache's: autocast's or a
-        parametrization's). ``saved``
-        are the tensors remat holds for autograd, one each (``detach()``),
-        ``returned`` what the region returned; storages of ``besides`` aside."""
+        parametrization's). ``saved`` are the tensors remat holds for autograd,
+        one each (``detach()``), ``returned`` what the region returned; storages
+        of ``besides`` aside."""
         use_count = getattr(torch._C, "_storage_Use_Count", None)
         if use_count is None:
             return {}, {}

@@ -52,9 +52,10 @@ leave no trace:
    ``__dict__``): the old ``torch.nn.utils.spectral_norm`` sets ``weight`` so
    in a forward pre-hook, which for the stage module itself runs before the
    stage, once per call (two forwards before one backward, a GAN's real and
-   fake: the recomputation of the first read the second's weight). Code that swaps them for the forward only
-   (``torch.func.functional_call``, an EMA or meta-learning copy) has put the
-   module's own back by the time the backward recomputes: the recomputation
+   fake: the recomputation of the first read the second's weight). Code that
+   swaps them for the forward only (``torch.func.functional_call``, an EMA
+   or meta-learning copy) has put the module's own back by the time the
+   backward recomputes: the recomputation
    puts the forward's in their place for its length (``ForwardTensors``), as
    ``functional_call`` itself does (not a tensor whose memory has been freed
    since: FSDP swaps in sharded parameters between its units' forward and
