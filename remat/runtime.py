@@ -93,7 +93,8 @@ def _handle(leaf):
     ``_let_go`` leaves whole."""
     if not leaf.requires_grad:
         return leaf
-    with torch.enable_grad():   # (recomputations run inside the engine, grad mode off)
+    # (recomputations run inside the engine, grad mode off, maybe in inference mode)
+    with torch.enable_grad(), _outside_inference():
         return leaf.view_as(leaf)
 
 
@@ -103,7 +104,8 @@ def _let_go(leaf):
     ``leaf`` lets go of its storage; what the stage kept of its input (the view
     ``_handle`` gave it, saved tensors, detached) keeps it as long as it must."""
     if leaf.requires_grad:
-        leaf.data = leaf.data.new_empty(0)
+        with _outside_inference():
+            leaf.data = leaf.data.new_empty(0)
 
 
 def _releasing():

@@ -333,13 +333,17 @@ def test_random_chain_budget_and_fault(chain, fraction, algorithm):
         _assert_equal(_step(plain, seed), _step(net, seed))
 
 
+@pytest.mark.parametrize("algorithm", ["optimal", "min_memory"])
 @pytest.mark.parametrize("measured", [False, True], ids=["measuring-call", "scheduled-call"])
-def test_backward_in_inference_mode(measured):
+def test_backward_in_inference_mode(measured, algorithm):
     """Plain PyTorch runs a backward under ``torch.inference_mode()``; so does a chain:
     its recomputations leave inference mode to record and to make tensors that have
     version counters (a raw "Inference tensors do not track version counter", or a
-    false RecomputeMismatchError, before)."""
-    plain, net = _pair()
+    false RecomputeMismatchError, before; and for a recording recomputation, whose
+    input's view was made in inference mode, now and then with the optimal
+    schedule, whose recomputations depend on the measured times: min_memory
+    recomputes every stage)."""
+    plain, net = _pair(algorithm=algorithm)
     if measured:
         _step(net, 9)
         _step(plain, 9)
