@@ -82,6 +82,7 @@ leave no trace:
 import contextlib
 import functools
 import itertools
+import operator
 import weakref
 
 import torch
@@ -109,25 +110,44 @@ class RngState:
             not torch.equal(torch.cuda.get_rng_state(d), s) for d, s in self.cuda) or any(
             not torch.equal(g.get_state(), s) for g, s in self.extra)
 
-    @contextlib.contextmanager
     def replayed(self):
         """Run the body with the captured streams, then put the current ones back."""
-        cpu_now = torch.get_rng_state()
-        cuda_now = [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda]
-        extra_now = [(g, g.get_state()) for g, _ in self.extra]
+        return _Replayed(self)
+
+    def enter(self):
+        """Set the captured streams; return the ones they replace (for ``leave``)."""
+        now = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d, _ in self.cuda],
+               [(g, g.get_state()) for g, _ in self.extra])
         torch.set_rng_state(self.cpu)
         for d, state in self.cuda:
             torch.cuda.set_rng_state(state, d)
         for g, state in self.extra:
             g.set_state(state)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(cpu_now)
-            for d, state in cuda_now:
-                torch.cuda.set_rng_state(state, d)
-            for g, state in extra_now:
-                g.set_state(state)
+        return now
+
+    @staticmethod
+    def leave(now):
+        """Put back the streams ``enter`` replaced."""
+        cpu, cuda, extra = now
+        torch.set_rng_state(cpu)
+        for d, state in cuda:
+            torch.cuda.set_rng_state(state, d)
+        for g, state in extra:
+            g.set_state(state)
+
+
+class _Replayed:
+    __slots__ = ("rng", "now")
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def __enter__(self):
+        self.now = self.rng.enter()
+
+    def __exit__(self, *exc):
+        RngState.leave(self.now)
+        return False
 
 
 def cuda_devices(tensors):
@@ -188,29 +208,60 @@ def _autocast_devices():
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-@contextlib.contextmanager
 def restore_tensors(tensors):
     """Run the body, then write back the values ``tensors`` had before it (Note 3)."""
-    tensors = list(tensors)
-    if not tensors:
-        yield
-        return
-    with torch.no_grad():
-        saved = [t.clone() for t in tensors]
-    # their version counters too: a run of a stage that leaves no trace must not make
-    # autograd (BatchNorm's backward saves its running statistics) or remat's own
-    # checks (Note 5) see its writes as a change
-    versions = [_preserve_version(t) for t in tensors]
+    return _Restored(list(tensors))
+
+
+class _Restored:
+    """The values and version counters of some tensors, to put back after a run.
+    The counters too: a run of a stage that leaves no trace must not make autograd
+    (BatchNorm's backward saves its running statistics) or remat's own checks
+    (Note 5) see its writes as a change."""
+
+    __slots__ = ("tensors", "values", "versions")
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.values = None
+
+    def __enter__(self):
+        tensors = self.tensors
+        if tensors:
+            with torch.no_grad():
+                self.values = [t.clone() for t in tensors]
+            self.versions = [t._version for t in tensors]
+        return self
+
+    def __exit__(self, *exc):
+        if self.values is not None:
+            with torch.no_grad():
+                _copy_all(self.tensors, self.values)
+            _set_versions(self.tensors, self.versions)
+        return False
+
+
+def _set_versions_each(tensors, versions):
+    for t, v in zip(tensors, versions):
+        torch._C._autograd._unsafe_set_version_counter(t, v)
+
+
+def _set_versions_all(tensors, versions):
+    torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+def _pick_set_versions():
+    """One call for all of a stage's tensors where this torch takes a tuple (2.6 and
+    later), one call each before."""
+    probe = torch.zeros(())
     try:
-        yield
-    finally:
-        with torch.no_grad():
-            _copy_all(tensors, saved)
-        for v in versions:
-            v.__exit__(None, None, None)
+        _set_versions_all([probe], [0])
+    except TypeError:
+        return _set_versions_each
+    return _set_versions_all
 
 
-_preserve_version = torch.autograd._unsafe_preserve_version_counter
+_set_versions = _pick_set_versions()
 
 
 def snapshot(tensors):
@@ -304,16 +355,18 @@ class ForwardTensors:
         versions = call.versions
         if versions is None:   # (measuring the stage's own forward: nothing to check yet)
             n = 0
-        swapped = None
-        for j, ((d, name), t) in enumerate(zip(slots, call.tensors)):
+        tensors = call.tensors
+        self.swapped = None
+        if all(map(operator.is_, take(slots), tensors)):   # (every tensor still in its slot)
+            if n and [-1 if t is None else t._version for t in tensors[:n]] != versions:
+                self._changed(n)
+            return self
+        swapped, changed = None, False
+        for j, ((d, name), t) in enumerate(zip(slots, tensors)):
             now = d.get(name, _GONE)
             if now is t or (t is None and now is _GONE):
                 if j < n and t is not None and t._version != versions[j]:
-                    raise StageError(
-                        f"remat: parameter {names[j]!r} of stage {call.index} ({call.name}) was modified in "
-                        f"place between the forward and the backward; remat recomputes the stage in the "
-                        f"backward from the values its forward used, and those are gone. Change parameters "
-                        f"after the backward (optimizer.step() after loss.backward()), or out of place")
+                    changed = True
                 continue
             if t is not None and t.layout == torch.strided and t.untyped_storage().nbytes() == 0 and t.numel():
                 continue   # its memory freed since: FSDP's resharding, which puts it back before B(i)
@@ -322,7 +375,24 @@ class ForwardTensors:
             swapped.append((d, name, now))
             d[name] = t
         self.swapped = swapped
+        if changed:
+            self.__exit__(None, None, None)
+            self.swapped = None
+            self._changed(n)
         return self
+
+    def _changed(self, n):
+        """Raise for the first of the first ``n`` tensors (parameters) still in its
+        slot whose version counter moved since the forward."""
+        call = self.call
+        slots, _, names = call.slots
+        for j, ((d, name), t) in enumerate(zip(slots[:n], call.tensors)):
+            if t is not None and d.get(name, _GONE) is t and t._version != call.versions[j]:
+                raise StageError(
+                    f"remat: parameter {names[j]!r} of stage {call.index} ({call.name}) was modified in "
+                    f"place between the forward and the backward; remat recomputes the stage in the "
+                    f"backward from the values its forward used, and those are gone. Change parameters "
+                    f"after the backward (optimizer.step() after loss.backward()), or out of place")
 
     def __exit__(self, *exc):
         if self.swapped:
@@ -348,37 +418,53 @@ class Replay:
     """Context: the RNG streams, autocast state and in-place state of one stage's
     call (a ``StageCall``) for a run of it again (the Note, 1-3)."""
 
-    __slots__ = ("call", "autocast", "_stack")
+    __slots__ = ("call", "autocast", "_tensors", "_rng", "_cast", "_state")
 
     def __init__(self, call, autocast):
         self.call = call
         self.autocast = call.autocast if call.autocast is not None else autocast
+        self._tensors = self._rng = self._cast = self._state = None
 
     def __enter__(self):
-        stack = contextlib.ExitStack()
         call = self.call
         try:
             if call.tensors is not None:   # first: it may raise before anything changed
-                stack.enter_context(ForwardTensors(call))
+                self._tensors = ForwardTensors(call).__enter__()
             if call.rng is not None:
-                stack.enter_context(call.rng.replayed())
+                self._rng = call.rng.enter()
             if self.autocast is not None and not self.autocast.current():
-                stack.enter_context(self.autocast.context())
+                cast = self.autocast.context()
+                cast.__enter__()
+                self._cast = cast
             if call.state:
-                stack.enter_context(restore_tensors(call.state))
+                self._state = _Restored(call.state).__enter__()
                 if call.before is not None:   # Note 3: start from the values the first forward found
                     pairs = [(t, b) for t, b in zip(call.state, call.before) if b is not None]
                     if pairs:
                         with torch.no_grad():
                             _copy_all([t for t, _ in pairs], [b for _, b in pairs])
         except BaseException:
-            stack.close()
+            self.__exit__(None, None, None)
             raise
-        self._stack = stack.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._stack.__exit__(*exc)
+        # in the reverse order of ``__enter__``, each undone even if one before raises
+        try:
+            if self._state is not None:
+                self._state.__exit__(None, None, None)
+        finally:
+            try:
+                if self._cast is not None:
+                    self._cast.__exit__(None, None, None)
+            finally:
+                try:
+                    if self._rng is not None:
+                        RngState.leave(self._rng)
+                finally:
+                    if self._tensors is not None:
+                        self._tensors.__exit__(None, None, None)
+        return False
 
 
 def check_saved(call, saved):
