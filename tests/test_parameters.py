@@ -175,6 +175,27 @@ def test_parameter_changed_in_place_before_the_backward_is_an_error(which):
     _next_call_exact(ref, net)
 
 
+def test_error_for_a_parameter_changed_in_place_leaves_the_slots_alone():
+    """The recomputation that finds ``l2.weight`` changed in place had already put the
+    forward's ``l1.weight`` (a ``functional_call`` tensor) in its slot: the error must
+    leave the module's own there."""
+    ref, net = _pair()
+    block = net.blocks[1]
+    own = block.l1.weight
+    for _ in range(2):   # measuring, then running the schedule
+        fast = {"blocks.1.l1.weight": (own * 1.5).detach().requires_grad_()}
+        torch.manual_seed(7)
+        loss = functional_call(net, fast, (torch.randn(4, 8, 16),)).square().mean()
+        with torch.no_grad():
+            block.l2.weight.add_(0.01)
+        with pytest.raises(remat.StageError, match=r"parameter 'l2\.weight' of stage 2 .*modified in place"):
+            loss.backward()
+        assert block.l1.weight is own
+        with torch.no_grad():
+            ref.blocks[1].l2.weight.add_(0.01)
+    _next_call_exact(ref, net)
+
+
 def test_side_input_changed_in_place_before_the_backward_is_an_error():
     ref, net = _pair()
     pos = torch.randn(8, 16)
