@@ -39,12 +39,13 @@ from .errors import RematError, StageError, not_handed_on
 from .measuring import StageMeasuring, shared_grad_transients
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
-from .replay import capture_autocast, capture_rng, cuda_devices, module_slots, take
-from .runtime import Run, replaying
+from .replay import capture_autocast, capture_rng, cuda_devices
 from .running import StageRunning
+from .runtime import Run, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 from .stage_call import StageCall
 from .stage_check import check_hooks_enabled, check_output, find_activation, handed_on, signature
+from .tensor_slots import module_slots, take
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 

@@ -54,10 +54,11 @@ from torch.utils._pytree import tree_leaves
 from .leaves import GradPool, Upstream, grad_side_inputs, stage_leaves
 from .meter import Instrument, storage_key
 from .profile import Timer, backward_again, instrumented_run, timed_step
-from .replay import Replay, capture_rng, cuda_devices, param_flags, restore_tensors, state_plan
+from .replay import Replay, capture_rng, cuda_devices, restore_tensors
 from .runtime import _Saved
 from .stage_call import first
 from .stage_check import check_output, input_signature, module_dicts, module_structure, signature
+from .tensor_slots import param_flags, state_plan
 from .units import format_bytes
 
 __all__ = ["StageMeasuring", "shared_grad_transients", "side_grads"]

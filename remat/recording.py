@@ -151,8 +151,8 @@ class Recording:
         self.generators = []  # per stage: its own torch.Generator objects (Note [Replaying a stage] 1)
         self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
         self.state = []       # per stage: tensors it writes in place, as slot indices or weak references
-        self.slots = []       # per stage: where its module's parameters and buffers live (replay.module_slots)
-        self.grads = []       # per stage: dtype and requires_grad of those parameters (replay.param_flags)
+        self.slots = []       # per stage: where its module's parameters and buffers live (tensor_slots.module_slots)
+        self.grads = []       # per stage: dtype and requires_grad of those parameters (tensor_slots.param_flags)
         self.autocasts = []   # per stage: the autocast state it ran in
         self.reads_state = []  # per stage: its result may depend on their values (Instrument.reads_state)
         self.rows = []        # per stage: dict of cost fields

@@ -13,10 +13,11 @@ import torch
 
 from .costs_source import rows_of
 from .recording import Recording
-from .replay import capture_rng, cuda_devices, param_flags, resolve_state, snapshot, take
+from .replay import capture_rng, cuda_devices, snapshot
 from .runtime import FALL, FCK
 from .stage_call import first
 from .stage_check import same_structure, signature_matches
+from .tensor_slots import param_flags, resolve_state, take
 
 __all__ = ["StageRunning"]
 

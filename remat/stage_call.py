@@ -13,7 +13,7 @@ import torch.nn.utils.parametrize as _parametrize
 
 from .dynamo import STANCES
 from .errors import StageError
-from .replay import NO_SLOTS
+from .tensor_slots import NO_SLOTS
 
 __all__ = ["StageCall", "first"]
 
@@ -50,7 +50,7 @@ class StageCall:
         self.versions = None    # the parameters' version counters after its forward
         self.side = ()          # (tensor, version after its forward) of each tensor side input
         self.autocast = None    # the autocast state it ran in (Note [Replaying a stage] 2)
-        self.flags = None       # its parameters' dtype and requires_grad as it ran (replay.param_flags)
+        self.flags = None       # its parameters' dtype and requires_grad as it ran (tensor_slots.param_flags)
         self.count = None       # how many tensors its forward saved, where ``meta`` (recorded) is not it
         # the parametrization cache as its forward found it (Note [Replaying a stage] 6)
         self.pcache = dict(_parametrize._cache) if _parametrize._cache_enabled else None
