@@ -290,7 +290,7 @@ class Recording:
         data = self.costs.to_dict()
         data["fwd_time"] = [combine([f[i] for f, _, _ in samples]) for i in range(n)]
         data["bwd_time"] = [combine([b[i] for _, b, _ in samples]) for i in range(n)]
-        # (3 of the Note: a forward without recording does no more than one with it)
+        # (4 of the Note: a forward without recording does no more than one with it)
         data["fwd_nograd_time"] = [
             nograd.get(k, data["fwd_time"][k - 1] if self.grad_replay[k - 1] else min(t, data["fwd_time"][k - 1]))
             for k, t in enumerate(data["fwd_nograd_time"], 1)]

@@ -430,6 +430,15 @@ class Run:
 
     def _record(self, k, x):
         """Fall(k): recompute stage k recording, collect what autograd saves."""
+        clock = self.clock
+        if clock is None:
+            self._recorded(k, x)
+            return
+        t0 = time.perf_counter()
+        self._recorded(k, x)
+        clock.recorded(k, time.perf_counter() - t0)
+
+    def _recorded(self, k, x):
         call = self.calls[k]
         saved = []
         made = []   # as saved, for a stage that backwards its own graph inside its forward

@@ -295,14 +295,18 @@ def measure_all(base, spec, methods, steps, device, bar=None, probe=None):
     return [t.result() for t in trials], [t.schedule for t in trials]
 
 
-def measure_costs(base, spec, step, device):
+def measure_costs(base, spec, step, device, budget=None):
     """The costs remat measures on a fresh copy of ``base`` in a first call, times refined
-    by the next two (remat/refine.py), as they are written to the costs file."""
+    by the next two (remat/refine.py), as they are written to the costs file: with
+    ``budget``, the costs a job running the optimal schedule for it would get (the
+    refining calls run that schedule: remat's work as it runs it is in the times),
+    else those of store-all."""
     model = copy.deepcopy(base)
+    method = ("remat", (2**50, "store_all") if budget is None else (budget, "optimal"))
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "costs.json")
         for _ in range(1 + SAMPLES):
-            run_step(model, spec, ("remat", (2**50, "store_all", path)), spec[1](step, device), Clock(None, device))
+            run_step(model, spec, (method[0], method[1] + (path,)), spec[1](step, device), Clock(None, device))
         return Costs.load(path)
 
 

@@ -238,3 +238,36 @@ def test_stamped_times_hold_remat_own_work(monkeypatch):
     assert all(t >= slow_check for t in costs.fwd_time), costs.fwd_time
     assert costs.fwd_time[-1] >= slow_check + slow_end, costs.fwd_time
     assert all(t < slow_check + slow_end for t in costs.fwd_time[:-1]), costs.fwd_time
+
+
+def test_recording_recomputations_count_in_the_forward_time(monkeypatch):
+    """A recomputation that records pays remat's work around the stage (replay,
+    pack hooks, the determinism guard: slowed here): a stage's refined forward time
+    is the mean of that run and its forward-phase run, so that the schedule that
+    ran both is charged their sum (Note [Timing the second call], 3)."""
+    import remat.runtime as runtime
+
+    remat.clear_cache()
+    call = _sleepy_chain(0.0, 0.0)
+    least = minimum_budget(call(2**50, backward=False).costs)
+    remat.clear_cache()
+    call(least)   # measuring
+    slow = 0.02
+    check = runtime.check_saved
+
+    def slow_check(*args):
+        time.sleep(slow)
+        return check(*args)
+
+    monkeypatch.setattr(runtime, "check_saved", slow_check)
+    second = call(least)
+    ops = second.schedule.ops
+    recorded = {op.stage for op in ops[ops.index(remat.Loss):] if isinstance(op, remat.Fall)}
+    whole = {op.stage for op in ops[:ops.index(remat.Loss)] if isinstance(op, remat.Fall)}
+    assert recorded and whole and not recorded & whole, ops
+    call(least)
+    costs = call(least).costs
+    for k in recorded:
+        assert slow / 2 <= costs.fwd_time[k - 1] < slow, (k, costs.fwd_time)
+    for k in whole:
+        assert costs.fwd_time[k - 1] < slow / 4, (k, costs.fwd_time)
