@@ -1,6 +1,7 @@
 """Command line: ``python -m remat demo | explain | bench``."""
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -13,10 +14,25 @@ def main(argv=None):
     (exit status 2), not a traceback."""
     try:
         return _main(argv)
-    except ValueError as exc:   # (BudgetError and CostsError are ValueErrors)
+    except (ValueError, OSError) as exc:   # (BudgetError and CostsError are ValueErrors)
         text = str(exc)
         print(text if text.startswith("remat") else f"remat: {text}", file=sys.stderr)
         return 2
+
+
+def _device(parser, text):
+    """``--device`` as a torch.device, or a usage error that says what is wrong."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device {text!r} is not a device; use cpu or cuda (cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {text}: this torch build has no usable CUDA (torch.cuda.is_available() is False)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {text}: remat's demo and benchmarks run on cpu or cuda")
+    return device
 
 
 def _main(argv=None):
@@ -44,19 +60,30 @@ def _main(argv=None):
     bench.add_argument("--out", metavar="DIR", help="write <model>-<device>.json, .md and .png there")
 
     args = parser.parse_args(argv)
+    device = _device(parser, args.device)
+    if args.command in ("demo", "explain"):
+        from .demo import parse_demo_budget
+
+        parse_demo_budget(args.budget)   # (a malformed budget is said before measuring)
     if args.command == "bench":
         from .bench import MODELS, write_bench
 
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
-        write_bench(args.model, args.device, args.steps, args.budgets, args.out)
+        if args.budgets < 2:
+            parser.error("--budgets must be at least 2 (the sweep runs from the minimum to store-all)")
+        if args.steps < 1:
+            parser.error("--steps must be at least 1")
+        write_bench(args.model, device, args.steps, args.budgets, args.out)
         return 0
     if args.command == "explain":
         from .demo import MODELS, explain_model
 
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
-        explain_model(args.model, args.budget, args.device, args.plot)
+        if args.plot is not None:   # (before measuring: the folder is checked first)
+            os.makedirs(args.plot, exist_ok=True)
+        explain_model(args.model, args.budget, device, args.plot)
         return 0
     if args.command == "demo":
         from .demo import MODELS, run_demo
@@ -65,7 +92,7 @@ def _main(argv=None):
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
         if args.steps < 2:
             parser.error("--steps must be at least 2 (the first step is a warm-up)")
-        run_demo(args.model, args.budget, args.device, args.steps, progress=not args.no_progress)
+        run_demo(args.model, args.budget, device, args.steps, progress=not args.no_progress)
     return 0
 
 

@@ -13,8 +13,10 @@ from the cached costs; a new key measures. While running, each stage is
 checked against the recording (same stage object, input shape, side inputs
 by signature, training flags of its module and submodules, autocast state,
 parameters' dtypes and requires_grad): if the chain takes another path, the
-rest of it is measured again and the recording replaced. At most ``CACHE_SIZE`` keys are kept (least recently
-used first out).
+rest of it is measured again and the recording replaced (a path changing from
+call to call is measured on every call: warned of, remat/running.py
+``_path_changed``). At most ``CACHE_SIZE`` keys are kept (least recently used
+first out).
 """
 
 import collections
@@ -162,6 +164,23 @@ class chain:
 
 _warned_transforms = []
 _warned_sizes = set()   # costs files whose input size differed from a call's (warned once each)
+_warned_empty = set()   # chain sites warned of by ``_no_stage``
+
+
+def _no_stage(spec, site):
+    """Warn, once per chain site, that a chain called under grad mode saw no stage call."""
+    if site in _warned_empty:
+        return
+    _warned_empty.add(site)
+    code, line = site
+    if hasattr(code, "co_filename"):   # (a decorated function's chain: line 0, its first line)
+        where = f"{code.co_filename}:{line or code.co_firstlineno}"
+    else:
+        where = repr(code)
+    hint = getattr(spec, "empty_hint", None) or (
+        "mark the blocks with remat.stage and call them inside the `with remat.chain(...)` block")
+    warnings.warn(f"remat: the chain at {where} ran no stage, so nothing in it is under its budget; {hint}",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _hooks_between(before, after):
@@ -202,6 +221,7 @@ class _Active(StageMeasuring, StageRunning):
         self.spec = spec
         self.site = site
         self.k = 0
+        self.called = False     # a stage was called inside the chain (recorded or not)
         self.prev = None
         self.prev_version = 0
         self.prev_name = None
@@ -236,6 +256,7 @@ class _Active(StageMeasuring, StageRunning):
     # stage calls ---------------------------------------------------------
 
     def call(self, ident, name, fn, args, kwargs, start):
+        self.called = True
         if self.in_stage or replaying():
             return fn(*args, **kwargs)
         if not torch.is_grad_enabled():
@@ -378,6 +399,8 @@ class _Active(StageMeasuring, StageRunning):
 
     def finish(self):
         if self.k == 0:
+            if not self.called and torch.is_grad_enabled():
+                _no_stage(self.spec, self.site)
             return
         if self.mode == "run":
             t0 = time.perf_counter()

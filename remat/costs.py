@@ -3,8 +3,10 @@
 Stage i (1..L) is at index i-1 of every list. Times are seconds, sizes bytes.
 """
 
+import collections.abc
 import json
 import math
+import numbers
 from dataclasses import MISSING, dataclass, fields
 
 from .errors import CostsError
@@ -74,10 +76,7 @@ class Costs:
         length = None
         for name in _TIMES + _SIZES:
             raw = getattr(self, name)
-            try:
-                values = tuple(raw)
-            except TypeError:
-                raise CostsError(f"remat: Costs.{name} must be a list, got {type(raw).__name__}") from None
+            values = _entries(name, raw)
             if length is None:
                 length = len(values)
             elif len(values) != length:
@@ -101,10 +100,7 @@ class Costs:
             if raw is None:
                 object.__setattr__(self, name, (0,) * length)
                 continue
-            try:
-                values = tuple(raw)
-            except TypeError:
-                raise CostsError(f"remat: Costs.{name} must be a list, got {type(raw).__name__}") from None
+            values = _entries(name, raw)
             if len(values) != length:
                 raise CostsError(f"remat: Costs.{name} has {len(values)} entries but fwd_time has {length}; "
                                  f"every per-stage list needs one entry per stage")
@@ -131,6 +127,8 @@ class Costs:
     @classmethod
     def uniform(cls, length, time=1.0, size=1, saved=None, nograd_time=None):
         """A chain of ``length`` identical stages (handy in examples and tests)."""
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 0:
+            raise CostsError(f"remat: Costs.uniform needs a number of stages (an int >= 0), got {length!r}")
         saved = size if saved is None else saved
         nograd_time = time if nograd_time is None else nograd_time
         return cls(
@@ -201,16 +199,35 @@ def _where(name, i):
     return f"Costs.{name}" if i is None else f"Costs.{name}[{i}] (stage {i + 1})"
 
 
+def _entries(name, raw):
+    """A per-stage field as a tuple: from a list, a tuple or another sequence of
+    numbers (a NumPy array), not from a mapping, a set or a string."""
+    if isinstance(raw, (str, bytes, collections.abc.Mapping, collections.abc.Set)):
+        raise CostsError(f"remat: Costs.{name} must be a list with one entry per stage, got {type(raw).__name__}")
+    try:
+        return tuple(raw)
+    except TypeError:
+        raise CostsError(f"remat: Costs.{name} must be a list with one entry per stage, "
+                         f"got {type(raw).__name__}") from None
+
+
+MAX_SECONDS = 1e18   # (the solver's bound: its sums of times stay finite)
+
+
 def _check_time(name, i, v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise CostsError(f"remat: {_where(name, i)} must be a number of seconds, got {v!r}")
     v = float(v)
     if not math.isfinite(v) or v < 0:
         raise CostsError(f"remat: {_where(name, i)} is {v}; times must be finite and non-negative")
+    if v > MAX_SECONDS:
+        raise CostsError(f"remat: {_where(name, i)} is {v} seconds, beyond any real run; check the unit")
     return v
 
 
 def _check_size(name, i, v, least=0):
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        v = int(v)   # (a NumPy integer)
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer() and v >= least:
             v = int(v)

@@ -8,6 +8,8 @@ on a last, untimed step. Step time is the median over the timed steps, after
 one warm-up (remat's first, measuring call is reported on its own).
 """
 
+import math
+
 import torch
 
 from .errors import BudgetError
@@ -27,21 +29,37 @@ MODELS = {
 }
 
 
+def parse_demo_budget(text):
+    """A demo budget's text as ("share", fraction of storing everything) or
+    ("bytes", n); a malformed one raises ``BudgetError`` (before anything is measured)."""
+    text = str(text).strip()
+    if not text.endswith("%"):
+        return "bytes", parse_bytes(text)
+    try:
+        share = float(text[:-1])
+    except ValueError:
+        share = math.nan
+    if not 0 < share < math.inf:
+        raise BudgetError(f"remat: a budget of {text!r}: a share of storing everything is a positive "
+                          f"number of percent, e.g. 40%")
+    return "share", share / 100
+
+
 def resolve_demo_budget(text, costs):
     """Bytes for a demo budget: a size ("6MiB"), or a share of storing everything ("50%")."""
+    kind, value = parse_demo_budget(text)
+    if kind == "bytes":
+        return value
     full = simulate(costs, store_all(costs.length)).peak
     least = minimum_budget(costs)
-    text = str(text).strip()
-    if text.endswith("%"):
-        budget = int(float(text[:-1]) / 100 * full)
-        if budget < least:
-            raise BudgetError(
-                f"remat: a budget of {text} of storing everything ({format_bytes(full)}) is "
-                f"{format_bytes(budget)}, below this chain's minimum of {format_bytes(least)} "
-                f"({100 * least / full:.0f}%); ask for more"
-            )
-        return budget
-    return parse_bytes(text)
+    budget = int(value * full)
+    if budget < least:
+        raise BudgetError(
+            f"remat: a budget of {str(text).strip()} of storing everything ({format_bytes(full)}) is "
+            f"{format_bytes(budget)}, below this chain's minimum of {format_bytes(least)} "
+            f"({100 * least / full:.0f}%); ask for more"
+        )
+    return budget
 
 
 def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progress=True):

@@ -22,6 +22,9 @@ from .tensor_slots import param_flags, resolve_state, take
 __all__ = ["StageRunning"]
 
 _warned_writes = set()   # names of stages warned of by ``_new_writes``
+_warned_paths = set()    # chain sites warned of by ``_path_changed``
+_path_changes = {}       # chain key -> calls in a row that left its recorded path
+PATH_CHANGES = 3         # such calls before the warning
 
 
 class StageRunning:
@@ -61,10 +64,29 @@ class StageRunning:
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)
         new.input_bytes = old.input_bytes
+        self._path_changed()
         self.new = new
         self.mode = "measure"
         self.run.ops = None
         self.diverged = k
+
+    def _path_changed(self):
+        """This call left the recorded path (another stage, or fewer): after
+        ``PATH_CHANGES`` such calls in a row, warn once per chain site that the
+        budget is not kept (each measures again)."""
+        if len(_path_changes) > 1000:
+            _path_changes.clear()
+        n = _path_changes[self.key] = _path_changes.get(self.key, 0) + 1
+        if n == PATH_CHANGES and self.site not in _warned_paths:
+            _warned_paths.add(self.site)
+            code, line = self.site
+            where = f"{code.co_filename}:{line or code.co_firstlineno}" if hasattr(code, "co_filename") else repr(code)
+            warnings.warn(
+                f"remat: the chain at {where} took another path of stages than its recording on "
+                f"{PATH_CHANGES} calls in a row (stages skipped, added or reordered from call to call, as "
+                f"LayerDrop does); each such call measures the rest of the chain again, keeping every "
+                f"stage's input, over the budget. remat keeps the budget on a path it has measured and "
+                f"runs again (docs/limitations.md)", RuntimeWarning, stacklevel=5)
 
     def _run_stage(self, call, x):
         tensors = call.tensors
@@ -157,9 +179,11 @@ class StageRunning:
         recording)."""
         if self.k != len(self.entry.idents):
             self.run.ops = None
+            self._path_changed()
             return True
         if self.stale:
             return True
+        _path_changes.pop(self.key, None)
         self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
         return False
 

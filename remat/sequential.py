@@ -218,7 +218,7 @@ class Sequential(nn.Sequential):
         with spec:    # the one chain site of every Sequential (Note [Chain keys] in remat/chain.py)
             for s in stages:
                 x = s(x)
-        self._explanation = explain()
+        self._explanation = explain() if stages else None   # (no stage: no chain ran, explain() is another's)
         return x
 
     def measure(self, sample):
@@ -257,6 +257,10 @@ class Sequential(nn.Sequential):
                     b.copy_(old)
             for p, g in grads:
                 p.grad = g
+        if self._explanation is None:
+            raise RematError(
+                "remat: this Sequential has no stage to measure: it is empty or all its layers work in "
+                "place (each joins the stage before it); give it a layer that computes a new tensor")
         return self._explanation.costs
 
     def solve(self, budget=None):

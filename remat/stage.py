@@ -24,6 +24,7 @@ remat/dynamo.py.
 import functools
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -119,6 +120,11 @@ def stage(obj):
         >>> Block()(torch.randn(2, 8)).shape
         torch.Size([2, 8])
     """
+    if isinstance(obj, _SCRIPTED):
+        raise TypeError(
+            f"remat.stage cannot mark TorchScript code ({type(obj).__name__}, from torch.jit.script or "
+            f"torch.jit.trace): remat measures and replays a stage through its Python code. Mark the "
+            f"eager module or function instead")
     if isinstance(obj, torch.nn.Module):
         inner = obj.__dict__.get("forward")
         if isinstance(inner, _StageForward):
@@ -127,11 +133,31 @@ def stage(obj):
             return obj
         obj.forward = _StageForward(obj, inner)
         return obj
+    if isinstance(obj, (staticmethod, classmethod)):   # (@remat.stage above @staticmethod)
+        return type(obj)(stage(obj.__func__))
+    if isinstance(obj, type):
+        raise TypeError(
+            f"remat.stage marks a function, a method or a module instance, not the class {obj.__name__}: "
+            f"decorate its forward (@remat.stage above def forward) or mark an instance "
+            f"(remat.stage({obj.__name__}(...)))")
     if not callable(obj):
         raise TypeError(f"remat.stage needs a function, a method or an nn.Module, got {type(obj).__name__}")
     if getattr(obj, "_remat_stage", False):
         return obj
+    try:
+        weakref.ref(obj)
+    except TypeError:   # (a builtin, torch.Tensor.exp: the stage's identity is a Python function)
+        fn = obj
+
+        def obj(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        functools.update_wrapper(obj, fn)
     return _StageFunction(obj)
+
+
+_SCRIPTED = tuple(getattr(torch.jit, name) for name in ("ScriptModule", "ScriptFunction")
+                  if isinstance(getattr(torch.jit, name, None), type))
 
 
 class _StageFunction:

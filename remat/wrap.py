@@ -173,7 +173,11 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             else "is_gradient_checkpointing")
     if getattr(model, flag, False) is True:
         raise _checkpointing_on(type(model).__name__)
-    blocks = list(blocks)
+    try:
+        blocks = list(blocks)
+    except TypeError:
+        raise TypeError(f"remat.wrap needs an iterable of blocks, e.g. model.layers, got "
+                        f"{type(blocks).__name__}") from None
     if not blocks:
         raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
     inside = {id(m) for m in model.modules()}
@@ -187,6 +191,10 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             )
         if block is model:
             raise ValueError("remat.wrap: the model cannot be one of its own blocks")
+        if isinstance(block, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            raise TypeError(
+                f"remat.wrap: block {i} is a {type(block).__name__}, a container that is never called; "
+                f"pass its blocks themselves (remat.wrap(model, model.layers), not [model.layers])")
         fwd = block.__dict__.get("forward")
         if fwd is not None and not is_stage(block):
             raise StageError(
@@ -195,6 +203,8 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
                 f"replace it. Remove those hooks, or mark the block's class forward with remat.stage"
             )
     spec = chain(budget=budget, algorithm=algorithm, slots=slots, costs=costs)
+    spec.empty_hint = (f"remat.wrap: the forward of this {type(model).__name__} called none of the "
+                       f"{len(blocks)} blocks given; pass the blocks it calls, e.g. model.transformer.h")
     marked, seen = [], set()
     for block in blocks:
         if id(block) in seen:

@@ -5,6 +5,9 @@ import io
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from remat.demo import run_demo
 
 
@@ -38,3 +41,34 @@ def test_command_line_bad_budget_is_one_line():
             assert main(["explain", "--model", "gpt-tiny", "--budget", budget]) == 2
         assert says in err.getvalue() and "Traceback" not in err.getvalue()
         assert err.getvalue().count("\n") == 1
+
+
+def test_command_line_bad_flags_are_one_line(tmp_path):
+    """Malformed shares, devices, sweep sizes and plot folders are refused in one line
+    before anything is measured (usage errors exit 2 through argparse)."""
+    from remat.__main__ import main
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    cases = [
+        (["demo", "--budget", "inf%"], "a share of storing everything is a positive number of percent"),
+        (["demo", "--budget", "nan%"], "a share of storing everything is a positive number of percent"),
+        (["explain", "--budget", "x%"], "a share of storing everything is a positive number of percent"),
+        (["demo", "--device", "nope"], "--device 'nope' is not a device"),
+        (["explain", "--plot", str(blocked / "sub")], "Not a directory"),
+        (["bench", "--model", "tiny", "--budgets", "1"], "--budgets must be at least 2"),
+        (["bench", "--model", "tiny", "--steps", "0"], "--steps must be at least 1"),
+    ]
+    for argv, says in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                code = main(argv[:1] + ["--model", "gpt-tiny"] * (argv[0] != "bench") + argv[1:])
+            except SystemExit as exc:   # (argparse's usage errors)
+                code = exc.code
+        assert code == 2, argv
+        assert says in err.getvalue() and "Traceback" not in err.getvalue(), (argv, err.getvalue())
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+            main(["demo", "--device", "cuda"])
+        assert "no usable CUDA" in err.getvalue()

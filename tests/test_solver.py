@@ -268,6 +268,26 @@ def test_costs_errors_name_field_and_stage():
         _c_solver._check_costs(types.SimpleNamespace(**{**good, "bwd_tmp": [0, -2, 0], "length": 3}))
 
 
+def test_costs_take_sequences_of_numbers_only():
+    """NumPy-like numbers and sequences are taken as the numbers they are; a mapping
+    (whose keys a tuple() would take), a set or a string is refused, as are times
+    beyond the solver's bound and a stage count that is no int."""
+    good = Costs.uniform(3, size=32).to_dict()
+    import numpy as np   # (transformers, a test dependency, needs it)
+
+    costs = Costs(**{**good, "out_bytes": np.array([32, 32, 32]), "fwd_time": np.full(3, 0.5, np.float32)})
+    assert costs.out_bytes == (32, 32, 32) and type(costs.out_bytes[0]) is int
+    assert costs.fwd_time == (0.5, 0.5, 0.5) and type(costs.fwd_time[0]) is float
+    for bad in ({5.0: "a", 6.0: "b", 7.0: "c"}, {1.0, 2.0, 3.0}, "123"):
+        with pytest.raises(CostsError, match="fwd_time must be a list with one entry per stage"):
+            Costs(**{**good, "fwd_time": bad})
+    with pytest.raises(CostsError, match=r"fwd_time\[0\] \(stage 1\) is 1e\+300 seconds, beyond any real run"):
+        Costs(**{**good, "fwd_time": [1e300, 1.0, 1.0]})
+    for length in (3.5, -1, True):
+        with pytest.raises(CostsError, match="Costs.uniform needs a number of stages"):
+            Costs.uniform(length)
+
+
 def test_forward_drops_are_checked_and_optional(tmp_path):
     """fwd_drop is at most out_bytes and 0 for the last stage, fwd_drop_whole 0 or
     fwd_drop; both default to nothing dropped, and a costs file from before them loads."""
@@ -306,9 +326,13 @@ def test_held_bytes_come_off_the_budget(seed):
 
 
 def test_solver_rejects_absurd_time_naming_stage():
-    """A time Costs accepts but the solver cannot (above 1e18 s) raises SolverError naming the stage."""
+    """A time above 1e18 s, which Costs refuses too, raises SolverError naming the stage
+    in the solver's own check (for costs that did not come through Costs)."""
     c = Costs.uniform(3).to_dict()
-    costs = Costs(**{**c, "bwd_time": [1.0, 1.0, 1e30]})
+    with pytest.raises(CostsError, match=r"bwd_time\[2\] \(stage 3\) is 1e\+30 seconds"):
+        Costs(**{**c, "bwd_time": [1.0, 1.0, 1e30]})
+    costs = Costs(**c)
+    object.__setattr__(costs, "bwd_time", (1.0, 1.0, 1e30))
     with pytest.raises(SolverError, match=r"bwd_time\[2\] \(stage 3\)"):
         _c_solver.optimal(costs, 100, 10)
 
