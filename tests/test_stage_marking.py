@@ -44,6 +44,20 @@ def test_static_method_stage():
     _grads_equal(Ops().act)
 
 
+def test_class_method_stage():
+    class Ops:
+        scale = 2.0
+
+        @remat.stage
+        @classmethod
+        def act(cls, x):
+            return torch.tanh(x) * cls.scale
+
+    assert isinstance(Ops.__dict__["act"], classmethod)
+    _grads_equal(Ops.act)
+    _grads_equal(Ops().act)
+
+
 def test_builtin_stage():
     """A builtin cannot be weakly referenced (a chain's recording keys its stages so):
     remat.stage wraps it in a function."""
