@@ -215,6 +215,9 @@ class Sequential(nn.Sequential):
             x = layer(x)
         if isinstance(x, torch.Tensor):
             self._device = x.device
+        if not stages:
+            spec.empty_hint = ("this remat.Sequential has no stage: it is empty or all its layers work in place "
+                               "(each joins the stage before it)")
         with spec:    # the one chain site of every Sequential (Note [Chain keys] in remat/chain.py)
             for s in stages:
                 x = s(x)

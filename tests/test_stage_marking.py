@@ -146,7 +146,8 @@ def test_empty_sequential_measures_nothing():
     other = remat.Sequential(*[nn.Linear(16, 16) for _ in range(3)], budget="1MiB")
     other(torch.randn(2, 16, requires_grad=True)).sum().backward()
     seq = remat.Sequential(nn.ReLU(inplace=True), budget="1MiB")
-    with pytest.raises(remat.RematError, match="no stage to measure: it is empty or all its layers work in place"):
+    with pytest.raises(remat.RematError, match="no stage to measure: it is empty or all its layers work in place"), \
+            pytest.warns(RuntimeWarning, match="ran no stage.*this remat.Sequential has no stage"):
         seq.measure(torch.randn(2, 16))
     with pytest.raises(remat.RematError, match="has measured nothing yet"):
         seq.solve()
