@@ -42,7 +42,7 @@ from .measuring import StageMeasuring, shared_grad_transients
 from .recording import Explanation, Recording, _last, explain
 from .refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices
-from .running import StageRunning
+from .running import StageRunning, site_text
 from .runtime import Run, replaying
 from .solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 from .stage_call import StageCall
@@ -172,14 +172,9 @@ def _no_stage(spec, site):
     if site in _warned_empty:
         return
     _warned_empty.add(site)
-    code, line = site
-    if hasattr(code, "co_filename"):   # (a decorated function's chain: line 0, its first line)
-        where = f"{code.co_filename}:{line or code.co_firstlineno}"
-    else:
-        where = repr(code)
     hint = getattr(spec, "empty_hint", None) or (
         "mark the blocks with remat.stage and call them inside the `with remat.chain(...)` block")
-    warnings.warn(f"remat: the chain at {where} ran no stage, so nothing in it is under its budget; {hint}",
+    warnings.warn(f"remat: the chain at {site_text(site)} ran no stage, so nothing in it is under its budget; {hint}",
                   RuntimeWarning, stacklevel=4)
 
 

@@ -19,12 +19,21 @@ from .stage_call import first
 from .stage_check import same_structure, signature_matches
 from .tensor_slots import param_flags, resolve_state, take
 
-__all__ = ["StageRunning"]
+__all__ = ["StageRunning", "site_text"]
 
 _warned_writes = set()   # names of stages warned of by ``_new_writes``
 _warned_paths = set()    # chain sites warned of by ``_path_changed``
 _path_changes = {}       # chain key -> calls in a row that left its recorded path
 PATH_CHANGES = 3         # such calls before the warning
+
+
+def site_text(site):
+    """``file:line`` of a chain's site (Note [Chain keys]): the ``with`` line, or a
+    decorated function's first line."""
+    code, line = site
+    if not hasattr(code, "co_filename"):
+        return repr(code)
+    return f"{code.co_filename}:{line or code.co_firstlineno}"
 
 
 class StageRunning:
@@ -79,10 +88,8 @@ class StageRunning:
         n = _path_changes[self.key] = _path_changes.get(self.key, 0) + 1
         if n == PATH_CHANGES and self.site not in _warned_paths:
             _warned_paths.add(self.site)
-            code, line = self.site
-            where = f"{code.co_filename}:{line or code.co_firstlineno}" if hasattr(code, "co_filename") else repr(code)
             warnings.warn(
-                f"remat: the chain at {where} took another path of stages than its recording on "
+                f"remat: the chain at {site_text(self.site)} took another path of stages than its recording on "
                 f"{PATH_CHANGES} calls in a row (stages skipped, added or reordered from call to call, as "
                 f"LayerDrop does); each such call measures the rest of the chain again, keeping every "
                 f"stage's input, over the budget. remat keeps the budget on a path it has measured and "

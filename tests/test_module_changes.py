@@ -1,7 +1,8 @@
 """A stage module changed between calls of a chain, in ways the recording cannot
 show by its key: it starts drawing random numbers, a submodule is replaced, a
 buffer is registered, parameters are pruned to another shape. Each call after
-the change is plain PyTorch's, at a budget that recomputes."""
+the change is plain PyTorch's, at a budget that recomputes. Also a chain whose
+path of stages changes from call to call (LayerDrop), which is warned of."""
 
 import copy
 
@@ -101,3 +102,60 @@ def test_a_stage_changed_between_calls_stays_exact(change):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
         for a, b in zip(plain.buffers(), blocks.buffers()):
             assert torch.equal(a, b), step
+
+
+class _Skipping(nn.Module):
+    """Five stages; ``skip`` leaves one out (LayerDrop, an optional block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(remat.stage(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)))
+                                    for _ in range(5))
+        self.budget = None
+
+    def forward(self, x, skip=None):
+        blocks = [b for i, b in enumerate(self.blocks) if i != skip]
+        if self.budget is None:
+            return nn.Sequential(*blocks)(x)
+        with remat.chain(budget=self.budget):
+            for block in blocks:
+                x = block(x)
+        return x
+
+
+def test_a_path_changing_from_call_to_call_is_warned_of():
+    """Stages skipped from call to call: each call off the recorded path measures the
+    rest again (exact, but over the budget), which a warning says once the path has
+    changed ``PATH_CHANGES`` calls in a row; a path that changes once and stays does not."""
+    import warnings
+
+    from remat.running import PATH_CHANGES
+
+    torch.manual_seed(0)
+    net = _Skipping()
+    x = torch.randn(8, 16)
+    net.budget = 2**40
+    net(x).sum().backward()
+    net.budget = minimum_budget(remat.explain().costs)
+    remat.clear_cache()
+    ref = copy.deepcopy(net)
+    ref.budget = None
+
+    def step(skip):
+        for model in (ref, net):
+            model.zero_grad()
+            model(x, skip).square().mean().backward()
+        assert all((a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+                   for a, b in zip(ref.parameters(), net.parameters()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for skip in (None, 2, 2, 2, 2):   # one change, then the same path
+            step(skip)
+    for i in range(PATH_CHANGES - 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step((None, 3)[i % 2])
+    with pytest.warns(RuntimeWarning, match=rf"took another path of stages than its recording on {PATH_CHANGES} "
+                                            r"calls in a row .*LayerDrop"):
+        step((None, 3)[(PATH_CHANGES - 1) % 2])

@@ -6,7 +6,6 @@ import random
 import shutil
 import subprocess
 import sys
-import types
 
 import pytest
 from hypothesis import given, strategies as st
@@ -251,61 +250,6 @@ def test_least_memory_is_least():
         assert simulate(costs, ops).peak <= least
         assert reference_optimal(costs, least, 1)[0] < math.inf
         assert reference_optimal(costs, least - 1, 1)[0] == math.inf
-
-
-def test_costs_errors_name_field_and_stage():
-    """Costs validation names the field and the 1-based stage."""
-    good = Costs.uniform(3).to_dict()
-    with pytest.raises(CostsError, match=r"fwd_time\[1\] \(stage 2\)"):
-        Costs(**{**good, "fwd_time": [1.0, float("nan"), 1.0]})
-    with pytest.raises(CostsError, match=r"saved_bytes\[2\] \(stage 3\)"):
-        Costs(**{**good, "saved_bytes": [1, 1, -4]})
-    # a backward may give back its stage's output (bwd_tmp down to -out_bytes), no more
-    assert Costs(**{**good, "bwd_tmp": [-1, 0, -1]}).bwd_tmp == (-1, 0, -1)
-    with pytest.raises(CostsError, match=r"bwd_tmp\[0\] \(stage 1\) is -2; it may give back"):
-        Costs(**{**good, "bwd_tmp": [-2, 0, 0]})
-    with pytest.raises(SolverError, match=r"bwd_tmp\[1\] \(stage 2\)"):
-        _c_solver._check_costs(types.SimpleNamespace(**{**good, "bwd_tmp": [0, -2, 0], "length": 3}))
-
-
-def test_costs_take_sequences_of_numbers_only():
-    """NumPy-like numbers and sequences are taken as the numbers they are; a mapping
-    (whose keys a tuple() would take), a set or a string is refused, as are times
-    beyond the solver's bound and a stage count that is no int."""
-    good = Costs.uniform(3, size=32).to_dict()
-    import numpy as np   # (transformers, a test dependency, needs it)
-
-    costs = Costs(**{**good, "out_bytes": np.array([32, 32, 32]), "fwd_time": np.full(3, 0.5, np.float32)})
-    assert costs.out_bytes == (32, 32, 32) and type(costs.out_bytes[0]) is int
-    assert costs.fwd_time == (0.5, 0.5, 0.5) and type(costs.fwd_time[0]) is float
-    for bad in ({5.0: "a", 6.0: "b", 7.0: "c"}, {1.0, 2.0, 3.0}, "123"):
-        with pytest.raises(CostsError, match="fwd_time must be a list with one entry per stage"):
-            Costs(**{**good, "fwd_time": bad})
-    with pytest.raises(CostsError, match=r"fwd_time\[0\] \(stage 1\) is 1e\+300 seconds, beyond any real run"):
-        Costs(**{**good, "fwd_time": [1e300, 1.0, 1.0]})
-    for length in (3.5, -1, True):
-        with pytest.raises(CostsError, match="Costs.uniform needs a number of stages"):
-            Costs.uniform(length)
-
-
-def test_forward_drops_are_checked_and_optional(tmp_path):
-    """fwd_drop is at most out_bytes and 0 for the last stage, fwd_drop_whole 0 or
-    fwd_drop; both default to nothing dropped, and a costs file from before them loads."""
-    good = Costs.uniform(3, size=10).to_dict()
-    for field, values, match in (("fwd_drop", [11, 0, 0], r"fwd_drop\[0\] \(stage 1\) is 11; it must be at most"),
-                                 ("fwd_drop", [0, 0, 10], r"fwd_drop\[2\] \(stage 3\) .* 0 for the last stage"),
-                                 ("fwd_drop_whole", [0, 5, 0], r"fwd_drop_whole\[1\] \(stage 2\) is 5; it must be 0 or")):
-        with pytest.raises(CostsError, match=match):
-            Costs(**{**good, **({"fwd_drop": [0, 10, 0]} if field == "fwd_drop_whole" else {}), field: values})
-    old = {k: v for k, v in good.items() if not k.startswith("fwd_drop")}
-    path = tmp_path / "old.json"
-    path.write_text(__import__("json").dumps({"format": "remat.costs/1", **old}))
-    assert Costs.load(path) == Costs(**good) and Costs.load(path).fwd_drop == (0, 0, 0)
-    dropping = Costs(**{**good, "fwd_drop": [10, 10, 0], "fwd_drop_whole": [10, 0, 0]})
-    dropping.save(tmp_path / "new.json")
-    assert Costs.load(tmp_path / "new.json") == dropping
-    # storing everything: a^1 goes once Fall(2) has run (it is inside a-bar^1)
-    assert simulate(dropping, store_all(3)).peak == simulate(Costs(**good), store_all(3)).peak - 10
 
 
 @pytest.mark.parametrize("seed", range(5))
