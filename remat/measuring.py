@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 
 from .leaves import GradPool, Upstream, grad_side_inputs, stage_leaves
 from .meter import Instrument, storage_key
-from .profile import Timer, backward_again, instrumented_run, timed_step
+from .profile import Timer, backward_again, instrumented_run, timed_step, warm_cuda
 from .replay import Replay, capture_rng, cuda_devices, restore_tensors
 from .runtime import _Saved
 from .stage_call import first
@@ -71,6 +71,8 @@ class StageMeasuring:
         run, new, k = self.run, self.new, call.index
         cuda = x.is_cuda
         devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
+        if cuda:
+            warm_cuda(devices)
         rng0 = capture_rng(devices)
         # the previous stage kept its saved tensors in case it was the last one:
         # it is not, so they go before this stage is measured (DESIGN.md section 2),
@@ -186,8 +188,9 @@ class StageMeasuring:
             # Note [Twin stages]: runs 2 and 3 are the twin's
             j = twin.of
             row["fwd_nograd_time"] = new.rows[j - 1]["fwd_nograd_time"]
-            if cuda:
+            if cuda:   # timed_step's, not run 2's (launch time on CUDA), which ``twin`` kept
                 row["fwd_time"] = new.rows[j - 1]["fwd_time"]
+                row["bwd_time"] = new.rows[j - 1]["bwd_time"]
             call.grad_replay = new.grad_replay[j - 1]
         else:
             self._measure_nograd(call, x, out, row, rng0, originals, cuda)
@@ -249,7 +252,9 @@ class StageMeasuring:
                                    self.grad_pool, leaves)
             if again is None:
                 return
-            row["bwd_time"], row["bwd_tmp"], seen = again
+            seconds, row["bwd_tmp"], seen = again
+            if not cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
+                row["bwd_time"] = seconds   # timed_step's unmetered time stands
             # a stage that passes the layout on (an elementwise one) hands it further down
             last = self.measured.get(i - 1)
             due = (last, seen) if last is not None and last[6] is not None and seen not in (None, last[6]) else None

@@ -40,41 +40,45 @@ __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", 
 class ChainMeter:
     """Peak bytes of the chain's tensors: on CPU, storages made while the gate is
     open (the chain's forward and backward) plus the chain input ``held``; on
-    CUDA, the allocator's peak while the gate is open, everything included."""
+    CUDA, the allocator's peak while the gate is open, less what was allocated
+    and not the chain's when it opened (``other``, taken as steady while it is
+    open): what the model made before the chain (the embedding's dropout mask,
+    say) and between its forward and its backward (the head's gradient of a
+    weight tied to the embedding, which autograd holds until the embedding's
+    backward adds its share: 147 MiB on GPT-2's vocabulary)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.inst = None if self.cuda else Instrument()
         self.peak = 0
-        self.base = 0
         self.held = 0
+        self.open = False
+        self.chain_live = None   # CUDA: bytes of the chain's, as the gate last closed
+        self.other = 0
 
     def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            self.open = False
-        else:
+        if not self.cuda:
             self.inst.__enter__()
             self.inst.set_gate(False)
         return self
 
-    def gate(self, open_):
+    def gate(self, open_, grad_bytes=0):
         if self.cuda:
+            if open_ == self.open:
+                return
+            torch.cuda.synchronize()
+            now = torch.cuda.memory_allocated()
             if open_:
+                if self.chain_live is None:
+                    self.chain_live = self.held   # the chain input, which the budget counts
+                self.other = now - self.chain_live - grad_bytes
                 torch.cuda.reset_peak_memory_stats()
             else:
-                self.peak = max(self.peak, torch.cuda.max_memory_allocated() - self.base)
+                self.peak = max(self.peak, torch.cuda.max_memory_allocated() - self.other)
+                self.chain_live = now - self.other
         else:
             self.inst.set_gate(open_)
-
-    def enter_backward(self, grad):
-        """The chain's backward starts with ``grad``, its output's gradient, made
-        behind it (by the loss) and counted by the budget; then the gate opens."""
-        if not self.cuda:
-            self.inst.count(grad)
-        self.gate(True)
+        self.open = open_
 
     def __exit__(self, *exc):
         if not self.cuda:
@@ -155,7 +159,7 @@ class Clock:
     def __init__(self, meter, device):
         self.meter, self.device, self.total, self.t0 = meter, device, 0.0, None
 
-    def gate(self, open_):
+    def gate(self, open_, grad_bytes=0):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
@@ -165,13 +169,14 @@ class Clock:
             self.total += now - self.t0
             self.t0 = None
         if self.meter is not None:
-            self.meter.gate(open_)
+            self.meter.gate(open_, grad_bytes)
 
     def enter_backward(self, grad):
-        """The chain's backward starts (``ChainMeter.enter_backward``)."""
+        """The chain's backward starts with ``grad``, its output's gradient, made behind it
+        (by the loss) and counted by the budget; then the gate opens."""
         if self.meter is not None and self.meter.inst is not None:
             self.meter.inst.count(grad)
-        self.gate(True)
+        self.gate(True, grad.untyped_storage().nbytes())
 
 
 def run_step(model, spec, method, batch, clock):
@@ -202,6 +207,21 @@ def run_step(model, spec, method, batch, clock):
     return loss.item()
 
 
+def relative_difference(grads, reference):
+    """The largest elementwise difference of ``grads`` from ``reference``, over the
+    largest magnitude of the reference's tensor, across tensors (inf where one of
+    them has a gradient and the other none)."""
+    worst = 0.0
+    for g, r in zip(grads, reference):
+        if g is None or r is None:
+            worst = worst if g is None and r is None else float("inf")
+            continue
+        scale = r.abs().max().item()
+        diff = (g - r).abs().max().item()
+        worst = max(worst, diff / scale if scale else (float("inf") if diff else 0.0))
+    return worst
+
+
 class Trial:
     """One method's figures while the methods take their steps in turn. Each has its own
     copy of the model's modules (so remat records each apart) sharing the one set of
@@ -216,6 +236,7 @@ class Trial:
         self.model = copy.deepcopy(base, memo)
         self.step_times, self.chain_times, self.losses, self.peak = [], [], [], 0
         self.grads_equal = True
+        self.grad_diff = 0.0   # the largest relative difference where they were not
         self.schedule = None
         self.first_seconds = None
 
@@ -254,12 +275,14 @@ class Trial:
         elif not all((g is None and r is None) or (g is not None and r is not None and torch.equal(g, r))
                      for g, r in zip(grads, reference)):
             self.grads_equal = False
+            self.grad_diff = max(self.grad_diff, relative_difference(grads, reference))
 
     def result(self):
         timed = bool(self.step_times)
         out = {"peak_bytes": self.peak, "step_seconds": statistics.median(self.step_times) if timed else None,
                "chain_seconds": statistics.median(self.chain_times) if timed else None, "losses": self.losses,
-               "grads_equal": self.grads_equal, "first_step_seconds": self.first_seconds}
+               "grads_equal": self.grads_equal, "grad_max_rel_diff": self.grad_diff,
+               "first_step_seconds": self.first_seconds}
         if self.method[0] == "remat":
             s = self.schedule
             out.update(predicted_seconds=s.time, predicted_peak=s.peak, budget=self.method[1][0],

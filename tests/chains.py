@@ -115,17 +115,17 @@ class Net(nn.Module):
         return x
 
 
-def make_input(net, batch=4, length=6, seed=0):
+def make_input(net, batch=4, length=6, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     if net.image:
         x = torch.randn(batch, net.d, length, length, generator=g)
     else:
         x = torch.randn(batch, length, net.d, generator=g)
     mask = torch.full((length, length), float("-inf")).triu(1)
-    return x.requires_grad_(), mask
+    return x.to(device).requires_grad_(), mask.to(device)
 
 
-def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6, hold=True):
+def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6, hold=True, device="cpu"):
     """Run ``steps`` training steps; return everything a comparison needs. With
     ``hold``, the loop keeps the net's output through the backward (as
     ``y = net(x); loss = f(y); loss.backward()`` does), else it lets it go."""
@@ -134,8 +134,8 @@ def train(net, steps=3, opt="sgd", seed=0, batch=4, length=6, hold=True):
     optim = torch.optim.SGD(params, lr=0.01) if opt == "sgd" else torch.optim.Adam(params, lr=0.01)
     record = []
     for step in range(steps):
-        x, mask = make_input(net, batch, length, seed=seed + step)
-        target = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 100 + step))
+        x, mask = make_input(net, batch, length, seed=seed + step, device=device)
+        target = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 100 + step)).to(device)
         y = net(x, mask)
         loss = (y * target).sum()
         if not hold:
@@ -172,10 +172,10 @@ def assert_same(ref, got, exact=True):
         check(a, b, f"parameter {j} after the steps")
 
 
-def measured_costs(net, batch=4, length=6):
+def measured_costs(net, batch=4, length=6, device="cpu"):
     """Measure ``net``'s chain once (on a copy) and return its Costs."""
     probe = copy.deepcopy(net)
     probe.budget, probe.algorithm = 2**50, "store_all"
-    x, mask = make_input(probe, batch, length)
+    x, mask = make_input(probe, batch, length, device=device)
     probe(x, mask).sum().backward()
     return remat.explain().costs

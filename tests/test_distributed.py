@@ -240,6 +240,10 @@ def _fsdp_worker(rank, port, tmp):
         from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    # a CPU mesh: with CUDA at hand fully_shard would take the GPU by default
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,)) if FSDP2_ON_CPU else None
+
     def full(params):
         return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in params]
 
@@ -252,7 +256,7 @@ def _fsdp_worker(rank, port, tmp):
     out = {}
     setups = {
         # FSDP2 on the root module only: the stages are not FSDP units
-        "fsdp2_root": lambda m: fully_shard(m),
+        "fsdp2_root": lambda m: fully_shard(m, mesh=mesh),
         # FSDP1, one unit per stage, costs from the file
         "fsdp1_per_stage": lambda m: FSDP(m, device_id=torch.device("cpu"), use_orig_params=True,
                                           auto_wrap_policy=ModuleWrapPolicy({Block})),
@@ -274,7 +278,7 @@ def _fsdp_worker(rank, port, tmp):
             remat.clear_cache()
     # set-ups that fail (last: FSDP's state may be left broken): the error each rank got
     failing = {
-        "fsdp2_per_stage": lambda m: ([fully_shard(s) for s in m.stages], fully_shard(m))[1],
+        "fsdp2_per_stage": lambda m: ([fully_shard(s, mesh=mesh) for s in m.stages], fully_shard(m, mesh=mesh))[1],
     }
     if not FSDP2_ON_CPU:
         del failing["fsdp2_per_stage"]
