@@ -70,3 +70,56 @@ def test_checkpoint_sequential_ops_are_torchs_segments():
     for s in range(1, 13):
         sim = simulate(costs, checkpoint_sequential_ops(12, s))   # a valid schedule
         assert sim.time == 36 + (s - 1) * (12 // s)   # plain, plus each kept stage once more
+
+
+class FakeAllocator:
+    """torch.cuda's allocator statistics, driven by hand."""
+
+    def __init__(self, allocated):
+        self.allocated = self.peak = allocated
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def install(self, monkeypatch):
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                            lambda *a: setattr(self, "peak", self.allocated))
+
+
+def test_cuda_chain_meter_leaves_out_memory_that_is_not_the_chains(monkeypatch):
+    """The CUDA meter's peak is the chain's: its input, what it allocates while the gate is
+    open, its output's gradient, and not what the model allocated around it (memory
+    before the chain, or a tied weight's gradient the head leaves to autograd through
+    the chain's backward), nor what comes after the gate closes for good."""
+    import torch
+
+    from remat.trials import ChainMeter
+
+    alloc = FakeAllocator(1000)          # parameters, gradients: before the step
+    alloc.install(monkeypatch)
+    meter = ChainMeter(torch.device("cuda"))
+    with meter:
+        alloc.alloc(50)                   # the embedding's dropout mask: not the chain's
+        alloc.alloc(10)                   # the chain input
+        meter.held = 10
+        meter.gate(True)
+        alloc.alloc(300)                  # the forward keeps 300
+        alloc.alloc(40)
+        alloc.alloc(-40)                  # a transient of 40: the chain at 350
+        meter.gate(False)
+        alloc.alloc(500)                  # the head's tied weight gradient, held by autograd
+        alloc.alloc(20)                   # the chain output's gradient, which the budget counts
+        meter.gate(True, grad_bytes=20)
+        alloc.alloc(100)                  # a backward transient on top of all 330: peak 430
+        alloc.alloc(-100 - 300 - 20)
+        meter.gate(False)
+        meter.gate(False)                 # closed again at the end of the step: no change
+        alloc.alloc(2000)                 # the embedding's backward, after the chain
+        meter.gate(False)
+    assert meter.peak == 430
