@@ -359,7 +359,11 @@ class _Active(StageMeasuring, StageRunning):
             if entry.unsaved:
                 entry.unsaved = False
                 write_costs(entry.costs, entry.costs_file)
-            self.plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
+            try:
+                self.plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
+            except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
+                _publish(Explanation(entry.costs, None, self.budget, entry.names, entry.costs))
+                raise
             schedule, modes, back, fall_at, _ = self.plan
             self.mode = "run"
             self.run = Run(back, fall_at, autocast)

@@ -278,6 +278,24 @@ def test_explain_shows_costs_and_schedule():
     assert any(line.split()[:1] == ["held"] for line in text.splitlines())
 
 
+def test_explain_after_a_budget_error_shows_that_budget():
+    """A budget below the minimum on a chain measured before: explain() shows the
+    failed call's budget and no schedule (as after a failed first call), not the
+    schedule of the call before; the next call at a good budget shows its own."""
+    net = _with_budget(_fresh(), 0.0)
+    good = net.budget
+    train(net, steps=1)
+    net.budget = 100
+    with pytest.raises(remat.BudgetError):
+        train(net, steps=1)
+    explanation = remat.explain()
+    assert explanation.budget == 100 and explanation.schedule is None
+    assert "budget 100" in str(explanation)
+    net.budget = good
+    train(net, steps=1)
+    assert remat.explain().budget == good and remat.explain().schedule is not None
+
+
 def test_chain_output_held_through_backward_is_counted():
     """Plans count the chain's output as held until a backward shows it let go; a loop
     that holds it once keeps it counted (remat/recording.py Note [The chain's output])."""
