@@ -9,6 +9,7 @@ import torch
 
 from .costs import Costs
 from .errors import CostsError, RematError
+from .units import format_bytes
 
 __all__ = ["chain_costs", "read_costs", "write_costs"]
 
@@ -113,3 +114,13 @@ def _check_given(costs, rows, input_bytes, held_bytes, path):
             f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {input_bytes} "
             f"bytes, or other output sizes); delete the file to measure again"
         )
+    # the sizes above agree for models of another width with the same input and
+    # output (a GPT's blocks): what each stage saves, seen in this call's forward, must
+    # be within 2x of the file's (the same model gives the same bytes)
+    for i, row in enumerate(rows):
+        seen, filed = row.get("saved_seen"), costs.saved_bytes[i]
+        if seen is not None and not (filed / 2 <= seen <= 2 * filed):
+            raise CostsError(
+                f"remat: the costs in {path} describe another chain: its stage {i + 1} saves "
+                f"{format_bytes(filed)} for the backward, and this chain's saves {format_bytes(seen)} (a "
+                f"model of another width or depth per stage?); delete the file to measure again")

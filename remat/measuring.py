@@ -132,6 +132,12 @@ class StageMeasuring:
                 row["held_outside"] = detector.alive_bytes(kept + returned)
                 elsewhere, cached = detector.held_elsewhere(kept, returned, besides=[act])
                 row["saved_elsewhere"], row["saved_cached"] = sum(elsewhere.values()), sum(cached.values())
+                # saved_bytes as the measuring run counts it, for costs_source._check_given
+                keys = {storage_key(t): detector.created[storage_key(t)] for t in kept + [act]
+                        if storage_key(t) in detector.created}
+                for key in [*elsewhere, *cached]:
+                    keys.pop(key, None)
+                row["saved_seen"] = max(sum(keys.values()), row["out_bytes"])
         held = row.pop("held_grads", {}) if row is not None else {}
         if row is not None and first(out).requires_grad:
             held.update(side_grads(call, x))

@@ -65,3 +65,44 @@ def test_forward_drops_are_checked_and_optional(tmp_path):
     assert Costs.load(tmp_path / "new.json") == dropping
     # storing everything: a^1 goes once Fall(2) has run (it is inside a-bar^1)
     assert simulate(dropping, store_all(3)).peak == simulate(Costs(**good), store_all(3)).peak - 10
+
+
+def test_costs_file_of_a_wider_model_with_the_same_sizes_is_refused(tmp_path):
+    """A costs file from a model whose stages take and return the same sizes but
+    save far more or less for the backward (another hidden width): the length,
+    input and output sizes agree, yet its saved bytes were 14x off and its schedule
+    went over the budget. Now a CostsError names the stage; the file of the same
+    model is still taken, and the chain runs once the file is gone."""
+    import os
+
+    import torch
+    import torch.nn as nn
+
+    import remat
+
+    path = str(tmp_path / "costs.json")
+
+    def model(hidden):
+        torch.manual_seed(0)
+        return [remat.stage(nn.Sequential(nn.Linear(16, hidden), nn.GELU(), nn.Linear(hidden, 16)))
+                for _ in range(3)]
+
+    def step(layers):
+        x = torch.randn(8, 16, requires_grad=True)
+        with remat.chain(budget=2**40, costs=path):
+            h = x
+            for layer in layers:
+                h = layer(h)
+        h.sum().backward()
+        return x.grad
+
+    narrow, wide = model(8), model(256)
+    step(narrow)
+    remat.clear_cache()
+    step(model(8))                      # the same model: the file is taken
+    remat.clear_cache()
+    with pytest.raises(CostsError, match=r"stage 1 saves .* this chain's saves"):
+        step(wide)
+    assert all(p.grad is None for layer in wide for p in layer.parameters())
+    os.remove(path)
+    assert step(wide) is not None
