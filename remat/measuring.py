@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 
 from .leaves import GradPool, Upstream, grad_side_inputs, stage_leaves
 from .meter import Instrument, storage_key
-from .profile import Timer, backward_again, instrumented_run, timed_step, warm_cuda
+from .profile import Timer, backward_again, instrumented_run, saved_storages, timed_step, warm_cuda
 from .replay import Replay, capture_rng, cuda_devices, restore_tensors
 from .runtime import _Saved
 from .stage_call import first
@@ -133,11 +133,8 @@ class StageMeasuring:
                 elsewhere, cached = detector.held_elsewhere(kept, returned, besides=[act])
                 row["saved_elsewhere"], row["saved_cached"] = sum(elsewhere.values()), sum(cached.values())
                 # saved_bytes as the measuring run counts it, for costs_source._check_given
-                keys = {storage_key(t): detector.created[storage_key(t)] for t in kept + [act]
-                        if storage_key(t) in detector.created}
-                for key in [*elsewhere, *cached]:
-                    keys.pop(key, None)
-                row["saved_seen"] = max(sum(keys.values()), row["out_bytes"])
+                seen = saved_storages(detector, kept, act, [*elsewhere, *cached])
+                row["saved_seen"] = max(sum(seen.values()), row["out_bytes"])
         held = row.pop("held_grads", {}) if row is not None else {}
         if row is not None and first(out).requires_grad:
             held.update(side_grads(call, x))

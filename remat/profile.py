@@ -75,7 +75,7 @@ from .meter import Instrument, InputWritten, storage_key
 from .replay import restore_tensors
 from .runtime import RELEASES
 
-__all__ = ["Timer", "backward_again", "instrumented_run", "timed_step", "warm_cuda"]
+__all__ = ["Timer", "backward_again", "instrumented_run", "saved_storages", "timed_step", "warm_cuda"]
 
 
 class Timer:
@@ -96,6 +96,21 @@ class Timer:
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self._t0
         return False
+
+
+def saved_storages(inst, saved, act, held_elsewhere):
+    """{storage: bytes} of the distinct storages among a stage's ``saved`` tensors and
+    its output ``act`` that the meter ``inst`` saw it make, less those ``held_elsewhere``
+    (counted as held through the step instead, remat/measuring.py; the stage's backward
+    lets none of them go, ``_Releases``). saved_bytes is their sum, at least the output's."""
+    keys = {}
+    for t in saved + [act]:
+        key = storage_key(t)
+        if key in inst.created:
+            keys[key] = inst.created[key]
+    for key in held_elsewhere:
+        keys.pop(key, None)
+    return keys
 
 
 def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None, anchor=None,
@@ -163,15 +178,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
     in_key = storage_key(x)
     row["input_kept"] = any(storage_key(t) == in_key for t in saved + returned)
-    keys = {}
-    for t in saved + [act]:
-        key = storage_key(t)
-        if key in inst.created:
-            keys[key] = inst.created[key]
-    # what is held elsewhere counts as held through the step instead (remat/measuring.py),
-    # and its backward lets none of it go (``_Releases``)
-    for key in [*elsewhere, *cached]:
-        keys.pop(key, None)
+    keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
     saved_bytes = max(sum(keys.values()), out_bytes)
     # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
     # next stage needs it; by B(i) the next stage's backward has let it go, unless
