@@ -12,10 +12,11 @@ autocast state. A key seen before runs its schedule; a new budget re-solves
 from the cached costs; a new key measures. While running, each stage is
 checked against the recording (same stage object, input shape, side inputs
 by signature, training flags of its module and submodules, autocast state,
-parameters' dtypes and requires_grad): if the chain takes another path, the
-rest of it is measured again and the recording replaced (a path changing from
-call to call is measured on every call: warned of, remat/running.py
-``_path_changed``). At most ``CACHE_SIZE`` keys are kept (least recently used
+parameters' dtypes and requires_grad; the module of a stage the plan records
+whole at the call's end, Note [Stages recorded whole] in remat/running.py): if
+the chain takes another path, the rest of it is measured again and the
+recording replaced (a path changing from call to call is measured on every
+call: warned of, remat/running.py ``_path_changed``). At most ``CACHE_SIZE`` keys are kept (least recently used
 first out).
 """
 
@@ -247,6 +248,7 @@ class _Active(StageMeasuring, StageRunning):
         self.costs_path = None  # the costs file this measuring call reads or writes
         self.seen = {}          # id of each stage's object -> the first stage it was
         self.stale = False      # running: a stage saved other tensors than the recording says
+        self.unchecked = []     # running: stages whose module is checked at the end (remat/running.py)
 
     # stage calls ---------------------------------------------------------
 

@@ -168,6 +168,7 @@ class Recording:
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
         self._held_costs = None  # (costs, the same with a^L held) for planning_costs
         self._quiet = {}         # stage -> ``quiet``'s answer
+        self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
 
     def quiet(self, k):
         """The indices, among stage k's slots (``slots``), of the buffers it did not

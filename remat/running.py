@@ -4,6 +4,28 @@ mode of the plan (``Fall`` records whole; ``Fck`` and ``Fn`` run under the pack
 hooks of remat/runtime.py, keeping their input or not), and the recording's
 update at the end of the call. ``_Active`` (remat/chain.py) takes these
 methods, as it takes the measuring ones of remat/measuring.py.
+
+Note [Stages recorded whole]
+----------------------------
+A stage the plan runs as ``Fall`` in the forward phase is run once, with no
+hooks, and never again: autograd keeps what it saves, and no recomputation
+goes through it (one that must rebuild a later stage starts from a held input
+above it: the stage after a whole one keeps its input). So its call needs
+nothing to replay (its tensors, state, RNG), and the checks that its module
+is still the one recorded (training flags, submodules, parameters) only keep
+the costs true. Made one by one between the stages' forwards, each reads a
+module's dicts and tensors that the stage before has pushed out of the CPU's
+caches: on ResNet-101's CPU chain they were 55 of the 90 µs remat spent per
+stage in a forward that stores everything. They run at the call's end
+instead, for all those stages in one pass (``_suspect_changed``), 26 µs a
+stage there, with nothing to replay set up: 32 µs a stage remain in the
+forward (benchmarks/README.md). A stage that fails there is a
+suspect: from the next call on it is checked as it is called, as other stages
+are, and measured again if it has changed. It may not have: a wrapper may
+hold its module otherwise between its calls than during them (FSDP frees the
+unsharded parameters after a forward). This call, run as recorded, is exact
+all the same, its peak off by the change. A stage's identity and its input's
+signature are checked as it is called: they decide what stage this is.
 """
 
 import warnings
@@ -16,7 +38,7 @@ from .recording import Recording
 from .replay import capture_rng, cuda_devices, snapshot
 from .runtime import FALL, FCK
 from .stage_call import first
-from .stage_check import same_structure, signature_matches
+from .stage_check import same_structure, signature_matches, trained_as
 from .tensor_slots import param_flags, resolve_state, take
 
 __all__ = ["StageRunning", "site_text"]
@@ -44,25 +66,32 @@ class StageRunning:
         parameters and buffers, with the same parameters to differentiate, of the same
         dtypes and shapes (a stage frozen or unfrozen since saves other tensors; one
         cast to another dtype, behind a first stage taking integer ids, keeps the key
-        but not the costs; a pruned one saves smaller tensors)."""
+        but not the costs; a pruned one saves smaller tensors). The module of a stage
+        the plan records whole is checked at the call's end (Note [Stages recorded
+        whole])."""
         entry = self.entry
-        if k > len(entry.idents):
+        if k > len(entry.idents) or entry.idents[k - 1]() is not ident:
             return False
-        if entry.idents[k - 1]() is not ident:
-            return False
-        if not signature_matches(entry.in_sigs[k - 1], x, call, entry.dicts[k - 1]):
+        if not signature_matches(entry.in_sigs[k - 1], x, call):
             return False
         if entry.autocasts[k - 1] != call.autocast:
             return False
-        if not same_structure(entry.structures[k - 1]):
+        if self.plan[1][k] == FALL and k not in entry.suspects:
+            self.unchecked.append(k)
+            return True
+        tensors = _same_module(entry, k)
+        if tensors is False:
             return False
-        slots = entry.slots[k - 1]
-        if slots[0]:
-            tensors = take(slots[0])
-            if param_flags(tensors, slots[1]) != entry.grads[k - 1]:
-                return False
-            call.slots, call.tensors, call.flags = slots, tensors, entry.grads[k - 1]
+        if tensors is not None:
+            call.slots, call.tensors, call.flags = entry.slots[k - 1], tensors, entry.grads[k - 1]
         return True
+
+    def _suspect_changed(self, recording):
+        """Note [Stages recorded whole]: add to ``recording.suspects`` the stages of
+        this call left unchecked whose module is no longer as recorded."""
+        for k in self.unchecked:
+            if _same_module(self.entry, k) is False:
+                recording.suspects.add(k)
 
     def _diverge(self, k):
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
@@ -73,6 +102,7 @@ class StageRunning:
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)
         new.input_bytes = old.input_bytes
+        self._suspect_changed(new)
         self._path_changed()
         self.new = new
         self.mode = "measure"
@@ -135,19 +165,19 @@ class StageRunning:
     def _run_mode(self, call, x):
         """Stage ``call`` in its forward-phase mode of the plan."""
         entry, run, k = self.entry, self.run, call.index
-        call.meta = entry.meta[k - 1]
-        call.state = resolve_state(entry.state[k - 1], call.tensors)
-        if entry.reads_state[k - 1]:
-            call.before = snapshot(call.state)
-        call.grad_replay = entry.grad_replay[k - 1]
         mode = self.plan[1][k]
-        if mode == FALL:
+        if mode == FALL:   # (run once, never again: nothing to replay)
             run.add_whole(call)
             if k > 1 and entry.drops_input(k, run.whole[k - 1]):
                 self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
             out = call.invoke(x)
             _pin_if_cut(run, out)
             return out
+        call.meta = entry.meta[k - 1]
+        call.state = resolve_state(entry.state[k - 1], call.tensors)
+        if entry.reads_state[k - 1]:
+            call.before = snapshot(call.state)
+        call.grad_replay = entry.grad_replay[k - 1]
         # (a stage run again replays the RNG even if it drew no random numbers when
         # measured: dropout's p raised from 0 since, noise switched on)
         call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
@@ -190,9 +220,23 @@ class StageRunning:
             return True
         if self.stale:
             return True
+        self._suspect_changed(self.entry)
         _path_changes.pop(self.key, None)
         self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
         return False
+
+
+def _same_module(entry, k):
+    """The tensors in stage k's slots now (None for a function stage) if its module
+    is made and set as recorded (training flags, submodules, parameters' dtypes,
+    requires_grad and shapes); else False."""
+    if not trained_as(entry.in_sigs[k - 1], entry.dicts[k - 1]) or not same_structure(entry.structures[k - 1]):
+        return False
+    slots = entry.slots[k - 1]
+    if not slots[0]:
+        return None
+    tensors = take(slots[0])
+    return tensors if param_flags(tensors, slots[1]) == entry.grads[k - 1] else False
 
 
 def _pin_if_cut(run, out):

@@ -364,6 +364,9 @@ class Run:
             j -= 1
         if j < 1:
             raise StageError(f"remat: no held input to rebuild stage {k} from; please report this bug")
+        if any(self.whole[j:k]):   # (Note [Stages recorded whole], remat/running.py)
+            raise StageError(f"remat: rebuilding stage {k} would run a stage recorded whole again; please "
+                             f"report this bug")
         anchor = self._anchor(j)
         x = _unchanged(anchor, anchor.input)
         for i in range(j, k):

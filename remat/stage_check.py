@@ -20,7 +20,7 @@ from .errors import StageError, input_modified
 from .runtime import hooks_disabled
 
 __all__ = ["check_hooks_enabled", "check_output", "find_activation", "handed_on", "input_signature",
-           "module_dicts", "module_structure", "same_structure", "signature", "signature_matches"]
+           "module_dicts", "module_structure", "same_structure", "signature", "signature_matches", "trained_as"]
 
 
 def signature(value):
@@ -88,15 +88,22 @@ def input_signature(x, call, dicts):
 _NO_SIDE = signature(((None,), {}))   # a stage given its activation alone
 
 
-def signature_matches(sig, x, call, dicts):
+def signature_matches(sig, x, call, dicts=None):
     """``input_signature(x, call, dicts) == sig``, with less work: every stage of
-    every call is checked."""
-    if x.shape != sig[0] or x.dtype != sig[1] or tuple([d.get("training") for d in dicts]) != sig[2]:
+    every call is checked. With ``dicts`` None the training flags are left out
+    (``trained_as``)."""
+    if x.shape != sig[0] or x.dtype != sig[1] or (dicts is not None and not trained_as(sig, dicts)):
         return False
     args, kwargs = call.args, call.kwargs
     if len(args) == 1 and not kwargs:   # (args is (None,): the activation, left out)
         return sig[3] == _NO_SIDE
     return signature((args, kwargs)) == sig[3]
+
+
+def trained_as(sig, dicts):
+    """The training flags of a stage's module and submodules (``dicts``, their
+    ``__dict__``) are those of ``input_signature``'s ``sig``."""
+    return tuple([d.get("training") for d in dicts]) == sig[2]
 
 
 def find_activation(args, kwargs, start, fn=None):

@@ -46,7 +46,7 @@ def _step(blocks, x, budget):
             for b in blocks:
                 h = b(h)
     h.square().mean().backward()
-    grads = [p.grad.clone() for p in blocks.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for p in blocks.parameters()]   # (frozen: None)
     for p in blocks.parameters():
         p.grad = None
     return grads
@@ -159,3 +159,103 @@ def test_a_path_changing_from_call_to_call_is_warned_of():
     with pytest.warns(RuntimeWarning, match=rf"took another path of stages than its recording on {PATH_CHANGES} "
                                             r"calls in a row .*LayerDrop"):
         step((None, 3)[(PATH_CHANGES - 1) % 2])
+
+
+def _frozen_lin(block):
+    for p in block.lin.parameters():
+        p.requires_grad_(False)
+
+
+WHOLE_CHANGES = {
+    "frozen": _frozen_lin,                                              # saves less
+    "batchnorm-to-eval": lambda b: b.bn.eval(),                         # writes no statistics
+    "batchnorm-replaced": lambda b: setattr(b, "bn", nn.BatchNorm1d(D)),
+    "buffer-registered": lambda b: b.register_buffer("ema", torch.zeros(D)),
+}
+
+
+@pytest.mark.parametrize("change", WHOLE_CHANGES)
+def test_a_stage_recorded_whole_changed_is_measured_again_on_the_next_call(change, monkeypatch):
+    """At a budget that stores everything each stage is recorded whole, and its
+    module is checked at the end of the call (Note [Stages recorded whole] in
+    remat/running.py): the call after a change runs as recorded, exact; the one
+    after it measures that stage again (and the stages after it), and no call
+    after that does."""
+    from remat import measuring
+
+    measured = []
+    run = measuring.instrumented_run
+    monkeypatch.setattr(measuring, "instrumented_run", lambda call, *a, **kw: measured.append(call.index) or
+                        run(call, *a, **kw))
+    remat.clear_cache()
+    torch.manual_seed(0)
+    plain = nn.ModuleList(Block() for _ in range(4))
+    blocks = copy.deepcopy(plain)
+    for b in blocks:
+        remat.stage(b)
+    x = torch.randn(8, D)
+    for step in range(6):
+        if step == 2:
+            for net in (plain, blocks):
+                WHOLE_CHANGES[change](net[1])
+        measured.clear()
+        torch.manual_seed(100 + step)
+        want = _step(plain, x, None)
+        torch.manual_seed(100 + step)
+        got = _step(blocks, x, 2**40)
+        assert remat.explain().schedule.recomputations() == 0
+        assert all(a is b or torch.equal(a, b) for a, b in zip(got, want)), step
+        for a, b in zip(plain.buffers(), blocks.buffers()):
+            assert torch.equal(a, b), step
+        assert measured == ([1, 2, 3, 4] if step == 0 else [2, 3, 4] if step == 3 else []), step
+
+
+class _Resharding(nn.Module):
+    """Holds its weight otherwise between calls than during them, as FSDP frees its
+    unsharded parameters after a forward: a hook puts a stand-in of another shape
+    in its slot after the forward, one before the next puts the weight back."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.full = self.lin.weight
+        self.register_forward_pre_hook(lambda m, args: m.lin.register_parameter("weight", m.full))
+        self.register_forward_hook(
+            lambda m, args, out: m.lin.register_parameter("weight", nn.Parameter(torch.zeros(1))))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def test_a_stage_held_otherwise_between_calls_is_not_measured_again(monkeypatch):
+    """A stage recorded whole whose module looks changed at the call's end but is
+    as recorded whenever it is called: checked as it is called from the next call
+    on, and never measured again; gradients exact throughout."""
+    from remat import measuring
+
+    measured = []
+    run = measuring.instrumented_run
+    monkeypatch.setattr(measuring, "instrumented_run", lambda call, *a, **kw: measured.append(call.index) or
+                        run(call, *a, **kw))
+    remat.clear_cache()
+    torch.manual_seed(0)
+    stages = [remat.stage(_Resharding()) for _ in range(3)]
+    x = torch.randn(8, D, requires_grad=True)
+    for step in range(4):
+        measured.clear()
+        with remat.chain(budget=2**40):
+            h = x
+            for s in stages:
+                h = s(h)
+        h.square().sum().backward()
+        grads = [s.full.grad.clone() for s in stages]
+        for s in stages:
+            s.full.grad = None
+        h = x
+        for s in stages:
+            h = s(h)
+        h.square().sum().backward()
+        assert all(torch.equal(g, s.full.grad) for g, s in zip(grads, stages)), step
+        for s in stages:
+            s.full.grad = None
+        assert measured == ([1, 2, 3] if step == 0 else []), step
