@@ -19,6 +19,7 @@ backward (none when everything is stored: no hooks are set).
 """
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -30,11 +31,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import remat  # noqa: E402
 from remat.trials import MODELS, Clock, device_name, run_step  # noqa: E402
 
-_chain = sys.modules["remat.chain"]
-_stage_call = sys.modules["remat.stage_call"]
+# (the modules whose functions are timed; ``remat.chain`` is also the class's name)
+_chain = importlib.import_module("remat.chain")
+_stage_call = importlib.import_module("remat.stage_call")
 
 
 class _Timers:

@@ -123,3 +123,24 @@ def test_cuda_chain_meter_leaves_out_memory_that_is_not_the_chains(monkeypatch):
         alloc.alloc(2000)                 # the embedding's backward, after the chain
         meter.gate(False)
     assert meter.peak == 430
+
+
+def test_stage_cost_times_remat_alone_and_unwraps_its_timers():
+    """benchmarks/stage_cost.py on the tiny model: remat's own time is positive and
+    less than the step, and the timers it wraps around remat's functions are gone
+    after it."""
+    import importlib.util
+    import os
+
+    from remat import stage_call
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "stage_cost.py")
+    module_spec = importlib.util.spec_from_file_location("stage_cost", path)
+    stage_cost = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(stage_cost)
+    invoke = stage_call.StageCall.invoke
+    case = stage_cost.run_case("tiny", calls=3)
+    assert stage_call.StageCall.invoke is invoke
+    assert case["stages"] == 4
+    assert 0 < case["forward_seconds_per_stage"] * case["stages"] < case["plain_step_seconds"]
+    assert 0 < case["own_share_of_plain_step"] < 1
