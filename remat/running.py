@@ -24,8 +24,11 @@ suspect: from the next call on it is checked as it is called, as other stages
 are, and measured again if it has changed. It may not have: a wrapper may
 hold its module otherwise between its calls than during them (FSDP frees the
 unsharded parameters after a forward). This call, run as recorded, is exact
-all the same, its peak off by the change. A stage's identity and its input's
-signature are checked as it is called: they decide what stage this is.
+all the same, its peak off by the change, and the recording learns nothing
+from it of what the forward phase let go and kept (``Recording.ran``): a
+stage unfrozen since keeps its input, which would read as the code around
+the chain keeping it. A stage's identity and its input's signature are
+checked as it is called: they decide what stage this is.
 """
 
 import warnings
@@ -88,10 +91,13 @@ class StageRunning:
 
     def _suspect_changed(self, recording):
         """Note [Stages recorded whole]: add to ``recording.suspects`` the stages of
-        this call left unchecked whose module is no longer as recorded."""
+        this call left unchecked whose module is no longer as recorded; True if any."""
+        found = False
         for k in self.unchecked:
             if _same_module(self.entry, k) is False:
                 recording.suspects.add(k)
+                found = True
+        return found
 
     def _diverge(self, k):
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
@@ -220,9 +226,9 @@ class StageRunning:
             return True
         if self.stale:
             return True
-        self._suspect_changed(self.entry)
         _path_changes.pop(self.key, None)
-        self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
+        if not self._suspect_changed(self.entry):
+            self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
         return False
 
 

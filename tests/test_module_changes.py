@@ -259,3 +259,44 @@ def test_a_stage_held_otherwise_between_calls_is_not_measured_again(monkeypatch)
         for s in stages:
             s.full.grad = None
         assert measured == ([1, 2, 3] if step == 0 else []), step
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + self.lin(x)   # (the Linear saves its input only if its weight needs grad)
+
+
+def test_a_stage_recorded_whole_unfrozen_at_the_minimum_budget_keeps_running():
+    """Progressive unfreezing: the last stage, recorded whole, starts frozen and keeps
+    nothing of its input; unfrozen, it keeps it. The call after that runs it as
+    recorded and must not take the input it keeps for one the code around the chain
+    holds (a warning, and held bytes that put the minimum above the budget: every
+    call after failed with BudgetError); the one after measures it again. Every call
+    exact, none warned of."""
+    import warnings
+
+    remat.clear_cache()
+    torch.manual_seed(0)
+    plain = nn.ModuleList(_Residual() for _ in range(4))
+    blocks = copy.deepcopy(plain)
+    for b in blocks:
+        remat.stage(b)
+    x = torch.randn(32, D)
+    for net in (plain, blocks):
+        net[-1].requires_grad_(False)
+    _step(blocks, x, 2**40)
+    low = minimum_budget(remat.explain().costs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(5):
+            if step == 2:
+                for net in (plain, blocks):
+                    net[-1].requires_grad_(True)
+            want = _step(plain, x, None)
+            got = _step(blocks, x, low)
+            assert remat.explain().schedule.recomputations() > 0
+            assert all(a is b or torch.equal(a, b) for a, b in zip(got, want)), step
