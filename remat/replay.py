@@ -164,10 +164,11 @@ def capture_rng(devices=(), generators=()):
 class AutocastState:
     """Autocast flags of the CPU and CUDA device types, as a hashable value."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "off")
 
     def __init__(self, key):
         self.key = key
+        self.off = not any(enabled for _, enabled, _, _ in key)   # autocast on no device
 
     def current(self):
         """True if this is the autocast state now (entering it would change nothing)."""
@@ -192,13 +193,20 @@ class AutocastState:
 
 def capture_autocast(like=None):
     """The autocast state now, for CPU and (if available) CUDA: ``like`` itself
-    if it is that state (every stage of a call checks it: no new object)."""
+    if it is that state (every stage of a call checks it: no new object; where
+    autocast is off on every device, as in ``like``, with one call: dtypes and
+    caching then change nothing)."""
+    if like is not None and like.off and _any_autocast is not None and not _any_autocast():
+        return like
     cache = torch.is_autocast_cache_enabled()
     key = tuple([(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), cache)
                  for device_type in _autocast_devices()])
     if like is not None and like.key == key:
         return like
     return AutocastState(key)
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 @functools.lru_cache(maxsize=None)
