@@ -28,7 +28,13 @@ all the same, its peak off by the change, and the recording learns nothing
 from it of what the forward phase let go and kept (``Recording.ran``): a
 stage unfrozen since keeps its input, which would read as the code around
 the chain keeping it. A stage's identity and its input's signature are
-checked as it is called: they decide what stage this is.
+checked as it is called: they decide what stage this is, and so are the
+version counters of the buffers it did not write when measured (few, if
+any): a stage that starts writing one (an observer switched on) makes the
+next call measure again (``_new_writes``), before a budget that recomputes
+it can replay it from the buffer's value after its forward. A module changed
+inside the chain only around its own stage's call, and put back before the
+chain ends, is not seen (docs/limitations.md).
 """
 
 import warnings
@@ -132,11 +138,15 @@ class StageRunning:
                 f"runs again (docs/limitations.md)", RuntimeWarning, stacklevel=5)
 
     def _run_stage(self, call, x):
-        tensors = call.tensors
-        quiet = self.entry.quiet(call.index) if tensors else ()
+        entry, tensors = self.entry, call.tensors
+        quiet = entry.quiet(call.index)
         if not quiet:
             return self._run_mode(call, x)
-        buffers = [tensors[i] for i in quiet]
+        if tensors is not None:
+            buffers = [tensors[i] for i in quiet]
+        else:   # (a stage recorded whole, whose slots are not taken: Note [Stages recorded whole])
+            slots = entry.slots[call.index - 1][0]
+            buffers = take([slots[i] for i in quiet])
         versions = [-1 if b is None else b._version for b in buffers]
         out = self._run_mode(call, x)
         self._new_writes(call, buffers, versions)

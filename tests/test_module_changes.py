@@ -300,3 +300,49 @@ def test_a_stage_recorded_whole_unfrozen_at_the_minimum_budget_keeps_running():
             got = _step(blocks, x, low)
             assert remat.explain().schedule.recomputations() > 0
             assert all(a is b or torch.equal(a, b) for a, b in zip(got, want)), step
+
+
+class _Observer(nn.Module):
+    """Reads a buffer it writes in place once its observer is switched on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("avg", torch.zeros(D))
+        self.observe = False
+
+    def forward(self, x):
+        if self.observe:
+            self.avg.mul_(0.5).add_(x.detach().mean(0), alpha=0.5)
+        return x + torch.tanh(self.lin(x - self.avg))
+
+
+def test_a_stage_recorded_whole_that_starts_writing_a_buffer_is_measured_again():
+    """An observer switched on in a stage recorded whole: the call measures the
+    chain again on the next call (it did not: a later budget that recomputes the
+    stage replayed it from the buffer's value after its forward, and its gradients
+    were off), as for a stage recomputed. Every call exact."""
+    import warnings
+
+    remat.clear_cache()
+    torch.manual_seed(0)
+    plain = nn.ModuleList(_Observer() for _ in range(5))
+    blocks = copy.deepcopy(plain)
+    for b in blocks:
+        remat.stage(b)
+    x = torch.randn(8, D, requires_grad=True)
+    _step(copy.deepcopy(blocks), x, 2**40)
+    low = int(minimum_budget(remat.explain().costs) * 1.2)
+    remat.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, budget in enumerate([2**40, 2**40, 2**40, low, low]):
+            if step == 1:
+                for net in (plain, blocks):
+                    net[2].observe = True
+            want = _step(plain, x, None)
+            got = _step(blocks, x, budget)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+            for a, b in zip(plain.buffers(), blocks.buffers()):
+                assert torch.equal(a, b), step
+    assert remat.explain().schedule.recomputations() > 0
