@@ -52,6 +52,29 @@ def _step(blocks, x, budget):
     return grads
 
 
+def _pair(block, n):
+    """Plain PyTorch's ``n`` blocks and a copy of them marked as stages, the cache cleared."""
+    remat.clear_cache()
+    torch.manual_seed(0)
+    plain = nn.ModuleList(block() for _ in range(n))
+    blocks = copy.deepcopy(plain)
+    for b in blocks:
+        remat.stage(b)
+    return plain, blocks
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The stages measured (remat.profile's instrumented run), in order, since last cleared."""
+    from remat import measuring
+
+    seen = []
+    run = measuring.instrumented_run
+    monkeypatch.setattr(measuring, "instrumented_run", lambda call, *a, **kw: seen.append(call.index) or
+                        run(call, *a, **kw))
+    return seen
+
+
 def _prune(block):
     block.lin.weight = nn.Parameter(block.lin.weight.detach()[:8].clone())
     block.lin.bias = nn.Parameter(block.lin.bias.detach()[:8].clone())
@@ -75,12 +98,7 @@ def test_a_stage_changed_between_calls_stays_exact(change):
     after), and a pruned stage raised RecomputeMismatchError on every call. Now a
     recomputed stage always replays the RNG, and a stage made of other submodules,
     parameters or buffers, or with parameters of other shapes, is measured again."""
-    remat.clear_cache()
-    torch.manual_seed(0)
-    plain = nn.ModuleList(Block() for _ in range(4))
-    blocks = copy.deepcopy(plain)
-    for b in blocks:
-        remat.stage(b)
+    plain, blocks = _pair(Block, 4)
     x = torch.randn(8, D)
     _step(copy.deepcopy(blocks), x, 2**50)
     costs = remat.explain().costs
@@ -175,24 +193,13 @@ WHOLE_CHANGES = {
 
 
 @pytest.mark.parametrize("change", WHOLE_CHANGES)
-def test_a_stage_recorded_whole_changed_is_measured_again_on_the_next_call(change, monkeypatch):
+def test_a_stage_recorded_whole_changed_is_measured_again_on_the_next_call(change, measured):
     """At a budget that stores everything each stage is recorded whole, and its
     module is checked at the end of the call (Note [Stages recorded whole] in
     remat/running.py): the call after a change runs as recorded, exact; the one
     after it measures that stage again (and the stages after it), and no call
     after that does."""
-    from remat import measuring
-
-    measured = []
-    run = measuring.instrumented_run
-    monkeypatch.setattr(measuring, "instrumented_run", lambda call, *a, **kw: measured.append(call.index) or
-                        run(call, *a, **kw))
-    remat.clear_cache()
-    torch.manual_seed(0)
-    plain = nn.ModuleList(Block() for _ in range(4))
-    blocks = copy.deepcopy(plain)
-    for b in blocks:
-        remat.stage(b)
+    plain, blocks = _pair(Block, 4)
     x = torch.randn(8, D)
     for step in range(6):
         if step == 2:
@@ -227,16 +234,10 @@ class _Resharding(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def test_a_stage_held_otherwise_between_calls_is_not_measured_again(monkeypatch):
+def test_a_stage_held_otherwise_between_calls_is_not_measured_again(measured):
     """A stage recorded whole whose module looks changed at the call's end but is
     as recorded whenever it is called: checked as it is called from the next call
     on, and never measured again; gradients exact throughout."""
-    from remat import measuring
-
-    measured = []
-    run = measuring.instrumented_run
-    monkeypatch.setattr(measuring, "instrumented_run", lambda call, *a, **kw: measured.append(call.index) or
-                        run(call, *a, **kw))
     remat.clear_cache()
     torch.manual_seed(0)
     stages = [remat.stage(_Resharding()) for _ in range(3)]
@@ -279,12 +280,7 @@ def test_a_stage_recorded_whole_unfrozen_at_the_minimum_budget_keeps_running():
     exact, none warned of."""
     import warnings
 
-    remat.clear_cache()
-    torch.manual_seed(0)
-    plain = nn.ModuleList(_Residual() for _ in range(4))
-    blocks = copy.deepcopy(plain)
-    for b in blocks:
-        remat.stage(b)
+    plain, blocks = _pair(_Residual, 4)
     x = torch.randn(32, D)
     for net in (plain, blocks):
         net[-1].requires_grad_(False)
@@ -324,12 +320,7 @@ def test_a_stage_recorded_whole_that_starts_writing_a_buffer_is_measured_again()
     were off), as for a stage recomputed. Every call exact."""
     import warnings
 
-    remat.clear_cache()
-    torch.manual_seed(0)
-    plain = nn.ModuleList(_Observer() for _ in range(5))
-    blocks = copy.deepcopy(plain)
-    for b in blocks:
-        remat.stage(b)
+    plain, blocks = _pair(_Observer, 5)
     x = torch.randn(8, D, requires_grad=True)
     _step(copy.deepcopy(blocks), x, 2**40)
     low = int(minimum_budget(remat.explain().costs) * 1.2)
