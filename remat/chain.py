@@ -16,8 +16,8 @@ parameters' dtypes and requires_grad; the module of a stage the plan records
 whole at the call's end, Note [Stages recorded whole] in remat/running.py): if
 the chain takes another path, the rest of it is measured again and the
 recording replaced (a path changing from call to call is measured on every
-call: warned of, remat/running.py ``_path_changed``). At most ``CACHE_SIZE`` keys are kept (least recently used
-first out).
+call: warned of, remat/running.py ``_path_changed``). At most ``CACHE_SIZE``
+keys are kept (least recently used first out).
 """
 
 import collections

@@ -27,12 +27,12 @@ unsharded parameters after a forward). This call, run as recorded, is exact
 all the same, its peak off by the change, and the recording learns nothing
 from it of what the forward phase let go and kept (``Recording.ran``): a
 stage unfrozen since keeps its input, which would read as the code around
-the chain keeping it. A stage's identity and its input's signature are
-checked as it is called: they decide what stage this is, and so are the
-version counters of the buffers it did not write when measured (few, if
-any): a stage that starts writing one (an observer switched on) makes the
-next call measure again (``_new_writes``), before a budget that recomputes
-it can replay it from the buffer's value after its forward. A module changed
+the chain keeping it. Checked as it is called still: the stage's identity
+and its input's signature, which decide what stage this is, and the version
+counters of the buffers it did not write when measured (few, if any): a
+stage that starts writing one (an observer switched on) makes the next call
+measure again (``_new_writes``), before a budget that recomputes it can
+replay it from the buffer's value after its forward. A module changed
 inside the chain only around its own stage's call, and put back before the
 chain ends, is not seen (docs/limitations.md).
 """
