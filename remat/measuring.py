@@ -53,7 +53,9 @@ from torch.utils._pytree import tree_leaves
 
 from .leaves import GradPool, Upstream, grad_side_inputs, stage_leaves
 from .meter import Instrument, storage_key
-from .profile import Timer, backward_again, instrumented_run, saved_storages, timed_step, warm_cuda
+from .profile import instrumented_run, saved_storages
+from .stage_backward import backward_again
+from .timing import Timer, timed_step, warm_cuda
 from .replay import Replay, capture_rng, cuda_devices, restore_tensors
 from .runtime import _Saved
 from .stage_call import first

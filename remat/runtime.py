@@ -17,7 +17,7 @@ Note [The life of a saved tensor]
    recomputed tensor is let go as soon as the engine has unpacked it, so it
    lives until the node that uses it has run, as what autograd saves itself
    does (``_unpack``; the measuring call meters a stage's backward so,
-   remat/profile.py).
+   remat/stage_backward.py).
 3. When the engine is about to run the last node of stage i (the first of its
    backward: a pre-hook, ``Run.watch``), or else the first time it unpacks a
    handle of stage i whose anchor holds no saved tensors,
