@@ -79,7 +79,8 @@ def saved_storages(inst, saved, act, held_elsewhere):
     """{storage: bytes} of the distinct storages among a stage's ``saved`` tensors and
     its output ``act`` that the meter ``inst`` saw it make, less those ``held_elsewhere``
     (counted as held through the step instead, remat/measuring.py; the stage's backward
-    lets none of them go, ``_Releases`` in remat/stage_backward.py). saved_bytes is their sum, at least the output's."""
+    lets none of them go, ``_Releases`` in remat/stage_backward.py). saved_bytes is
+    their sum, at least the output's."""
     keys = {}
     for t in saved + [act]:
         key = storage_key(t)
