@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from remat.trials import MODELS, Clock, device_name, run_step  # noqa: E402
 
 # (the modules whose functions are timed; ``remat.chain`` is also the class's name)
-_chain = importlib.import_module("remat.chain")
+_chain = importlib.import_module("remat.chain_call")
 _stage_call = importlib.import_module("remat.stage_call")
 
 
@@ -86,8 +86,8 @@ def run_case(name, calls):
         step(method)
     timers = _Timers()
     timers.wrap(_stage_call.StageCall, "invoke", "invoke")
-    timers.wrap(_chain._Active, "call", "call")
-    timers.wrap(_chain._Active, "finish", "finish")
+    timers.wrap(_chain.ChainCall, "call", "call")
+    timers.wrap(_chain.ChainCall, "finish", "finish")
     forward, end, plain = [], [], []
     try:
         for _ in range(calls):

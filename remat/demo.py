@@ -13,7 +13,7 @@ import math
 import torch
 
 from .errors import BudgetError
-from .recording import explain
+from .explanation import explain
 from .schedule import simulate
 from .solve import minimum_budget, store_all
 from .trials import Clock, gpt_spec, measure_all, measure_costs, run_step

@@ -2,7 +2,7 @@
 remat/profile.py): the forward that counts, metered and backwarded
 (``instrumented_run``), the forward without recording that Fn and Fck cost, run
 4 for a stage whose gradient arrives in another layout, and which stages keep
-their saved tensors for the call's own backward. ``_Active`` (remat/chain.py)
+their saved tensors for the call's own backward. ``ChainCall`` (remat/chain_call.py)
 takes these methods; what it records for later calls to be checked against is
 read by remat/stage_check.py.
 
@@ -67,7 +67,7 @@ __all__ = ["StageMeasuring", "shared_grad_transients", "side_grads"]
 
 
 class StageMeasuring:
-    """The measuring half of ``_Active``: its state is set up by ``_Active``."""
+    """The measuring half of ``ChainCall``: its state is set up by ``ChainCall``."""
 
     def _measure_stage(self, call, ident, x):
         run, new, k = self.run, self.new, call.index

@@ -2,7 +2,7 @@
 the recording (Note [Chain keys], remat/chain.py) and run in its forward-phase
 mode of the plan (``Fall`` records whole; ``Fck`` and ``Fn`` run under the pack
 hooks of remat/runtime.py, keeping their input or not), and the recording's
-update at the end of the call. ``_Active`` (remat/chain.py) takes these
+update at the end of the call. ``ChainCall`` (remat/chain_call.py) takes these
 methods, as it takes the measuring ones of remat/measuring.py.
 
 Note [Stages recorded whole]
@@ -68,7 +68,7 @@ def site_text(site):
 
 
 class StageRunning:
-    """The running half of ``_Active``: its state is set up by ``_Active``."""
+    """The running half of ``ChainCall``: its state is set up by ``ChainCall``."""
 
     def _matches(self, k, ident, x, call):
         """Stage k is the one recorded, on a like input, made of the same submodules,

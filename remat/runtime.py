@@ -33,36 +33,27 @@ Note [The life of a saved tensor]
    stages out of chain order) or the run has no ops (a measuring call),
    stage i is rebuilt from the nearest held input below it. Slower, never
    wrong.
-5. Every recomputation replays RNG, autocast and in-place state (see
-   remat/replay.py), and its saved tensors are checked against what the
-   first forward saved (count, shape, dtype, device).
+5. Every recomputation (remat/recompute.py) replays RNG, autocast and
+   in-place state (remat/replay.py), and its saved tensors are checked
+   against what the first forward saved (count, shape, dtype, device).
 """
 
-import contextlib
-import threading
 import time
 import weakref
 
 import torch
 
-from .errors import RecomputeMismatchError, StageError
-from .replay import Replay, check_saved
+from .errors import StageError
+from .recompute import record_again, run_again
 
-__all__ = ["Run", "replaying", "RELEASES"]
+__all__ = ["Run", "RELEASES"]
 
 # Whether the engine says if the graph it runs is kept (torch >= 2.5, which remat
 # requires); without that, recomputed tensors would stay until their stage's backward ends.
 _keep_graph = getattr(getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", None)
 RELEASES = _keep_graph is not None
 
-_local = threading.local()
-
 FN, FCK, FALL, BWD = 0, 1, 2, 3
-
-
-def replaying():
-    """True while remat recomputes a stage on this thread (stages run plainly)."""
-    return getattr(_local, "replaying", False)
 
 
 class _Anchor:
@@ -85,27 +76,6 @@ class _Saved:
     def __init__(self, anchor, index):
         self.anchor = anchor
         self.index = index
-
-
-def _handle(leaf):
-    """What a recomputation that records is run on, given ``leaf``, a detached copy
-    of its input: ``leaf`` itself, or where it needs grad a view of it, which
-    ``_let_go`` leaves whole."""
-    if not leaf.requires_grad:
-        return leaf
-    # (recomputations run inside the engine, grad mode off, maybe in inference mode)
-    with torch.enable_grad(), _outside_inference():
-        return leaf.view_as(leaf)
-
-
-def _let_go(leaf):
-    """The recomputed graph's AccumulateGrad holds ``leaf``: a tensor of that graph
-    kept past B(i) (attention maps a hook collects) would keep a^(i-1) with it.
-    ``leaf`` lets go of its storage; what the stage kept of its input (the view
-    ``_handle`` gave it, saved tensors, detached) keeps it as long as it must."""
-    if leaf.requires_grad:
-        with _outside_inference():
-            leaf.data = leaf.data.new_empty(0)
 
 
 def _releasing():
@@ -140,54 +110,6 @@ def _unpack(handle):
     elif _releasing():
         saved[handle.index] = None
     return t
-
-
-@contextlib.contextmanager
-def _outside_vmap():
-    """Leave the vmap of a batched backward (``is_grads_batched=True``) while a
-    recomputation runs: its inputs and outputs are plain tensors, and under that
-    vmap random ops (dropout) are refused."""
-    inc = getattr(torch._C, "_vmapmode_increment_nesting", None)
-    if inc is None:
-        yield
-        return
-    dec = torch._C._vmapmode_decrement_nesting
-    level = inc() - 1
-    dec()
-    for _ in range(level):
-        dec()
-    try:
-        yield
-    finally:
-        for _ in range(level):
-            inc()
-
-
-def _outside_inference():
-    """A backward run under ``torch.inference_mode()`` (plain PyTorch allows it)
-    still needs a recomputation to record and to make tensors with version counters."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
-
-
-def hooks_disabled():
-    """The message ``disable_saved_tensors_hooks`` was given, where it is in force
-    (remat drops and recomputes saved tensors through those hooks), else None."""
-    autograd = torch._C._autograd
-    if hasattr(autograd, "_saved_tensors_hooks_is_enabled") and not autograd._saved_tensors_hooks_is_enabled():
-        return autograd._saved_tensors_hooks_get_disabled_error_message()
-    return None
-
-
-def _check_hooks(call):
-    """A recomputation collects saved tensors through saved-tensor hooks: a backward
-    run under ``disable_saved_tensors_hooks`` cannot have one."""
-    why = hooks_disabled()
-    if why is not None:
-        raise StageError(
-            f"remat: stage {call.index} ({call.name}) must be recomputed in this backward, which runs where "
-            f"saved-tensor hooks are disabled (by torch.autograd.graph.disable_saved_tensors_hooks: {why!r}); "
-            f"remat recomputes saved tensors through those hooks. Run the backward outside that context, "
-            f"or give the chain a budget that stores every stage")
 
 
 def _unchanged(anchor, x):
@@ -370,7 +292,7 @@ class Run:
         anchor = self._anchor(j)
         x = _unchanged(anchor, anchor.input)
         for i in range(j, k):
-            x = self._forward(self.calls[i], x, grad=False)
+            x = self._forward(self.calls[i], x)
         self._record(k, x)
 
     def _execute(self, code, i):
@@ -378,58 +300,21 @@ class Run:
             self._record(i, self._input(i))
             return
         anchor = self._anchor(i)
-        out = self._forward(self.calls[i], self._input(i), grad=False)
+        out = self._forward(self.calls[i], self._input(i))
         if code == FN and not (i > 1 and self.whole[i - 1]):
             anchor.input = None
         self._give(i + 1, out)
 
-    def _forward(self, call, x, grad):
-        """Run ``call`` again on ``x`` replaying its state; return its output (detached)."""
+    def _forward(self, call, x):
+        """Run ``call`` again on ``x`` without recording, replaying its state; return its
+        output (detached)."""
         clock = self.clock
-        if clock is None or grad:
-            return self._replay(call, x, grad)
+        if clock is None:
+            return run_again(call, x, False, self.autocast)
         t0 = time.perf_counter()
-        out = self._replay(call, x, grad)
+        out = run_again(call, x, False, self.autocast)
         clock.recomputed(call.index, time.perf_counter() - t0)
         return out
-
-    def _replay(self, call, x, grad):
-        if call.side:
-            call.check_side()
-        _local.replaying = True
-        try:
-            with _outside_vmap(), _outside_inference(), Replay(call, self.autocast):
-                if grad:
-                    return call.call(x)
-                leaf = None
-                if call.input_requires_grad and not x.requires_grad:
-                    # (as its forward had it: a stage may differentiate by it)
-                    leaf = x.detach().requires_grad_()
-                    x = _handle(leaf)
-                if call.grad_replay:
-                    _check_hooks(call)
-                    made = []   # (read only by a stage backwarding its own graph inside its forward)
-                    try:
-                        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                                lambda t: made.append(t) or len(made) - 1, made.__getitem__):
-                            out = call.call(x).detach()
-                    finally:
-                        made.clear()
-                    if leaf is not None:
-                        _let_go(leaf)
-                    return out
-                with torch.no_grad():
-                    return call.call(x).detach()
-        except (StageError, RecomputeMismatchError):
-            raise
-        except Exception as exc:
-            raise StageError(
-                f"remat: stage {call.index} ({call.name}) raised {type(exc).__name__} while being "
-                f"recomputed during backward: {exc}. It ran in the forward pass: make the stage a "
-                f"pure function of its inputs, parameters and RNG"
-            ) from exc
-        finally:
-            _local.replaying = False
 
     def _record(self, k, x):
         """Fall(k): recompute stage k recording, collect what autograd saves."""
@@ -442,26 +327,7 @@ class Run:
         clock.recorded(k, time.perf_counter() - t0)
 
     def _recorded(self, k, x):
-        call = self.calls[k]
-        saved = []
-        made = []   # as saved, for a stage that backwards its own graph inside its forward
-
-        def pack(t):
-            saved.append(t.detach() if t.requires_grad else t)
-            made.append(t)
-            return len(made) - 1
-
-        leaf = x.detach().requires_grad_(call.input_requires_grad)
-        inp = _handle(leaf)
-        _check_hooks(call)
-        try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, made.__getitem__):
-                out = self._forward(call, inp, grad=True)
-        finally:
-            made.clear()   # (the recomputed graph holds its hooks: no cycle through it)
-        out = out.detach()
-        _let_go(leaf)
-        check_saved(call, saved)
+        out, saved = record_again(self.calls[k], x, self.autocast)
         anchor = self._anchor(k)
         if anchor is None:
             return

@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .errors import StageError, input_modified
-from .runtime import hooks_disabled
+from .recompute import hooks_disabled
 
 __all__ = ["check_hooks_enabled", "check_output", "find_activation", "handed_on", "input_signature",
            "module_dicts", "module_structure", "same_structure", "signature", "signature_matches", "trained_as"]

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 from .chain import chain
 from .costs import Costs
 from .meter import Instrument
-from .recording import explain
+from .explanation import explain
 from .refine import SAMPLES
 
 __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "measure_all", "measure_costs",

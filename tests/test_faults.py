@@ -16,11 +16,12 @@ from hypothesis import given, strategies as st
 
 import remat
 from chains import IMG_KINDS, SEQ_KINDS, make_stage
-from remat.runtime import Run, replaying
+from remat.recompute import replaying
+from remat.runtime import Run
 from remat.schedule import Fall, simulate
 from remat.solve import minimum_budget, store_all
 
-_chain_module = sys.modules["remat.chain"]
+_chain_module = sys.modules["remat.chain_call"]
 D = 8
 # weak references to the storage of every activation a stage made (forward or recompute)
 _made = []
@@ -265,7 +266,7 @@ def test_retain_graph_twice(measured, fraction):
 
 def _saves_something(stage):
     """Whether the measuring call saw autograd save tensors for ``stage``."""
-    cache = sys.modules["remat.chain"]._cache
+    cache = _chain_module._cache
     for entry in cache.values():
         for ident, meta in zip(entry.idents, entry.meta):
             if ident() is stage:

@@ -14,7 +14,7 @@ from remat.meter import Instrument
 from remat.runtime import Run
 from remat.solve import minimum_budget
 
-_chain_module = sys.modules["remat.chain"]
+_chain_module = sys.modules["remat.chain_call"]
 
 
 class Block(nn.Module):
