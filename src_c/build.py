@@ -1,4 +1,4 @@
-"""cffi build script: compiles src_c/solver.c, minmemory.c and mintime.c into ``remat._solver``
+"""cffi build script: compiles src_c/solver.c, minmemory.c and mintime*.c into ``remat._solver``
 (out-of-line API mode; named by setup.py's ``cffi_modules``)."""
 
 import os
@@ -50,7 +50,8 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "remat._solver",
     '#include "solver.h"',
-    sources=[os.path.relpath(os.path.join(HERE, name)) for name in ("solver.c", "minmemory.c", "mintime.c")],
+    sources=[os.path.relpath(os.path.join(HERE, name))
+             for name in ("solver.c", "minmemory.c", "mintime.c", "mintime_table.c", "mintime_row.c")],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=["-O3", "-std=c99"] + OPENMP,
     extra_link_args=OPENMP,

@@ -1,5 +1,7 @@
 /* Shared between solver.c (entry point, schedule writer), minmemory.c (least
- * memory) and mintime.c (the least-time tables). Not part of the interface. */
+ * memory) and the least-time tables: mintime.c (their entry point),
+ * mintime_table.c (layout and fill order) and mintime_row.c (the row kernels),
+ * which also share mintime.h. Not part of the interface. */
 #ifndef REMAT_INTERNAL_H
 #define REMAT_INTERNAL_H
 
@@ -48,7 +50,7 @@ static inline ll fall_need(const problem *p, ll a, ll t)
 }
 
 /* Picks the branch at (a, t, m): 0 for Fall, 1 for a split at *j, -1 if none fits.
- * `drop`: a Fall(a) lets go of fd[a-1] of a^(a-1) (t = n only; Note [Drops]). */
+ * `drop`: a Fall(a) lets go of fd[a-1] of a^(a-1) (t = n only; mintime.c Note [Drops]). */
 typedef int (*remat_chooser)(const void *ctx, ll a, ll t, ll m, int drop, ll *j);
 
 /* Whether P(a+1, n) after Fall(a), and P(j, n) after Fn/Fck(j-1), drop their input. */

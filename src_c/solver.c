@@ -1,9 +1,9 @@
 /* The persistent dynamic program of remat (remat/solve.py Note [The recurrence]).
  *
  * The entry point checks every argument, then hands MIN_TIME to mintime.c
- * (Note [Tables] there) and MIN_MEMORY to minmemory.c. Both modes write their
- * schedule with remat_emit, which re-evaluates the branches along the
- * schedule's path only (no choice table), with an explicit stack.
+ * (mintime_table.c Note [Tables]) and MIN_MEMORY to minmemory.c. Both modes
+ * write their schedule with remat_emit, which re-evaluates the branches along
+ * the schedule's path only (no choice table), with an explicit stack.
  *
  * Note [Overflow]
  * ---------------
