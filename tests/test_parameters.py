@@ -1,10 +1,11 @@
-"""What happens to a stage's parameters, buffers and inputs between its forward
-and the recomputations of it in the backward (remat/replay.py Note [Replaying
-a stage] 5): swapped for the forward only (``torch.func.functional_call``),
-replaced between calls (``load_state_dict(assign=True)``), frozen mid-training,
-changed in place before the backward, stepped by an optimizer inside the
-backward. Each against plain PyTorch, bit for bit, or a clear error that leaves
-the next call exact."""
+"""Parameters, buffers and code paths other than those a stage was measured with,
+or than those its module holds by the backward (remat/replay.py Note [Replaying
+a stage] 5): swapped for the forward only (``torch.func.functional_call``,
+``parametrize.cached()``), replaced between calls
+(``load_state_dict(assign=True)``), frozen or unfrozen mid-training, cast to
+another dtype, a flag switching a stage's path or its buffer writes. The
+recomputations use what the forward used, and the chain measures again once
+what a stage saves has changed; each against plain PyTorch, bit for bit."""
 
 import contextlib
 import copy
@@ -16,75 +17,15 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import remat
+from chains import PosBlock, PosNet, assert_grads_equal, grads_of, pos_pair
 from remat.solve import minimum_budget
-
-
-class Block(nn.Module):
-    def __init__(self, d, bn=False):
-        super().__init__()
-        self.norm = nn.BatchNorm1d(d) if bn else nn.LayerNorm(d)
-        self.l1 = nn.Linear(d, 2 * d)
-        self.l2 = nn.Linear(2 * d, d)
-        self.drop = nn.Dropout(0.2)
-        self.bn = bn
-
-    @remat.stage
-    def forward(self, x, pos=None):
-        h = self.norm(x.transpose(1, 2)).transpose(1, 2) if self.bn else self.norm(x)
-        if pos is not None:
-            h = h + pos
-        return x + self.l2(self.drop(F.gelu(self.l1(h))))
-
-
-class Net(nn.Module):
-    def __init__(self, n=5, d=16, bn=False):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d, bn) for _ in range(n))
-        self.head = nn.Linear(d, 3)
-        self.budget = None
-
-    def forward(self, x, pos=None):
-        if self.budget is None:
-            for b in self.blocks:
-                x = b(x, pos)
-        else:
-            with remat.chain(budget=self.budget):
-                for b in self.blocks:
-                    x = b(x, pos)
-        return self.head(x)
-
-
-def _pair(bn=False, n=5):
-    """A model and its remat twin at the chain's minimum budget (every stage but the
-    last recomputed), the cache cleared after the probe that found it."""
-    torch.manual_seed(0)
-    ref = Net(n, bn=bn)
-    probe = copy.deepcopy(ref)
-    probe.budget = 2**40
-    probe(torch.randn(4, 8, 16)).sum().backward()
-    low = minimum_budget(remat.explain().costs)
-    remat.clear_cache()
-    net = copy.deepcopy(ref)
-    net.budget = low
-    return ref, net
-
-
-def _grads(model):
-    return [p.grad for p in model.parameters()]
-
-
-def _assert_equal(a, b):
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert torch.equal(x, y)
 
 
 def test_functional_call_with_other_parameters_gives_their_gradients():
     """The backward recomputes after ``functional_call`` has put the module's own
     parameters back: the recomputation must use the dict's (meta-learning, an EMA
     copy), as the forward did."""
-    ref, net = _pair()
+    ref, net = pos_pair()
     for step in range(4):
         x = torch.randn(4, 8, 16)
         out = []
@@ -97,7 +38,7 @@ def test_functional_call_with_other_parameters_gives_their_gradients():
             out.append((loss, grads))
         assert remat.explain().schedule.recomputations() > 0
         assert torch.equal(out[0][0], out[1][0])
-        _assert_equal(out[0][1], out[1][1])
+        assert_grads_equal(out[0][1], out[1][1])
     # the module's own parameters are in place after each backward
     for (name, a), b in zip(ref.named_parameters(), net.parameters()):
         assert isinstance(b, nn.Parameter) and torch.equal(a, b), name
@@ -106,7 +47,7 @@ def test_functional_call_with_other_parameters_gives_their_gradients():
 def test_buffers_replaced_between_calls_are_the_ones_put_back():
     """``load_state_dict(assign=True)`` (resuming from a checkpoint) gives BatchNorm new
     buffer tensors: recomputations must put back those, not the ones measured."""
-    ref, net = _pair(bn=True)
+    ref, net = pos_pair(bn=True)
     for step in range(4):
         if step == 2:
             state = copy.deepcopy(ref.state_dict())
@@ -118,7 +59,7 @@ def test_buffers_replaced_between_calls_are_the_ones_put_back():
             torch.manual_seed(step)
             model(x).square().mean().backward()
         assert remat.explain().schedule.recomputations() > 0
-        _assert_equal(_grads(ref), _grads(net))
+        assert_grads_equal(grads_of(ref), grads_of(net))
         for (name, a), b in zip(ref.named_buffers(), net.buffers()):
             assert torch.equal(a, b), name
 
@@ -127,7 +68,7 @@ def test_buffers_replaced_between_calls_are_the_ones_put_back():
 def test_freezing_a_stage_mid_training_measures_again(change):
     """A stage frozen (or unfrozen) since it was measured saves other tensors: the
     chain measures again from it, and the gradients stay plain PyTorch's."""
-    ref, net = _pair()
+    ref, net = pos_pair()
     if change == "unfreeze":
         for model in (ref, net):
             model.blocks[2].requires_grad_(False)
@@ -141,124 +82,7 @@ def test_freezing_a_stage_mid_training_measures_again(change):
             torch.manual_seed(step)
             model(x).square().mean().backward()
         assert remat.explain().schedule.recomputations() > 0
-        _assert_equal(_grads(ref), _grads(net))
-
-
-def _loss(model, x, pos=None):
-    torch.manual_seed(7)
-    return model(x, pos).square().mean()
-
-
-def _next_call_exact(ref, net):
-    x = torch.randn(4, 8, 16)
-    for model in (ref, net):
-        model.zero_grad(set_to_none=True)
-        _loss(model, x).backward()
-    _assert_equal(_grads(ref), _grads(net))
-
-
-@pytest.mark.parametrize("which", ["weight", "bias"])
-def test_parameter_changed_in_place_before_the_backward_is_an_error(which):
-    """A parameter changed in place between the forward and the backward: plain
-    PyTorch raises where autograd saved it (a weight) and gives the forward's
-    gradients where it did not (a bias); remat, which recomputes from the
-    parameter, cannot give those and says so, naming it. The next call is exact."""
-    ref, net = _pair()
-    for _ in range(2):   # measuring, then running the schedule
-        loss = _loss(net, torch.randn(4, 8, 16))
-        with torch.no_grad():
-            getattr(net.blocks[1].l1, which).add_(0.01)
-        with pytest.raises(remat.StageError, match=rf"parameter 'l1\.{which}' of stage 2 .*modified in place"):
-            loss.backward()
-        with torch.no_grad():
-            getattr(ref.blocks[1].l1, which).add_(0.01)
-    _next_call_exact(ref, net)
-
-
-def test_error_for_a_parameter_changed_in_place_leaves_the_slots_alone():
-    """The recomputation that finds ``l2.weight`` changed in place had already put the
-    forward's ``l1.weight`` (a ``functional_call`` tensor) in its slot: the error must
-    leave the module's own there."""
-    ref, net = _pair()
-    block = net.blocks[1]
-    own = block.l1.weight
-    for _ in range(2):   # measuring, then running the schedule
-        fast = {"blocks.1.l1.weight": (own * 1.5).detach().requires_grad_()}
-        torch.manual_seed(7)
-        loss = functional_call(net, fast, (torch.randn(4, 8, 16),)).square().mean()
-        with torch.no_grad():
-            block.l2.weight.add_(0.01)
-        with pytest.raises(remat.StageError, match=r"parameter 'l2\.weight' of stage 2 .*modified in place"):
-            loss.backward()
-        assert block.l1.weight is own
-        with torch.no_grad():
-            ref.blocks[1].l2.weight.add_(0.01)
-    _next_call_exact(ref, net)
-
-
-def test_side_input_changed_in_place_before_the_backward_is_an_error():
-    ref, net = _pair()
-    pos = torch.randn(8, 16)
-    loss = _loss(net, torch.randn(4, 8, 16), pos)   # measuring: keeps every stage input
-    loss.backward()
-    loss = _loss(net, torch.randn(4, 8, 16), pos)
-    pos.add_(1)
-    with pytest.raises(remat.StageError, match="side input of stage .* modified in place"):
-        loss.backward()
-    _next_call_exact(ref, net)
-
-
-def test_chain_input_changed_in_place_before_the_backward_is_an_error():
-    ref, net = _pair()
-    _loss(net, torch.randn(4, 8, 16)).backward()
-    x = torch.randn(4, 8, 16)
-    loss = _loss(net, x)
-    assert remat.explain().schedule.ops[0] == remat.Fck(1)
-    x.mul_(2)
-    with pytest.raises(remat.StageError, match="the chain's input was modified in place"):
-        loss.backward()
-    _next_call_exact(ref, net)
-
-
-def test_recomputation_leaves_batchnorm_version_counters_alone():
-    """BatchNorm's backward saves its running statistics, and autograd checks their
-    version counters: the writes remat puts back after a recomputation must not show
-    (a Fall stage of the same module would fail its backward otherwise)."""
-    ref, net = _pair(bn=True)
-    for step in range(3):
-        x = torch.randn(4, 8, 16)
-        for model in (ref, net):
-            model.zero_grad()
-            torch.manual_seed(step)
-            model(x).square().mean().backward()
-        _assert_equal(_grads(ref), _grads(net))
-        for a, b in zip(ref.buffers(), net.buffers()):
-            assert torch.equal(a, b) and a._version == b._version
-
-
-def test_optimizer_step_in_backward_runs_once_per_parameter():
-    """PyTorch's recipe for fusing the optimizer step into the backward (a
-    post-accumulate-grad hook per parameter): the measuring call's own stage
-    backwards are measurements and must not step; parameters stay plain's."""
-    ref, net = _pair()
-    counts = {}
-    for tag, model in (("ref", ref), ("net", net)):
-        opts = {p: torch.optim.Adam([p], lr=1e-2) for p in model.parameters()}
-
-        def hook(p, opts=opts, tag=tag):
-            opts[p].step()
-            opts[p].zero_grad()
-            counts[tag] = counts.get(tag, 0) + 1
-
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(hook)
-    for step in range(3):
-        x = torch.randn(4, 8, 16)
-        for model in (ref, net):
-            _loss(model, x).backward()
-        assert counts["ref"] == counts["net"]
-        for (name, a), b in zip(ref.named_parameters(), net.parameters()):
-            assert torch.equal(a, b), name
+        assert_grads_equal(grads_of(ref), grads_of(net))
 
 
 def test_stage_cast_to_another_dtype_measures_again():
@@ -289,18 +113,6 @@ def test_stage_cast_to_another_dtype_measures_again():
     assert all(p.grad.dtype == torch.float64 for s in stages for p in s.parameters())
 
 
-def test_freezing_between_the_forward_and_the_backward_is_named():
-    ref, net = _pair()
-    loss = _loss(net, torch.randn(4, 8, 16))
-    loss.backward()                       # (the measuring call)
-    loss = _loss(net, torch.randn(4, 8, 16))
-    net.blocks[1].requires_grad_(False)
-    with pytest.raises(remat.StageError, match=r"stage 2 .* frozen or unfrozen .*between the forward and the backward"):
-        loss.backward()
-    net.blocks[1].requires_grad_(True)
-    _next_call_exact(ref, net)
-
-
 @pytest.mark.parametrize("around", ["forward", "forward-and-backward"])
 def test_parametrization_cache_is_replayed(around):
     """Under ``parametrize.cached()`` a weight-normed weight shared by two stages is
@@ -310,7 +122,7 @@ def test_parametrization_cache_is_replayed(around):
     from torch.nn.utils import parametrize
     from torch.nn.utils.parametrizations import weight_norm
 
-    ref, net = _pair()
+    ref, net = pos_pair()
     for model in (ref, net):
         for b in model.blocks:
             weight_norm(b.l1)
@@ -333,9 +145,9 @@ def test_parametrization_cache_is_replayed(around):
                     loss.backward()
             if around == "forward":
                 loss.backward()
-            grads.append(_grads(model))
+            grads.append(grads_of(model))
             model.zero_grad()
-        _assert_equal(*grads)
+        assert_grads_equal(*grads)
     assert remat.explain().schedule.recomputations() > 0
 
 
@@ -349,7 +161,7 @@ def _flag_pair(block, flag):
     """A model of five ``block``s and its remat twin, at a budget just above the
     minimum of the chain with ``flag`` set on every block (not set yet)."""
     torch.manual_seed(0)
-    ref = Net()
+    ref = PosNet()
     ref.blocks = nn.ModuleList(block(16) for _ in range(5))
     probe = copy.deepcopy(ref)
     probe.budget = 2**40
@@ -361,7 +173,7 @@ def _flag_pair(block, flag):
     return ref, net
 
 
-class _Switch(Block):
+class _Switch(PosBlock):
     """A block whose path depends on a flag its forward reads (as fake quantization
     switched on after calibration): other tensors saved once it is set."""
 
@@ -389,9 +201,9 @@ def test_stage_taking_another_path_than_measured():
         for model in (ref, net):
             torch.manual_seed(call)
             model(torch.randn(4, 8, 16)).square().sum().backward()
-            grads.append(_grads(model))
+            grads.append(grads_of(model))
             model.zero_grad()
-        _assert_equal(*grads)
+        assert_grads_equal(*grads)
         assert remat.explain().schedule.recomputations() > 0
         if call == 0:
             first = remat.explain().costs
@@ -399,7 +211,7 @@ def test_stage_taking_another_path_than_measured():
             assert remat.explain().costs.saved_bytes != first.saved_bytes   # measured again
 
 
-class _Tracking(Block):
+class _Tracking(PosBlock):
     """A block that starts updating a buffer in place once a flag is set (an
     observer switched on after some steps), the update not read by its output."""
 
@@ -431,9 +243,9 @@ def test_stage_writing_a_buffer_it_did_not_write_when_measured():
             with pytest.warns(RuntimeWarning, match="did not write when measured") if (
                     call == 2 and model is net) else contextlib.nullcontext():
                 model(x).square().sum().backward()
-            grads.append(_grads(model))
+            grads.append(grads_of(model))
             model.zero_grad()
-        _assert_equal(*grads)
+        assert_grads_equal(*grads)
         assert remat.explain().schedule.recomputations() > 0
         for a, b in zip(ref.blocks, net.blocks):
             assert torch.equal(a.peak, b.peak), call
