@@ -10,7 +10,7 @@ import torch
 from torch.func import functional_call
 
 import remat
-from chains import assert_grads_equal, grads_of, pos_pair
+from blocks import assert_grads_equal, grads_of, pos_pair
 
 
 def _loss(model, x, pos=None):

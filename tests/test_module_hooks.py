@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from chains import assert_blocks_same, block_budgets, block_net, train_blocks
+from blocks import assert_blocks_same, block_budgets, block_net, train_blocks
 
 
 @pytest.mark.parametrize("pre", [False, True])

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 import remat
-from chains import BlockNet, LnBlock, assert_blocks_same, block_budgets, block_net, train_blocks
+from blocks import BlockNet, LnBlock, assert_blocks_same, block_budgets, block_net, train_blocks
 
-chain_module = importlib.import_module("remat.chain")
+chain_module = importlib.import_module("remat.chain_call")
 
 
 @pytest.mark.parametrize("kind", ["spectral", "spectral_hook", "weight_norm", "counting"])

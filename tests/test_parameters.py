@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import remat
-from chains import PosBlock, PosNet, assert_grads_equal, grads_of, pos_pair
+from blocks import PosBlock, PosNet, assert_grads_equal, grads_of, pos_pair
 from remat.solve import minimum_budget
 
 

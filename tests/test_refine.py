@@ -245,7 +245,7 @@ def test_recording_recomputations_count_in_the_forward_time(monkeypatch):
     pack hooks, the determinism guard: slowed here): a stage's refined forward time
     is the mean of that run and its forward-phase run, so that the schedule that
     ran both is charged their sum (Note [Timing the second call], 3)."""
-    import remat.runtime as runtime
+    import remat.recompute as recompute
 
     remat.clear_cache()
     call = _sleepy_chain(0.0, 0.0)
@@ -253,13 +253,13 @@ def test_recording_recomputations_count_in_the_forward_time(monkeypatch):
     remat.clear_cache()
     call(least)   # measuring
     slow = 0.02
-    check = runtime.check_saved
+    check = recompute.check_saved
 
     def slow_check(*args):
         time.sleep(slow)
         return check(*args)
 
-    monkeypatch.setattr(runtime, "check_saved", slow_check)
+    monkeypatch.setattr(recompute, "check_saved", slow_check)
     second = call(least)
     ops = second.schedule.ops
     recorded = {op.stage for op in ops[ops.index(remat.Loss):] if isinstance(op, remat.Fall)}

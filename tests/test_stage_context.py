@@ -14,7 +14,7 @@ import torch.nn as nn
 import remat
 from remat.solve import minimum_budget
 
-chain_module = importlib.import_module("remat.chain")
+chain_module = importlib.import_module("remat.chain_call")
 
 
 def test_chain_inside_torch_func_transforms_runs_plainly():
