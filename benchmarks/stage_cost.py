@@ -10,8 +10,8 @@ Writes benchmarks/results/stage_cost.json and prints a table.
 Step times on a shared 2-core machine drift by 10-30% from minute to minute,
 so the step-time ratio of runtime_overhead.py (a) needs many pairs to resolve
 a 1% difference. This measures remat's share directly instead: timers wrap
-``StageCall.invoke`` (the stage's own code), ``_Active.call`` (one stage call
-inside a chain, remat's checks included) and ``_Active.finish`` (the chain's
+``StageCall.invoke`` (the stage's own code), ``ChainCall.call`` (one stage call
+inside a chain, remat's checks included) and ``ChainCall.finish`` (the chain's
 end), and remat's time in a call is the calls less the invokes, plus the end.
 The timers add about 1 µs a stage of their own. What this leaves out: the
 ``with remat.chain`` entry (``_begin``, once per call) and remat's work in the
