@@ -1,5 +1,5 @@
-"""What the measuring call of a chain learned (``Recording``), the plans
-solved from it, and ``explain()`` to show them to a person.
+"""What the measuring call of a chain learned (``Recording``) and the plans
+solved from it (shown to a person by ``explain()``, remat/explanation.py).
 
 Note [The chain's output]
 -------------------------
