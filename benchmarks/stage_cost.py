@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from remat.trials import MODELS, Clock, device_name, run_step  # noqa: E402
 
-# (the modules whose functions are timed; ``remat.chain`` is also the class's name)
+# (the modules whose functions are timed)
 _chain = importlib.import_module("remat.chain_call")
 _stage_call = importlib.import_module("remat.stage_call")
 

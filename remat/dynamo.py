@@ -9,7 +9,7 @@ Note [Compiled code in a stage]
 A stage may be or call code compiled with torch.compile (remat.stage(
 torch.compile(block)), a compiled function inside a stage). Inside a chain
 remat runs every stage with Dynamo's stance ``force_eager`` (``StageCall.invoke``
-in remat/runtime.py): compiled code runs eagerly, unseen by Dynamo. Run
+in remat/stage_call.py): compiled code runs eagerly, unseen by Dynamo. Run
 otherwise, Dynamo met the compiled frame first under the measuring call's
 storage meter, a dispatch mode it does not support, and gave up on that
 frame's code for good: the block, and every block of its class, was never

@@ -363,7 +363,7 @@ def side_grads(call, x):
     ``.grad``), after the chain's: held through the chain's backward, like a shared
     parameter's, counted once in held_bytes. What each stage adds into it is in that
     stage's bwd_tmp: the measured backward takes it at the side input's edge
-    (remat/profile.py, ``instrumented_run``), as it comes out of the stage, summed
+    (``run_backward``, remat/stage_backward.py), as it comes out of the stage, summed
     over the stage's own uses of it (two in an attention: keys and values)."""
     return {("side", id(a)): a.numel() * a.element_size() for a in grad_side_inputs(call, x)}
 

@@ -199,7 +199,7 @@ def _backward(out, grad, x, params, grads, side=()):
 
 
 def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=()):
-    """Run 4 of Note [Measuring a stage]: bwd_time and bwd_tmp of a stage measured
+    """Run 4 of Note [Measuring a stage] (remat/profile.py): bwd_time and bwd_tmp of a stage measured
     again, its output's gradient laid out with strides ``layout``, on a fresh
     forward of a detached copy of its input from the RNG and in-place state it
     started from (put back after). This backward frees the graph as it goes, as

@@ -39,8 +39,8 @@ class Timer:
 
 def warm_cuda(devices):
     """Make CUDA's lazy, once-per-process set-up happen before a stage is measured
-    on ``devices``, not inside it (Note [Measuring a stage]): the cuBLAS handles and
-    workspaces of the calling thread and of the engine's backward thread (32 MiB
+    on ``devices``, not inside it (Note [Measuring a stage], remat/profile.py):
+    the cuBLAS handles and workspaces of the calling thread and of the engine's backward thread (32 MiB
     each on an H100, held for good, which the allocator's peak would count as the
     first stage's transient memory), and the loading of the GEMM kernels (seconds,
     which its time would count). A small Linear forward and backward, per device,
@@ -58,8 +58,9 @@ def warm_cuda(devices):
 
 
 def timed_step(call, x, cuda, rng0, state):
-    """Forward and backward times on a detached copy, on CUDA (Note [Measuring a stage]):
-    the lesser of two runs, the first of which may still load kernels."""
+    """Forward and backward times on a detached copy, on CUDA (Note [Measuring a
+    stage], remat/profile.py): the lesser of two runs, the first of which may
+    still load kernels."""
     first = _timed_step(call, x, cuda, rng0, state)
     second = _timed_step(call, x, cuda, rng0, state)
     return min(first[0], second[0]), min(first[1], second[1])

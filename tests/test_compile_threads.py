@@ -13,7 +13,7 @@ Findings (see docs/hostile-input.md):
 * A compiled function called inside a stage is bitwise plain.
 * ``remat.stage(torch.compile(block))`` is a stage with exact gradients; inside
   a chain it runs eagerly and stays compilable outside (Note [Compiled code in
-  a stage] in remat/runtime.py).
+  a stage] in remat/dynamo.py).
 """
 
 import copy

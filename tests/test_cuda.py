@@ -109,7 +109,7 @@ def test_allocator_peak_under_budget_and_close_to_prediction(kinds, fraction):
 def test_first_chain_in_a_process_is_measured_warm():
     """In a fresh process, the first stage measured on CUDA does not carry CUDA's
     once-per-process set-up (cuBLAS workspaces, kernel loading): identical stages
-    get nearly the same memory and time (profile.warm_cuda, the lesser of two timed runs)."""
+    get nearly the same memory and time (timing.warm_cuda, the lesser of two timed runs)."""
     code = textwrap.dedent("""
         import json, torch, torch.nn as nn, remat
 

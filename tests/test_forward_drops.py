@@ -243,7 +243,7 @@ class Remembering(nn.Module):
 
 def test_stage_keeping_its_input_keeps_it_whole_after_a_recomputation():
     """A recomputation lets its copy of the input go once its graph is built (the
-    graph's AccumulateGrad would hold it: runtime._let_go); a stage that kept that
+    graph's AccumulateGrad would hold it: recompute._let_go); a stage that kept that
     input still has it, with the values plain PyTorch's kept."""
     torch.manual_seed(0)
     base = Net(["linear"] * 5)
