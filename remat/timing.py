@@ -40,11 +40,11 @@ class Timer:
 def warm_cuda(devices):
     """Make CUDA's lazy, once-per-process set-up happen before a stage is measured
     on ``devices``, not inside it (Note [Measuring a stage], remat/profile.py):
-    the cuBLAS handles and workspaces of the calling thread and of the engine's backward thread (32 MiB
-    each on an H100, held for good, which the allocator's peak would count as the
-    first stage's transient memory), and the loading of the GEMM kernels (seconds,
-    which its time would count). A small Linear forward and backward, per device,
-    once; it draws no random numbers."""
+    the cuBLAS handles and workspaces of the calling thread and of the engine's
+    backward thread (32 MiB each on an H100, held for good, which the allocator's
+    peak would count as the first stage's transient memory), and the loading of
+    the GEMM kernels (seconds, which its time would count). A small Linear
+    forward and backward, per device, once; it draws no random numbers."""
     for d in devices:
         if d in _warm:
             continue
