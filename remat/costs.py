@@ -177,7 +177,13 @@ class Costs:
             raise CostsError(f"remat: {path} is not valid JSON ({exc}); delete it to measure again") from None
         except OSError as exc:
             raise CostsError(f"remat: cannot read costs from {path}: {exc}; give the path of a JSON file") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except CostsError as exc:   # (the record's own checks: said with the file it came from)
+            why = str(exc).removeprefix("remat: ")
+            if "delete the file" not in why:
+                why += "; delete the file to measure again, or correct that value"
+            raise CostsError(f"remat: costs file {path}: {why}") from None
 
     def table(self):
         """A per-stage table a person can read."""

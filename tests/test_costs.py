@@ -98,3 +98,32 @@ def test_costs_file_of_a_wider_model_with_the_same_sizes_is_refused(tmp_path):
     assert all(p.grad is None for layer in wide for p in layer.parameters())
     os.remove(path)
     assert costs_file_step(wide, path) is not None
+
+
+def test_costs_file_with_a_bad_value_names_the_file(tmp_path):
+    """A costs file that is valid JSON but holds a bad value (a hand edit, another
+    remat's format) is refused with its path and the fix, from ``Costs.load`` and
+    from a chain reading it; the chain runs again once the file is gone."""
+    import json
+    import os
+
+    import torch.nn as nn
+
+    import remat
+
+    path = str(tmp_path / "costs.json")
+    layers = [remat.stage(nn.Linear(16, 16)) for _ in range(3)]
+    costs_file_step(layers, path)
+    with open(path) as fh:
+        data = json.load(fh)
+    data["saved_bytes"][1] = -7
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+    message = rf"costs file {path}: Costs.saved_bytes\[1\] \(stage 2\) is -7; .*delete the file to measure again"
+    with pytest.raises(CostsError, match=message):
+        Costs.load(path)
+    remat.clear_cache()
+    with pytest.raises(CostsError, match=message):
+        costs_file_step(layers, path)
+    os.remove(path)
+    assert costs_file_step(layers, path) is not None
