@@ -20,6 +20,14 @@ def main(argv=None):
         return 2
 
 
+def _folder(parser, path, flag):
+    """Make ``flag``'s folder ``path`` now, before anything is measured, or a usage error."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"{flag} {path!r}: cannot make that folder ({exc.strerror or exc})")
+
+
 def _device(parser, text):
     """``--device`` as a torch.device, or a usage error that says what is wrong."""
     import torch
@@ -41,14 +49,14 @@ def _main(argv=None):
 
     demo = sub.add_parser("demo", help="train a model under a budget; compare with plain PyTorch and checkpoint_sequential")
     demo.add_argument("--model", default="gpt", help="gpt (default), gpt-tiny or gpt-medium")
-    demo.add_argument("--budget", default="40%", help="a size (6MiB) or a share of storing everything (40%%)")
+    demo.add_argument("--budget", default="40%", help="a size (6MiB), auto, or a share of storing everything (40%%)")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--steps", type=int, default=12)
     demo.add_argument("--no-progress", action="store_true")
 
     exp = sub.add_parser("explain", help="measure a model, print per-stage costs and the schedule, plot them")
     exp.add_argument("--model", default="gpt", help="gpt (default), gpt-tiny or gpt-medium")
-    exp.add_argument("--budget", default="40%", help="a size (6MiB) or a share of storing everything (40%%)")
+    exp.add_argument("--budget", default="40%", help="a size (6MiB), auto, or a share of storing everything (40%%)")
     exp.add_argument("--device", default="cpu")
     exp.add_argument("--plot", metavar="DIR", help="save timeline.png and tradeoff.png there (needs matplotlib)")
 
@@ -74,6 +82,8 @@ def _main(argv=None):
             parser.error("--budgets must be at least 2 (the sweep runs from the minimum to store-all)")
         if args.steps < 1:
             parser.error("--steps must be at least 1")
+        if args.out is not None:   # (before measuring, as --plot)
+            _folder(parser, args.out, "--out")
         write_bench(args.model, device, args.steps, args.budgets, args.out)
         return 0
     if args.command == "explain":
@@ -82,7 +92,7 @@ def _main(argv=None):
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
         if args.plot is not None:   # (before measuring: the folder is checked first)
-            os.makedirs(args.plot, exist_ok=True)
+            _folder(parser, args.plot, "--plot")
         explain_model(args.model, args.budget, device, args.plot)
         return 0
     if args.command == "demo":

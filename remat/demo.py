@@ -12,12 +12,13 @@ import math
 
 import torch
 
+from .budget import parse_budget, resolve_budget
 from .errors import BudgetError
 from .explanation import explain
 from .schedule import simulate
 from .solve import minimum_budget, store_all
 from .trials import Clock, gpt_spec, measure_all, measure_costs, run_step
-from .units import format_bytes, parse_bytes
+from .units import format_bytes
 
 __all__ = ["run_demo", "explain_model", "MODELS"]
 
@@ -30,11 +31,12 @@ MODELS = {
 
 
 def parse_demo_budget(text):
-    """A demo budget's text as ("share", fraction of storing everything) or
-    ("bytes", n); a malformed one raises ``BudgetError`` (before anything is measured)."""
+    """A demo budget's text as ("share", fraction of storing everything), or as
+    ``remat.chain`` takes it ("bytes", an int of bytes or "auto"); a malformed one
+    raises ``BudgetError`` (before anything is measured)."""
     text = str(text).strip()
     if not text.endswith("%"):
-        return "bytes", parse_bytes(text)
+        return "bytes", parse_budget(text)
     try:
         share = float(text[:-1])
     except ValueError:
@@ -42,14 +44,17 @@ def parse_demo_budget(text):
     if not 0 < share < math.inf:
         raise BudgetError(f"remat: a budget of {text!r}: a share of storing everything is a positive "
                           f"number of percent, e.g. 40%")
+    if share > 100:
+        raise BudgetError(f"remat: a budget of {text!r}: 100% already stores everything; ask for 100% or less")
     return "share", share / 100
 
 
-def resolve_demo_budget(text, costs):
-    """Bytes for a demo budget: a size ("6MiB"), or a share of storing everything ("50%")."""
+def resolve_demo_budget(text, costs, device):
+    """Bytes for a demo budget: a size ("6MiB"), "auto" (``device``'s free memory less
+    a margin), or a share of storing everything ("50%")."""
     kind, value = parse_demo_budget(text)
     if kind == "bytes":
-        return value
+        return resolve_budget(value, device)
     full = simulate(costs, store_all(costs.length)).peak
     least = minimum_budget(costs)
     budget = int(value * full)
@@ -85,7 +90,7 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
 
     # remat's costs give the budget in bytes (a measuring call on a copy)
     costs = measure_costs(base, spec, 0, device)
-    budget_bytes = resolve_demo_budget(budget, costs)
+    budget_bytes = resolve_demo_budget(budget, costs, device)
 
     bar = tqdm(total=2 + timed + 2, desc="remat demo", disable=not progress, leave=False)
     # checkpoint_sequential: its fastest segment count whose peak fits the budget
@@ -146,7 +151,7 @@ def explain_model(model="gpt", budget="40%", device="cpu", plot_dir=None, out=pr
     device = torch.device(device)
     torch.manual_seed(0)
     net = spec[0]().to(device)
-    budget_bytes = resolve_demo_budget(budget, measure_costs(net, spec, 0, device))
+    budget_bytes = resolve_demo_budget(budget, measure_costs(net, spec, 0, device), device)
     run_step(net, spec, ("remat", (budget_bytes, "optimal")), spec[1](1, device), Clock(None, device))
     info = explain()
     out(str(info))

@@ -44,8 +44,8 @@ def test_command_line_bad_budget_is_one_line():
 
 
 def test_command_line_bad_flags_are_one_line(tmp_path):
-    """Malformed shares, devices, sweep sizes and plot folders are refused in one line
-    before anything is measured (usage errors exit 2 through argparse)."""
+    """Malformed shares, devices, sweep sizes and plot and output folders are refused
+    in one line before anything is measured (usage errors exit 2 through argparse)."""
     from remat.__main__ import main
 
     blocked = tmp_path / "file"
@@ -58,6 +58,9 @@ def test_command_line_bad_flags_are_one_line(tmp_path):
         (["explain", "--plot", str(blocked / "sub")], "Not a directory"),
         (["bench", "--model", "tiny", "--budgets", "1"], "--budgets must be at least 2"),
         (["bench", "--model", "tiny", "--steps", "0"], "--steps must be at least 1"),
+        (["bench", "--model", "tiny", "--out", str(blocked)], "--out"),   # (a file: said before the benchmark runs)
+        (["demo", "--budget", "1e300%"], "100% already stores everything"),
+        (["explain", "--budget", "0.5"], "budget must be positive, got '0.5'"),   # (as remat.chain says it)
     ]
     for argv, says in cases:
         err = io.StringIO()
@@ -72,3 +75,16 @@ def test_command_line_bad_flags_are_one_line(tmp_path):
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
             main(["demo", "--device", "cuda"])
         assert "no usable CUDA" in err.getvalue()
+
+
+def test_demo_budget_auto_is_the_free_memory(monkeypatch):
+    """The demo and explain take "auto" as remat.chain does: the device's free memory
+    less its margin."""
+    import remat.budget as budget
+    from remat.costs import Costs
+    from remat.demo import resolve_demo_budget
+
+    monkeypatch.setattr(budget, "free_memory", lambda device: 10**9)
+    cpu = torch.device("cpu")
+    assert resolve_demo_budget(" auto", Costs.uniform(3), cpu) == int(10**9 * (1 - budget.AUTO_MARGIN))
+    assert resolve_demo_budget("2MiB", Costs.uniform(3), cpu) == 2**21
