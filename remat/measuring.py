@@ -46,7 +46,6 @@ next two calls' own times then replace the shared ones (remat/refine.py).
 """
 
 import warnings
-import weakref
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -203,7 +202,7 @@ class StageMeasuring:
                 twin.register(k)
         if k == 1:
             new.input_bytes = x.untyped_storage().nbytes()
-        new.idents.append(weakref.ref(ident))
+        new.add_ident(ident)
         new.names.append(call.name)
         dicts = module_dicts(ident)
         new.dicts.append(dicts)

@@ -68,11 +68,25 @@ from .refine import SAMPLES, combine
 from .runtime import BWD, FALL, FCK, FN, _releasing
 from .schedule import B, Fall, Fck, Fn, Loss
 from .solve import solve
+from .tensor_slots import NO_SLOTS
 from .units import format_bytes
 
 __all__ = ["Recording"]
 
 _CODES = {Fn: FN, Fck: FCK, Fall: FALL, B: BWD}
+
+
+def _stage_gone(recording, i):
+    """The callback of the weak reference to stage i+1's object. The recording holds
+    that stage module's ``__dict__``, ``_parameters`` and ``_buffers`` (to check them
+    on later calls, remat/stage_check.py): a model deleted while its recording stayed
+    cached kept its weights, up to ``CACHE_SIZE`` models' of them. No call can match
+    a stage that is gone (its object is checked first), so it lets them go."""
+    def gone(_ref):
+        rec = recording()
+        if rec is not None and i < len(rec.slots):
+            rec.dicts[i], rec.structures[i], rec.slots[i] = (), None, NO_SLOTS
+    return gone
 
 
 def _ranges(stages):
@@ -120,6 +134,11 @@ class Recording:
         self._held_costs = None  # (costs, the same with a^L held) for planning_costs
         self._quiet = {}         # stage -> ``quiet``'s answer
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
+
+    def add_ident(self, ident):
+        """Note the next stage's object, weakly: once it is gone, so are its module's
+        dicts from this recording (``_stage_gone``)."""
+        self.idents.append(weakref.ref(ident, _stage_gone(weakref.ref(self), len(self.idents))))
 
     def quiet(self, k):
         """The indices, among stage k's slots (``slots``), of the buffers it did not

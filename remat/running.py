@@ -109,7 +109,9 @@ class StageRunning:
         """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
         old = self.entry
         new = Recording()
-        for attr in ("idents", "names", "in_sigs", "dicts", "structures", "meta", "uses_rng", "generators",
+        for ref in old.idents[:k - 1]:
+            new.add_ident(ref())
+        for attr in ("names", "in_sigs", "dicts", "structures", "meta", "uses_rng", "generators",
                      "grad_replay", "state", "reads_state", "held", "slots", "grads", "autocasts"):
             setattr(new, attr, list(getattr(old, attr)[:k - 1]))
         new.rows = rows_of(old.costs, k - 1)

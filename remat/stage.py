@@ -46,14 +46,16 @@ class _StageForward:
     __slots__ = ("module", "inner")
 
     def __init__(self, module, inner=None):
-        self.module = module
+        # (weakly: the module's __dict__ holds this, and a chain's recording holds that
+        # dict; a strong reference back kept a deleted model alive while it was cached)
+        self.module = weakref.ref(module)
         self.inner = inner
 
     def __reduce__(self):
-        return (_StageForward, (self.module, self.inner))
+        return (_StageForward, (self.module(), self.inner))
 
     def __call__(self, *args, **kwargs):
-        module = self.module
+        module = self.module()
         # (a bound method made directly: torch 2.5's dynamo fails to trace a function's __get__)
         forward = self.inner if self.inner is not None else types.MethodType(type(module).forward, module)
         current = _active()

@@ -156,6 +156,46 @@ def test_recordings_of_dropped_models_are_evicted_first():
     remat.clear_cache()
 
 
+class _Chained(nn.Sequential):
+    def forward(self, x):
+        with remat.chain(budget=2**30):
+            return super().forward(x)
+
+
+@pytest.mark.parametrize("marking", ["method", "instance", "wrap"])
+def test_deleted_models_weights_are_freed_while_their_recording_is_cached(marking):
+    """A model deleted after training frees its parameters at once (two garbage
+    collections), though its chain's recording is still cached: the recording held
+    each stage module's dicts, and with them its weights (a stage marked in place
+    held the module too, from its __dict__), until evicted or the cache cleared."""
+    remat.clear_cache()
+    torch.manual_seed(0)
+    if marking == "method":
+        model = Model(n=3, d=16, budget=2**30)
+    else:
+        plain = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)]
+        if marking == "instance":
+            for block in plain:
+                remat.stage(block)
+            del block
+            model = _Chained(*plain)
+        else:
+            model = nn.Sequential(*plain)
+            remat.wrap(model, list(model), budget=2**30)
+    for _ in range(2):
+        model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    weights = [weakref.ref(p) for p in model.parameters()]
+    assert len(_chain_module._cache) == 1
+    del model
+    if marking != "method":
+        del plain
+    gc.collect()
+    gc.collect()   # (what a weak reference's callback let go of, in cycles)
+    assert len(_chain_module._cache) == 1 and all(w() is None for w in weights), \
+        f"{sum(w() is not None for w in weights)} of {len(weights)} parameters kept by remat's cache"
+    remat.clear_cache()
+
+
 def test_many_budgets_keep_few_plans():
     """Solving one chain for many budgets keeps a bounded number of plans."""
     remat.clear_cache()
