@@ -98,10 +98,12 @@ class chain:
             where = (f"inside stage {current.k} of the open chain, whose inner stages "
                      f"then run as its plain code (mark the inner blocks as the outer chain's stages "
                      f"instead, to have them managed)" if current.in_stage else
-                     "between the open chain's stages, whose stages then join it")
+                     "between the open chain's stages, whose stages then join it" if current.k else
+                     "before the open chain's first stage, whose stages then join it")
+            nested = getattr(self, "nested_hint", None) or getattr(current.spec, "nested_hint", None)
             raise StageError(
                 f"remat: chains cannot be nested; a chain is already open on this thread. Remove the "
-                f"inner remat.chain ({where}) or close the outer one first"
+                f"inner remat.chain ({where}) or close the outer one first" + (f". {nested}" if nested else "")
             )
         site = self._site
         if site is None:

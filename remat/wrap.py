@@ -19,9 +19,11 @@ Note [Wrapping a model]
    with gradient, as extra outputs. A recomputation would append them a
    second time, and extra outputs of a stage may not carry gradient. So
    while grad is enabled a wrapped model whose forward takes ``use_cache``
+   (by name, or through ``**kwargs`` where the model has a ``config.use_cache``)
    is called with ``use_cache=False``; passing ``use_cache=True`` then is an
-   error. Under ``torch.no_grad()`` (generation) stages run plainly and
-   ``use_cache`` passes through untouched.
+   error, and so is a cache given as ``past_key_values``. Under
+   ``torch.no_grad()`` (generation) stages run plainly and ``use_cache``
+   passes through untouched.
 4. ``unwrap`` deletes both kinds of instance attribute, putting back an
    instance ``forward`` the model had before ``wrap``: the model is then the
    object it was, with the same state dict.
@@ -53,12 +55,13 @@ class _WrappedForward:
         self.marked = marked        # the blocks wrap marked (unwrap unmarks only these)
         self.previous = previous    # the model's instance forward before wrap, or None
         params = inspect.signature(original).parameters
-        self.cache_at = None        # position of a use_cache parameter, -1 if keyword-only
-        if "use_cache" in params:
-            names = list(params)
-            kind = params["use_cache"].kind
-            positional = kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            self.cache_at = names.index("use_cache") if positional else -1
+        self.cache_at = _position(params, "use_cache")   # None, or -1 if keyword-only
+        if self.cache_at is None and any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()) \
+                and hasattr(getattr(model, "config", None), "use_cache"):
+            # (a transformers model whose forward takes use_cache through **kwargs, or a
+            # user's forward(**batch) around one: it reaches the model that makes the cache)
+            self.cache_at = -1
+        self.past_at = _position(params, "past_key_values")
 
     @property
     def __signature__(self):
@@ -71,6 +74,14 @@ class _WrappedForward:
             raise _checkpointing_on(self.kind, " since remat.wrap")
         if self.cache_at is not None:
             args, kwargs = self._without_cache(args, kwargs)
+        at = self.past_at
+        past = args[at] if at is not None and 0 <= at < len(args) else kwargs.get("past_key_values")
+        if past is not None:
+            raise StageError(
+                "remat: a wrapped model was given past_key_values while grad is enabled; its blocks add "
+                "this call's keys and values to that cache, and every run of a block (remat measures and "
+                "recomputes them) would add them again. Train without a cache, or call remat.unwrap(model) "
+                "for the steps that need one; under torch.no_grad() the model runs plainly")
         with self.spec:
             return self.original(*args, **kwargs)
 
@@ -91,6 +102,16 @@ class _WrappedForward:
                 "torch.no_grad(), where the model runs plainly"
             )
         return args, kwargs
+
+
+def _position(params, name):
+    """The position of parameter ``name`` among ``params``, -1 if keyword-only, None if absent."""
+    param = params.get(name)
+    if param is None:
+        return None
+    if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return list(params).index(name)
+    return -1 if param.kind == inspect.Parameter.KEYWORD_ONLY else None
 
 
 def _checkpointing_on(kind, when=""):
@@ -205,6 +226,10 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
     spec = chain(budget=budget, algorithm=algorithm, slots=slots, costs=costs)
     spec.empty_hint = (f"remat.wrap: the forward of this {type(model).__name__} called none of the "
                        f"{len(blocks)} blocks given; pass the blocks it calls, e.g. model.transformer.h")
+    spec.nested_hint = ("remat.wrap opens a chain in the forward of each model it wraps, so a wrapped model "
+                        "cannot run inside another: wrap the inner models side by side instead (an "
+                        "encoder-decoder: remat.wrap(model.encoder, encoder layers) and "
+                        "remat.wrap(model.decoder, decoder layers)), each a chain of its own")
     marked, seen = [], set()
     for block in blocks:
         if id(block) in seen:

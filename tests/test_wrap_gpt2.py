@@ -253,3 +253,63 @@ def test_gpt2_with_transformers_checkpointing_on_is_refused(gpt2_setup):
         train_gpt2(model, steps=1)
     model.gradient_checkpointing_disable()
     assert_same(ref, train_gpt2(model))
+
+
+class _Batch(torch.nn.Module):
+    """A user's model around GPT-2 whose forward takes the batch as **kwargs."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+        self.config = hf.config
+
+    def forward(self, **batch):
+        return self.hf(**batch)
+
+
+@needs_transformers
+def test_gpt2_use_cache_through_kwargs_is_off_while_training(gpt2_setup):
+    """A forward that takes use_cache only through **kwargs, around a model with a
+    config.use_cache (transformers' GraniteMoe, a user's forward(**batch)): wrap turns
+    the cache off all the same (on, each run of a block grew it, and a padded batch
+    failed on a shape), and the gradients are plain PyTorch's without a cache."""
+    base, _, _ = gpt2_setup["sdpa"]
+    plain, wrapped = _Batch(copy.deepcopy(base)), _Batch(copy.deepcopy(base))
+    remat.wrap(wrapped, wrapped.hf.transformer.h, budget="1MiB")
+    ids, mask = gpt2_batch(0)
+    for model, extra in ((plain, {"use_cache": False}), (wrapped, {})):
+        torch.manual_seed(3)
+        model(input_ids=ids, attention_mask=mask, labels=ids, **extra).loss.backward()
+    assert_same([p.grad for p in plain.parameters()], [p.grad for p in wrapped.parameters()])
+    with pytest.raises(remat.StageError, match="use_cache"):
+        wrapped(input_ids=ids, attention_mask=mask, use_cache=True)
+
+
+@needs_transformers
+def test_gpt2_past_key_values_while_training_is_refused(gpt2_setup):
+    """A key/value cache passed to a wrapped model under grad (a prefix run under
+    no_grad) is refused with what to do: its blocks extend the cache on every run,
+    and remat runs them more than once. The model trains after it."""
+    base, ref, _ = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.transformer.h, budget="1MiB")
+    ids, mask = gpt2_batch(0)
+    with torch.no_grad():
+        past = model(ids[:, :4], use_cache=True).past_key_values
+    with pytest.raises(remat.StageError, match=r"past_key_values while grad is enabled.*remat.unwrap"):
+        model(ids[:, 4:], past_key_values=past)
+    assert_same(ref, train_gpt2(model))
+
+
+@needs_transformers
+def test_gpt2_wrapped_inside_a_wrapped_model_says_to_wrap_side_by_side(gpt2_setup):
+    """Two wraps, one model inside the other, open one chain inside the other: the
+    error says to wrap the inner models side by side, not to remove a remat.chain
+    the user never wrote."""
+    base, _, _ = gpt2_setup["sdpa"]
+    model = copy.deepcopy(base)
+    remat.wrap(model.transformer, model.transformer.h, budget="1MiB")
+    remat.wrap(model, [model.lm_head], budget="1MiB")
+    ids, mask = gpt2_batch(0)
+    with pytest.raises(remat.StageError, match="before the open chain's first stage.*side by side"):
+        model(ids, attention_mask=mask, labels=ids)
