@@ -56,6 +56,9 @@ class _StageForward:
 
     def __call__(self, *args, **kwargs):
         module = self.module()
+        if module is None:
+            raise ReferenceError("remat: the module whose forward this was is gone (a forward taken from a "
+                                 "stage module outlived it); call the module itself")
         # (a bound method made directly: torch 2.5's dynamo fails to trace a function's __get__)
         forward = self.inner if self.inner is not None else types.MethodType(type(module).forward, module)
         current = _active()

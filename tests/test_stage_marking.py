@@ -151,3 +151,15 @@ def test_empty_sequential_measures_nothing():
         seq.measure(torch.randn(2, 16))
     with pytest.raises(remat.RematError, match="has measured nothing yet"):
         seq.solve()
+
+
+def test_forward_taken_from_a_marked_module_that_is_gone_says_so():
+    """A marked module's instance forward holds the module weakly (so that a cached
+    recording, which holds the module's __dict__, does not keep it alive): called
+    after the module is gone, it says so instead of failing somewhere inside."""
+    import gc
+
+    forward = remat.stage(torch.nn.Linear(4, 4)).forward
+    gc.collect()
+    with pytest.raises(ReferenceError, match="the module whose forward this was is gone"):
+        forward(torch.randn(2, 4))
