@@ -172,7 +172,7 @@ class ChainCall(StageMeasuring, StageRunning):
             self.source = x.untyped_storage()
         elif not handed_on(x, self.prev):
             raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)),
-                                _hooks_between(self.prev_ident, ident))
+                                _hooks_between(self.prev_ident, ident) + getattr(self.spec, "split_hint", ""))
         elif x._version != self.prev_version:
             raise StageError(
                 f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "

@@ -244,3 +244,20 @@ def test_model_with_marked_blocks_survives_torch_save_and_load():
     model = Net()
     remat.wrap(model, model.blocks, budget="1MiB")
     saved_and_loaded(model)
+
+
+@needs_transformers
+def test_encoder_and_decoder_layers_in_one_wrap_say_to_wrap_each_part():
+    """An encoder-decoder's layers given to one wrap are two chains (the decoder's
+    first layer does not take the encoder's last output): the error says to wrap
+    the encoder and the decoder apart, not to move code between two stages."""
+    config = transformers.BartConfig(vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2,
+                                     encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(config).train()
+    layers = list(model.model.encoder.layers) + list(model.model.decoder.layers)
+    remat.wrap(model, layers, budget="1MiB")
+    ids = torch.randint(3, 50, (2, 8))
+    with pytest.raises(remat.StageError, match="are two chains; wrap each part apart"):
+        model(input_ids=ids, labels=ids)
