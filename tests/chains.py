@@ -193,3 +193,15 @@ def costs_file_step(layers, path, batch=8):
             h = layer(h)
     h.sum().backward()
     return x.grad
+
+
+def run_blocks(blocks, x, budget):
+    """``x`` through ``blocks`` in turn: plain PyTorch with ``budget`` None, else a chain under it."""
+    if budget is None:
+        for b in blocks:
+            x = b(x)
+        return x
+    with remat.chain(budget=budget):
+        for b in blocks:
+            x = b(x)
+    return x

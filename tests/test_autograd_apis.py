@@ -12,7 +12,9 @@ import torch.nn as nn
 import remat
 from remat.schedule import simulate
 from remat.solve import minimum_budget, store_all
+from chains import run_blocks
 from test_runtime import _fresh, _with_budget
+
 
 
 def test_higher_order_gradients():
@@ -64,14 +66,7 @@ def test_stage_taking_a_gradient_inside_its_forward(fraction):
 
     def run(mods, budget, seed):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)).requires_grad_()
-        h = x
-        if budget is None:
-            for b in mods:
-                h = b(h)
-        else:
-            with remat.chain(budget=budget):
-                for b in mods:
-                    h = b(h)
+        h = run_blocks(mods, x, budget)
         h.square().sum().backward()
         return [x.grad] + [p.grad.clone() for p in mods.parameters() if p.grad is not None]
 

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 import remat
 from remat import measuring
 from remat.measuring import StageMeasuring
-from chains import IMG_KINDS, SEQ_KINDS, Net, make_input
+from chains import IMG_KINDS, SEQ_KINDS, Net, make_input, run_blocks
 from remat.solve import minimum_budget
 
 
@@ -63,14 +63,7 @@ def test_first_call_holds_the_stage_inputs_and_one_stage():
     def peak(blocks, budget):
         x = torch.randn(32, 16, 64)
         with Instrument() as inst:
-            h = x
-            if budget is None:
-                for b in blocks:
-                    h = b(h)
-            else:
-                with remat.chain(budget=budget):
-                    for b in blocks:
-                        h = b(h)
+            h = run_blocks(blocks, x, budget)
             h.sum().backward()
         return inst.peak
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 import remat
 from remat.schedule import simulate
 from remat.solve import minimum_budget, store_all
+from chains import run_blocks
 
 D = 16
 
@@ -37,14 +38,7 @@ class Block(nn.Module):
 
 
 def _step(blocks, x, budget):
-    h = x
-    if budget is None:
-        for b in blocks:
-            h = b(h)
-    else:
-        with remat.chain(budget=budget):
-            for b in blocks:
-                h = b(h)
+    h = run_blocks(blocks, x, budget)
     h.square().mean().backward()
     grads = [None if p.grad is None else p.grad.clone() for p in blocks.parameters()]   # (frozen: None)
     for p in blocks.parameters():

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import remat
 from blocks import assert_blocks_same, block_budgets, block_net, train_blocks
+from chains import run_blocks
 
 
 @pytest.mark.parametrize("pre", [False, True])
@@ -125,14 +126,7 @@ def test_reentrant_checkpoint_inside_a_stage_is_named():
     x = torch.randn(4, 8, requires_grad=True)
 
     def run(mods, budget):
-        h = x
-        if budget is None:
-            for b in mods:
-                h = b(h)
-        else:
-            with remat.chain(budget=budget):
-                for b in mods:
-                    h = b(h)
+        h = run_blocks(mods, x, budget)
         h.square().sum().backward()
         return [p.grad.clone() for p in mods.parameters()]
 
