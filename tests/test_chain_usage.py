@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from chains import Net, assert_same, costs_file_step, make_input, measured_costs, train
+from chains import Net, assert_same, costs_file_step, make_input, measured_costs, run_blocks, train
 from remat.solve import minimum_budget
 
 
@@ -146,15 +146,7 @@ def test_lazy_stage_not_initialized_names_the_dry_run():
     x = torch.randn(6, 16)
 
     def call(budget):
-        h = x
-        if budget is None:
-            for s in stages:
-                h = s(h)
-            return h
-        with remat.chain(budget=budget):
-            for s in stages:
-                h = s(h)
-        return h
+        return run_blocks(stages, x, budget)
 
     with pytest.raises(remat.StageError, match=r"stage 1 .*lazy parameters.*run the model once first"):
         call(2**40)
