@@ -19,7 +19,7 @@ from .costs import Costs
 from .errors import BudgetError
 from .refine import SAMPLES
 from .schedule import B, Fall, Fck, Fn, Loss, simulate
-from .solve import best_periodic, minimum_budget, solve, store_all
+from .solve import best_periodic, minimum_budget, solve, store_all, time_bound
 from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
 from .units import format_bytes
 
@@ -157,17 +157,23 @@ def summarise(result):
             optimal_there = None
         if optimal_there is not None:
             pc, pr = sim.time / plain_predicted - 1, optimal_there / plain_predicted - 1
+            pb = time_bound(costs, c["peak_bytes"]) / plain_predicted - 1
             point.update(cs_overhead_predicted=pc, cs_peak_predicted=sim.peak, remat_overhead_predicted=pr,
-                         reduction_predicted=(1 - pr / pc) if pc > 0.02 else None)
+                         reduction_predicted=(1 - pr / pc) if pc > 0.02 else None,
+                         bound_overhead=pb, reduction_bound=(1 - pb / pc) if pc > 0.02 else None)
         points.append(point)
     reductions = [p["reduction"] for p in points if p.get("reduction") is not None]
     predicted = [p["reduction_predicted"] for p in points if p.get("reduction_predicted") is not None]
+    bound = [p["reduction_bound"] for p in points if p.get("reduction_bound") is not None]
     remat = [r for r in runs if r["method"] == "remat"]
     return {
         "points": points,
         "dominates": all(p.get("remat_not_slower", False) for p in points),
         "mean_overhead_reduction": statistics.mean(reductions) if reductions else None,
         "mean_overhead_reduction_predicted": statistics.mean(predicted) if predicted else None,
+        # the most any schedule could reduce it by, on the run's costs (Note [A bound on
+        # any schedule] in remat/solve.py)
+        "mean_overhead_reduction_bound": statistics.mean(bound) if bound else None,
         "repeat_noise": overhead(cs[0]) if cs and cs[0]["segments"] == 1 else None,
         "all_under_budget": all(r["peak_bytes"] <= r["budget"] for r in remat),
         "max_time_error": max(abs(r["chain_seconds"] / r["predicted_seconds"] - 1) for r in remat),
@@ -196,10 +202,12 @@ def table(result):
     s = result["summary"]
     red = s["mean_overhead_reduction"]
     pred = s.get("mean_overhead_reduction_predicted")
+    bound = s.get("mean_overhead_reduction_bound")
     noise = s.get("repeat_noise")
     lines += ["", f"remat dominates checkpoint_sequential: {s['dominates']}; mean overhead reduction: "
                   f"{'n/a' if red is None else f'{red:.0%}'} (predicted on the run's costs: "
-                  f"{'n/a' if pred is None else f'{pred:.0%}'}; checkpoint_sequential(1), plain PyTorch's "
+                  f"{'n/a' if pred is None else f'{pred:.0%}'}; at most, for any schedule: "
+                  f"{'n/a' if bound is None else f'{bound:.0%}'}; checkpoint_sequential(1), plain PyTorch's "
                   f"computation, measured {'n/a' if noise is None else f'{noise:+.1%}'} against plain); "
                   f"every remat peak under its budget: "
                   f"{s['all_under_budget']}; worst |measured/predicted - 1| of chain time: {s['max_time_error']:.1%} "

@@ -36,6 +36,21 @@ The top call is P(1, L, budget - x[0] - held_bytes). Sizes are rounded *up* to s
 ``ceil(budget / slots)`` bytes and the budget down, so a schedule that fits in
 slots fits in bytes. The C solver (src_c/solver.c) computes this table;
 tests/reference_solver.py is its plain Python twin.
+
+Note [A bound on any schedule]
+------------------------------
+In any schedule each stage i runs forward before ``Loss`` (the loss needs the
+chain's output), and ``B(i)`` needs a-bar^i from a ``Fall(i)``. Either that
+``Fall(i)`` ran before ``Loss`` and its a-bar^i is held at ``Loss`` (less what
+rule 6 of Note [Accounting] lets go of a^i, ``fwd_drop_whole``), or it runs
+after, and stage i runs forward at least twice: min(fwd_time, fwd_nograd_time)
+more than in plain PyTorch's schedule. At ``Loss`` the budget also holds
+a^0 and ``held_bytes``. So the stages of the first kind fit in what is left,
+and the least extra time is a knapsack; its fractional relaxation, solved
+greedily by time saved per byte, bounds it from below. On a chain of like
+blocks whose a-bar dwarfs their output, the bound at checkpoint_sequential's
+peak is checkpoint_sequential's own time, to within the bytes its segment
+inputs take: no schedule can be much faster there (benchmarks/README.md).
 """
 
 import math
@@ -47,7 +62,7 @@ from .errors import BudgetError, RematError, SolverError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from .units import format_bytes
 
-__all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget"]
+__all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget", "time_bound"]
 
 ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(k)")
 DEFAULT_SLOTS = 500
@@ -272,3 +287,29 @@ def _check_fits(sim, budget):
             f"remat: the solver returned a schedule peaking at {sim.peak} bytes over the budget "
             f"of {budget}; please report this bug with the chain's costs"
         )
+
+
+def time_bound(costs, budget):
+    """A lower bound on the time of any schedule of ``costs`` within ``budget``,
+    persistent or not (Note [A bound on any schedule]); inf if none fits.
+
+    Example:
+        >>> c = Costs.uniform(4, time=1.0, size=1, saved=10)
+        >>> time_bound(c, 1 + 2 * 10)   # two stages' a-bar at most: two run again
+        14.0
+    """
+    n = costs.length
+    room = budget - costs.input_bytes - costs.held_bytes
+    if room < 0:
+        return math.inf
+    tf, tn = costs.fwd_time, costs.fwd_nograd_time
+    plain = math.fsum(tf) + math.fsum(costs.bwd_time)
+    gains = [min(tf[i], tn[i]) for i in range(n)]
+    weights = [costs.saved_bytes[i] - (costs.fwd_drop_whole[i] if i < n - 1 else 0) for i in range(n)]
+    saved = 0.0
+    for i in sorted(range(n), key=lambda i: -gains[i] / weights[i] if weights[i] > 0 else -math.inf):
+        share = 1.0 if weights[i] <= room else room / weights[i]
+        saved += gains[i] * share
+        room -= weights[i] * share
+    return plain + max(math.fsum(gains) - saved, 0.0)
+

@@ -46,7 +46,9 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     for p in points:   # where the model fits checkpoint_sequential's schedule in its peak,
         if p["cs_peak_predicted"] <= peaks[p["segments"]]:   # the optimal one is no slower
             assert p["remat_overhead_predicted"] <= p["cs_overhead_predicted"] + 1e-9, p
-    assert "repeat_noise" in result["summary"]
+        # no schedule is faster than the bound (Note [A bound on any schedule])
+        assert p["bound_overhead"] <= p["remat_overhead_predicted"] + 1e-9, p
+    assert "repeat_noise" in result["summary"] and "mean_overhead_reduction_bound" in result["summary"]
     assert result["summary"]["all_under_budget"]
     assert result["summary"]["losses_equal"]
     assert result["summary"]["grads_equal"] and all(r["grads_equal"] for r in result["runs"])

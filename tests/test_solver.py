@@ -17,7 +17,7 @@ from remat._solver import ffi, lib
 from remat.costs import Costs
 from remat.errors import BudgetError, CostsError, SolverError
 from remat.schedule import simulate
-from remat.solve import discretise, minimum_budget, periodic, slot_size, solve, store_all
+from remat.solve import discretise, minimum_budget, periodic, slot_size, solve, store_all, time_bound
 from remat.units import format_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,6 +128,7 @@ def test_exhaustive_persistent_equals_dp(seed):
     anything, _ = best_schedule(costs, budget, persistent=False)
     assert anything <= dp * (1 + 1e-9)
     _GAINS.append(anything < dp * (1 - 1e-9))
+    assert time_bound(costs, budget) <= anything * (1 + 1e-9)   # Note [A bound on any schedule]
 
 
 def test_non_persistent_gain_is_recorded(record_property):
@@ -140,6 +141,25 @@ def test_non_persistent_gain_is_recorded(record_property):
     record_property("non_persistent_gain_fraction", fraction)
     print(f"non-persistent schedules beat the persistent optimum in {sum(gains)}/{len(gains)} chains")
     assert 0 <= fraction < 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_time_bound(seed):
+    """Note [A bound on any schedule]: no schedule the solver finds is faster than the
+    bound, which is store-all's time where that fits and inf below what a^0 and
+    held_bytes take; on like blocks whose a-bar dwarfs their output it is, at each
+    periodic schedule's peak, within the segment inputs' bytes of that schedule."""
+    rng = random.Random(seed)
+    costs = random_costs(rng, rng.randint(1, 30), size=rng.choice([6, 40]))
+    all_peak = simulate(costs, store_all(costs.length)).peak
+    assert close(time_bound(costs, all_peak), simulate(costs, store_all(costs.length)).time)
+    assert time_bound(costs, costs.input_bytes - 1) == math.inf
+    for budget in sorted(rng.randint(minimum_budget(costs), all_peak) for _ in range(4)):
+        assert time_bound(costs, budget) <= simulate(costs, solve(costs, budget)).time * (1 + 1e-9)
+    like = Costs.uniform(12, time=1.0, size=1, saved=100)
+    for k in (2, 3, 4, 6):
+        sim = simulate(like, periodic(12, k))
+        assert sim.time - 1.0 <= time_bound(like, sim.peak) <= sim.time
 
 
 ALGOS = ["optimal", "store_all", "min_memory", "sqrt", "periodic(2)", "periodic(3)"]
