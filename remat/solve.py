@@ -41,16 +41,21 @@ Note [A bound on any schedule]
 ------------------------------
 In any schedule each stage i runs forward before ``Loss`` (the loss needs the
 chain's output), and ``B(i)`` needs a-bar^i from a ``Fall(i)``. Either that
-``Fall(i)`` ran before ``Loss`` and its a-bar^i is held at ``Loss`` (less what
-rule 6 of Note [Accounting] lets go of a^i, ``fwd_drop_whole``), or it runs
-after, and stage i runs forward at least twice: min(fwd_time, fwd_nograd_time)
-more than in plain PyTorch's schedule. At ``Loss`` the budget also holds
-a^0 and ``held_bytes``. So the stages of the first kind fit in what is left,
-and the least extra time is a knapsack; its fractional relaxation, solved
-greedily by time saved per byte, bounds it from below. On a chain of like
-blocks whose a-bar dwarfs their output, the bound at checkpoint_sequential's
-peak is checkpoint_sequential's own time, to within the bytes its segment
-inputs take: no schedule can be much faster there (benchmarks/README.md).
+``Fall(i)`` ran before ``Loss`` and its a-bar^i is held from then until
+``B(i)`` (less what rule 6 of Note [Accounting] lets go of a^i,
+``fwd_drop_whole``: its weight), or it runs after, and stage i runs forward at
+least twice: min(fwd_time, fwd_nograd_time) more than in plain PyTorch's
+schedule (its gain). Call the first kind kept. With a^0 and ``held_bytes``
+held throughout, the kept stages' weights fit in the budget at ``Loss``, and
+at each ``B(i)`` so do the kept stages before i together with what ``B(i)``
+itself holds (a-bar^i, the gradients of a^i and a^(i-1), ``bwd_tmp``). The
+least extra time is then a knapsack under nested capacities (one per prefix
+of the chain); its fractional relaxation is a polymatroid, which the greedy
+order, by gain per byte, solves exactly, and that bounds every schedule from
+below. On a chain of like blocks whose a-bar dwarfs their output, the bound
+at checkpoint_sequential's peak is checkpoint_sequential's own time, to
+within the bytes its segment inputs take: no schedule can be much faster
+there (benchmarks/README.md).
 """
 
 import math
@@ -295,21 +300,28 @@ def time_bound(costs, budget):
 
     Example:
         >>> c = Costs.uniform(4, time=1.0, size=1, saved=10)
-        >>> time_bound(c, 1 + 2 * 10)   # two stages' a-bar at most: two run again
-        14.0
+        >>> time_bound(c, 44)   # store-all's peak: store-all's time
+        12.0
+        >>> time_bound(c, 24)   # room for about two a-bar: the rest run twice
+        13.9
     """
     n = costs.length
-    room = budget - costs.input_bytes - costs.held_bytes
-    if room < 0:
-        return math.inf
+    x, s, bt = costs.sizes(), costs.saved_bytes, costs.bwd_tmp
     tf, tn = costs.fwd_time, costs.fwd_nograd_time
-    plain = math.fsum(tf) + math.fsum(costs.bwd_time)
+    room = budget - costs.input_bytes - costs.held_bytes
+    # room[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
+    # held from the forward phase; room[n]: what Loss leaves for all of them
+    rooms = [room - (s[i] + x[i + 1] + x[i] + bt[i]) for i in range(n)] + [room]
+    if min(rooms) < 0:
+        return math.inf
     gains = [min(tf[i], tn[i]) for i in range(n)]
-    weights = [costs.saved_bytes[i] - (costs.fwd_drop_whole[i] if i < n - 1 else 0) for i in range(n)]
+    weights = [s[i] - (costs.fwd_drop_whole[i] if i < n - 1 else 0) for i in range(n)]
     saved = 0.0
     for i in sorted(range(n), key=lambda i: -gains[i] / weights[i] if weights[i] > 0 else -math.inf):
-        share = 1.0 if weights[i] <= room else room / weights[i]
-        saved += gains[i] * share
-        room -= weights[i] * share
-    return plain + max(math.fsum(gains) - saved, 0.0)
-
+        share = min(weights[i], min(rooms[i + 1:]))   # (B of every later stage, and Loss)
+        if share <= 0 and weights[i] > 0:
+            continue
+        saved += gains[i] * (share / weights[i] if weights[i] > 0 else 1.0)
+        for j in range(i + 1, n + 1):
+            rooms[j] -= share
+    return math.fsum(tf) + math.fsum(costs.bwd_time) + max(math.fsum(gains) - saved, 0.0)
