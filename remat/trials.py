@@ -34,7 +34,7 @@ from .explanation import explain
 from .refine import SAMPLES
 
 __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "measure_all", "measure_costs",
-           "median_costs", "run_step"]
+           "median_costs", "resnet_spec", "run_step"]
 
 
 class ChainMeter:
