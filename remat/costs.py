@@ -15,6 +15,7 @@ from .units import format_bytes
 __all__ = ["Costs"]
 
 FORMAT = "remat.costs/1"   # the "format" a costs file is written with (read: this one, or none)
+MAX_FILE_BYTES = 64 * 2**20   # the largest costs file read (about 70 bytes a stage: some 900,000 stages)
 
 _TIMES = ("fwd_time", "fwd_nograd_time", "bwd_time")
 _SIZES = ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
@@ -171,8 +172,13 @@ class Costs:
     def load(cls, path):
         """Read costs written by ``save``; raises ``CostsError`` if the file is not such a record."""
         try:
-            with open(path) as fh:
-                data = json.load(fh)
+            with open(path, "rb") as fh:
+                raw = fh.read(MAX_FILE_BYTES + 1)   # (a device such as /dev/zero never ends)
+            if len(raw) > MAX_FILE_BYTES:
+                raise CostsError(
+                    f"remat: {path} is over {format_bytes(MAX_FILE_BYTES)}, more than the costs of any chain "
+                    f"take; give the path of a costs file written by remat (Costs.save)")
+            data = json.loads(raw)
         except (ValueError, RecursionError) as exc:   # (JSONDecodeError, UnicodeDecodeError; a file nested too deep)
             raise CostsError(f"remat: {path} is not valid JSON ({exc}); delete it to measure again") from None
         except OSError as exc:

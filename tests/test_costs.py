@@ -127,3 +127,24 @@ def test_costs_file_with_a_bad_value_names_the_file(tmp_path):
         costs_file_step(layers, path)
     os.remove(path)
     assert costs_file_step(layers, path) is not None
+
+
+def test_costs_file_that_never_ends_is_refused(tmp_path, monkeypatch):
+    """A costs path naming a device that never ends (``/dev/zero``) or a file larger
+    than any chain's costs is refused with the limit, not read forever; one just
+    under the limit is read (and refused for what it holds)."""
+    import os
+
+    from remat import costs as costs_module
+
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(CostsError, match=r"/dev/zero is over 64\.00 MiB"):
+            Costs.load("/dev/zero")
+    monkeypatch.setattr(costs_module, "MAX_FILE_BYTES", 100)
+    path = tmp_path / "big.json"
+    path.write_text(" " * 101)
+    with pytest.raises(CostsError, match="is over 100 B, more than the costs of any chain take"):
+        Costs.load(str(path))
+    path.write_text(" " * 100)
+    with pytest.raises(CostsError, match="is not valid JSON"):
+        Costs.load(str(path))
