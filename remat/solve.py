@@ -315,7 +315,7 @@ def time_bound(costs, budget):
     if min(rooms) < 0:
         return math.inf
     gains = [min(tf[i], tn[i]) for i in range(n)]
-    weights = [s[i] - (costs.fwd_drop_whole[i] if i < n - 1 else 0) for i in range(n)]
+    weights = [max(s[i] - (costs.fwd_drop_whole[i] if i < n - 1 else 0), 0) for i in range(n)]
     saved = 0.0
     for i in sorted(range(n), key=lambda i: -gains[i] / weights[i] if weights[i] > 0 else -math.inf):
         share = min(weights[i], min(rooms[i + 1:]))   # (B of every later stage, and Loss)
