@@ -309,8 +309,8 @@ def time_bound(costs, budget):
     x, s, bt = costs.sizes(), costs.saved_bytes, costs.bwd_tmp
     tf, tn = costs.fwd_time, costs.fwd_nograd_time
     room = budget - costs.input_bytes - costs.held_bytes
-    # room[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
-    # held from the forward phase; room[n]: what Loss leaves for all of them
+    # rooms[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
+    # held from the forward phase; rooms[n]: what Loss leaves for all of them
     rooms = [room - (s[i] + x[i + 1] + x[i] + bt[i]) for i in range(n)] + [room]
     if min(rooms) < 0:
         return math.inf
