@@ -178,7 +178,7 @@ class Costs:
                 raise CostsError(
                     f"remat: {path} is over {format_bytes(MAX_FILE_BYTES)}, more than the costs of any chain "
                     f"take; give the path of a costs file written by remat (Costs.save)")
-            data = json.loads(raw)
+            data = json.loads(raw.decode("utf-8"))   # (as save writes it; json.loads would guess)
         except (ValueError, RecursionError) as exc:   # (JSONDecodeError, UnicodeDecodeError; a file nested too deep)
             raise CostsError(f"remat: {path} is not valid JSON ({exc}); delete it to measure again") from None
         except OSError as exc:
