@@ -33,7 +33,7 @@ from .meter import Instrument
 from .explanation import explain
 from .refine import SAMPLES
 
-__all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "measure_all", "measure_costs",
+__all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "job", "measure_all", "measure_costs",
            "median_costs", "resnet_spec", "run_step"]
 
 
@@ -324,13 +324,28 @@ def measure_costs(base, spec, step, device, budget=None):
     ``budget``, the costs a job running the optimal schedule for it would get (the
     refining calls run that schedule: remat's work as it runs it is in the times),
     else those of store-all."""
+    return job(base, spec, step, device, budget)[0]
+
+
+def job(base, spec, step, device, budget=None, steps=0):
+    """A job's start on a fresh copy of ``base``: (the costs of ``measure_costs``, the
+    schedule remat solves on them and runs from then on, the chain's seconds in
+    ``steps`` more steps of it), all on the batch of ``step``."""
     model = copy.deepcopy(base)
     method = ("remat", (2**50, "store_all") if budget is None else (budget, "optimal"))
+    batch = spec[1](step, device)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "costs.json")
+        method = (method[0], method[1] + (path,))
         for _ in range(1 + SAMPLES):
-            run_step(model, spec, (method[0], method[1] + (path,)), spec[1](step, device), Clock(None, device))
-        return Costs.load(path)
+            run_step(model, spec, method, batch, Clock(None, device))
+        costs = Costs.load(path)
+        times = []
+        for _ in range(steps):
+            clock = Clock(None, device)
+            run_step(model, spec, method, batch, clock)
+            times.append(clock.total)
+        return costs, explain().schedule, times
 
 
 def median_costs(measured):
