@@ -146,3 +146,31 @@ def test_stage_cost_times_remat_alone_and_unwraps_its_timers():
     assert case["stages"] == 4
     assert 0 < case["forward_seconds_per_stage"] * case["stages"] < case["plain_step_seconds"]
     assert 0 < case["own_share_of_plain_step"] < 1
+
+
+def test_a_job_at_a_budget_runs_the_schedule_it_solves_on_its_refined_costs():
+    """``trials.job`` (runtime_overhead.py's (b)): a fresh copy measures, refines and then
+    runs the schedule remat solved for the budget, which fits it and recomputes; the
+    model it copied is left untouched, and its costs' sizes are store-all's."""
+    import torch
+
+    from remat.schedule import simulate
+    from remat.solve import minimum_budget, store_all
+    from remat.trials import MODELS, job, measure_costs
+
+    spec = MODELS["tiny"][0]()
+    torch.manual_seed(0)
+    base = spec[0]()
+    before = [p.detach().clone() for p in base.parameters()]
+    cpu = torch.device("cpu")
+    whole = measure_costs(base, spec, 0, cpu)
+    low = minimum_budget(whole)
+    budget = int(low + 0.1 * (simulate(whole, store_all(whole.length)).peak - low))
+    costs, schedule, times = job(base, spec, 0, cpu, budget, steps=2)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert schedule.budget == budget and schedule.peak <= budget
+    assert schedule.recomputations() >= 1
+    for field in ("out_bytes", "saved_bytes"):
+        assert getattr(costs, field) == getattr(whole, field)
+    assert all(p.grad is None for p in base.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(base.parameters(), before))
