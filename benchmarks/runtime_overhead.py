@@ -18,13 +18,13 @@ What the figures can and cannot show:
 
 - (c) The first call runs each stage's forward metered, its backward on that
   graph, a forward without recording, and the real backward, which here
-  (a budget that fits everything) rebuilds no stage (remat/profile.py,
+  (a budget that fits everything) rebuilds no stage (remat/measure/profile.py,
   Note [Measuring a stage]): about two plain steps of work plus the meter's
   Python per op, which weighs most on small stages (ResNet-101 at 32x32 on
   CPU).
 - (b) The prediction comes from the costs of five first calls, each stage's
   times the median of the five, each as the two calls after the first
-  refined them (their own wall times, remat/refine.py), while the measured chain time
+  refined them (their own wall times, remat/measure/refine.py), while the measured chain time
   is a median of later steps. What separates them: noise in the refining
   calls' samples; per-step work simulate does not charge (remat's
   hooks, see (a)); the machine's speed drifting between the first calls and
@@ -39,7 +39,7 @@ What the figures can and cannot show:
   refined at store-all, where remat's work for a stage it drops or
   recomputes does not show; the last column predicts on the costs a job at
   that budget gets (measured and refined likewise, running its schedule:
-  remat/refine.py), the prediction ``remat.explain()`` shows that job.
+  remat/measure/refine.py), the prediction ``remat.explain()`` shows that job.
   Those columns divide medians taken over the whole run, so that a machine
   slowing between the early and the late steps still shows; the paired
   columns take each step's chain time against the costs measured seconds
@@ -66,10 +66,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat.trials import MODELS, Clock, device_name, job, measure_costs, median_costs, resnet_spec, run_step  # noqa: E402
-from remat.refine import SAMPLES  # noqa: E402
-from remat.schedule import simulate  # noqa: E402
-from remat.solve import minimum_budget, store_all  # noqa: E402
+from remat.tools.trials import MODELS, Clock, device_name, job, measure_costs, median_costs, resnet_spec, run_step  # noqa: E402
+from remat.measure.refine import SAMPLES  # noqa: E402
+from remat.solver.schedule import simulate  # noqa: E402
+from remat.solver.solve import minimum_budget, store_all  # noqa: E402
 
 FIRST_CALLS = 5
 JOB_STEPS = 3   # steps a job at a budget is timed for after its first calls (b)
@@ -115,7 +115,7 @@ def run_case(name, steps, fit_pairs, device):
         first = os.path.join(folder.name, f"first{i}.json")
         firsts.append(timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i % len(data)], device)[0])
         beside.append(timed(plain, spec, ("plain", None), data[i % len(data)], device)[0])
-        # the calls after it refine the times (remat/refine.py) and write them
+        # the calls after it refine the times (remat/measure/refine.py) and write them
         for _ in range(SAMPLES):
             timed(rem, spec, ("remat", (2**50, "optimal", first)), data[i % len(data)], device)
         measured.append(remat.Costs.load(first))

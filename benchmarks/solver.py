@@ -80,9 +80,9 @@ def _solve(ffi, lib, c, budget, slots, mode):
 
 def budget_of(length):
     """Halfway (geometric mean) between the chain's minimum and its store-all peak."""
-    from remat.costs import Costs
-    from remat.schedule import simulate
-    from remat.solve import minimum_budget, store_all
+    from remat.solver.costs import Costs
+    from remat.solver.schedule import simulate
+    from remat.solver.solve import minimum_budget, store_all
 
     costs = Costs(**make_chain(length))
     least, peak = minimum_budget(costs), simulate(costs, store_all(length)).peak

@@ -31,11 +31,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from remat.trials import MODELS, Clock, device_name, run_step  # noqa: E402
+from remat.tools.trials import MODELS, Clock, device_name, run_step  # noqa: E402
 
 # (the modules whose functions are timed)
-_chain = importlib.import_module("remat.chain_call")
-_stage_call = importlib.import_module("remat.stage_call")
+_chain = importlib.import_module("remat.runtime.chain_call")
+_stage_call = importlib.import_module("remat.runtime.stage_call")
 
 
 class _Timers:

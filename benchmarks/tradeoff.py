@@ -13,7 +13,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from remat.bench import write_bench  # noqa: E402
+from remat.tools.bench import write_bench  # noqa: E402
 
 
 def main():

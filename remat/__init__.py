@@ -8,12 +8,12 @@ from .torch_version import require_torch as _require_torch
 _require_torch(_torch.__version__)
 
 from .chain import chain, clear_cache, explain
-from .costs import Costs
+from .solver.costs import Costs
 from .errors import (BudgetError, CostsError, InvalidScheduleError, RecomputeMismatchError, RematError,
                      SolverError, StageError)
-from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
+from .solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from .sequential import Sequential
-from .solve import solve
+from .solver.solve import solve
 from .stage import stage
 from .wrap import unwrap, wrap
 

@@ -70,11 +70,11 @@ def _main(argv=None):
     args = parser.parse_args(argv)
     device = _device(parser, args.device)
     if args.command in ("demo", "explain"):
-        from .demo import parse_demo_budget
+        from .tools.demo import parse_demo_budget
 
         parse_demo_budget(args.budget)   # (a malformed budget is said before measuring)
     if args.command == "bench":
-        from .bench import MODELS, write_bench
+        from .tools.bench import MODELS, write_bench
 
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
@@ -87,7 +87,7 @@ def _main(argv=None):
         write_bench(args.model, device, args.steps, args.budgets, args.out)
         return 0
     if args.command == "explain":
-        from .demo import MODELS, explain_model
+        from .tools.demo import MODELS, explain_model
 
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
@@ -96,7 +96,7 @@ def _main(argv=None):
         explain_model(args.model, args.budget, device, args.plot)
         return 0
     if args.command == "demo":
-        from .demo import MODELS, run_demo
+        from .tools.demo import MODELS, run_demo
 
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")

@@ -13,10 +13,10 @@ from the cached costs; a new key measures. While running, each stage is
 checked against the recording (same stage object, input shape, side inputs
 by signature, training flags of its module and submodules, autocast state,
 parameters' dtypes and requires_grad; the module of a stage the plan records
-whole at the call's end, Note [Stages recorded whole] in remat/running.py): if
+whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
 the chain takes another path, the rest of it is measured again and the
 recording replaced (a path changing from call to call is measured on every
-call: warned of, remat/running.py ``_path_changed``). At most ``CACHE_SIZE``
+call: warned of, remat/runtime/runner.py ``_path_changed``). At most ``CACHE_SIZE``
 keys are kept (least recently used first out).
 """
 
@@ -26,11 +26,11 @@ import sys
 import threading
 
 from .budget import parse_budget
-from .chain_call import CACHE_SIZE, ChainCall, clear_cache
+from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache
 from .dynamo import skip_for_dynamo
 from .errors import StageError
 from .explanation import LatestExplanation, explain
-from .solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
+from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 
 __all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
 

@@ -9,7 +9,7 @@ Note [Compiled code in a stage]
 A stage may be or call code compiled with torch.compile (remat.stage(
 torch.compile(block)), a compiled function inside a stage). Inside a chain
 remat runs every stage with Dynamo's stance ``force_eager`` (``StageCall.invoke``
-in remat/stage_call.py): compiled code runs eagerly, unseen by Dynamo. Run
+in remat/runtime/stage_call.py): compiled code runs eagerly, unseen by Dynamo. Run
 otherwise, Dynamo met the compiled frame first under the measuring call's
 storage meter, a dispatch mode it does not support, and gave up on that
 frame's code for good: the block, and every block of its class, was never
@@ -27,7 +27,7 @@ torch.compile of a model whose forward opens a chain: Dynamo breaks its graph
 at the chain and runs the rest frame by frame, and compiling the frame of a
 stage method's binding (``_StageFunction.__get__``, remat/stage.py) recursed
 without end (RecursionError, torch 2.13). So did the checks a chain makes as
-it ends (remat/recording.py, ``Recording.ran``), another way: traced, the weak
+it ends (remat/measure/recording.py, ``Recording.ran``), another way: traced, the weak
 references they read came back as their referents. Functions in
 ``DYNAMO_SKIPS`` are marked for Dynamo to skip when a chain first opens with
 Dynamo loaded.

@@ -25,7 +25,7 @@ Note [Stages of a Sequential]
    constant token and reads it in its backward, so the stage is held and
    recomputed like any other. The last group needs none (the forward phase
    always records the last stage) and gets none, so the caller may modify
-   the output in place. Remove once remat/runtime.py keeps stages that save
+   the output in place. Remove once remat/runtime/executor.py keeps stages that save
    nothing.
 """
 
@@ -37,8 +37,8 @@ from torch import nn
 from .budget import parse_budget, resolve_budget
 from .chain import chain, explain
 from .errors import RematError
-from .replay import capture_rng, cuda_devices
-from .solve import DEFAULT_SLOTS, solve as _solve
+from .runtime.replay import capture_rng, cuda_devices
+from .solver.solve import DEFAULT_SLOTS, solve as _solve
 from .stage import stage
 
 __all__ = ["Sequential"]
@@ -269,7 +269,7 @@ class Sequential(nn.Sequential):
     def solve(self, budget=None):
         """The schedule for ``budget``, from the costs measured by ``measure`` or
         by the first call; later calls run it. The two calls after the measuring
-        one time the stages again (Note [Timing the second call], remat/refine.py):
+        one time the stages again (Note [Timing the second call], remat/measure/refine.py):
         from then on the calls run the schedule ``solve`` gives for those times.
 
         Args:

@@ -3,7 +3,7 @@ stage of a chain (DESIGN.md section 1).
 
 Outside a chain, or under ``torch.no_grad()``, a stage is the undecorated
 code plus one thread-local lookup. Inside a chain its call is handed to the
-chain (``ChainCall``, remat/chain_call.py), which records, measures or runs it on the schedule.
+chain (``ChainCall``, remat/runtime/chain_call.py), which records, measures or runs it on the schedule.
 
 Note [Compiling around a stage]
 -------------------------------

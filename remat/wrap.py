@@ -35,7 +35,7 @@ import torch
 
 from .chain import chain
 from .errors import StageError
-from .solve import DEFAULT_SLOTS
+from .solver.solve import DEFAULT_SLOTS
 from .stage import is_stage, stage, unstage
 
 __all__ = ["wrap", "unwrap"]

@@ -1,4 +1,4 @@
-"""cffi build script: compiles src_c/solver.c, minmemory.c and mintime*.c into ``remat._solver``
+"""cffi build script: compiles src_c/solver.c, minmemory.c and mintime*.c into ``remat.solver._solver``
 (out-of-line API mode; named by setup.py's ``cffi_modules``)."""
 
 import os
@@ -48,7 +48,7 @@ OPENMP = _openmp_flags()
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
-    "remat._solver",
+    "remat.solver._solver",
     '#include "solver.h"',
     sources=[os.path.relpath(os.path.join(HERE, name))
              for name in ("solver.c", "minmemory.c", "mintime.c", "mintime_table.c", "mintime_row.c")],

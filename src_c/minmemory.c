@@ -1,5 +1,5 @@
 /* MIN_MEMORY: lo(a, t), the least headroom with which P(a, t) is feasible
- * (remat/solve.py Note [The recurrence]), exactly in bytes. It follows the same
+ * (remat/solver/solve.py Note [The recurrence]), exactly in bytes. It follows the same
  * recurrence as the least-time table, a min over branches of the max of their
  * conditions; column n has the drop rows of mintime.c Note [Drops] (lod). The
  * schedule comes from remat_emit (solver.c), which re-evaluates the branches

@@ -6,7 +6,7 @@
  * Note [Drops]
  * ------------
  * In the forward phase (column n) a Fall(a) may let go of a^(a-1)
- * (remat/schedule.py Note [Accounting] 6): P(a, n) then depends on how
+ * (remat/solver/schedule.py Note [Accounting] 6): P(a, n) then depends on how
  * the caller holds a^(a-1), so column n has a second row per a, D(a): P(a, n)
  * where Fall(a) drops fd[a-1], which frees that much headroom from there on
  * (its split branch is P(a, n)'s: Fck(a) keeps a^(a-1)). After Fall(a) the

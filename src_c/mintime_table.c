@@ -6,7 +6,7 @@
  * Note [Tables]
  * -------------
  * P(a, t, m) is the least time to backpropagate stages a..t with headroom m
- * (sizes in slots, remat/solve.py Note [The recurrence]). For one pair it is
+ * (sizes in slots, remat/solver/solve.py Note [The recurrence]). For one pair it is
  * a non-increasing step function of m: infinite below lo(a, t) and constant
  * from hi(a, t) on, hi being the headroom that recording every stage of a..t
  * needs (nothing beats that: every stage is recorded and backwarded once in

@@ -1,4 +1,4 @@
-/* The persistent dynamic program of remat (remat/solve.py Note [The recurrence]).
+/* The persistent dynamic program of remat (remat/solver/solve.py Note [The recurrence]).
  *
  * The entry point checks every argument, then hands MIN_TIME to mintime.c
  * (mintime_table.c Note [Tables]) and MIN_MEMORY to minmemory.c. Both modes
@@ -64,7 +64,7 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
         p->cond[k] = sadd(p->x[k - 1], p->fa[k]);
         p->fneed[k] = smax(p->s[k], p->fa[k]);
         /* bt[k] >= -x[k] (check_chain); at k = n, B(k) starts from the level Loss
-         * reaches, a-bar^n and the gradient of a^n (remat/solve.py Note [The
+         * reaches, a-bar^n and the gradient of a^n (remat/solver/solve.py Note [The
          * recurrence]) */
         p->bneed[k] = sadd(sadd(p->s[k], p->x[k]), p->x[k - 1]) + p->bt[k];
         if (k == n)

@@ -1,8 +1,8 @@
 /* remat solver: from a chain's costs and a memory budget to a schedule.
  *
  * Plain C99, no Python headers, no globals; the caller owns all memory.
- * The recurrence is remat/solve.py Note [The recurrence]; the memory
- * accounting is remat/schedule.py Note [Accounting]. Every failure is a
+ * The recurrence is remat/solver/solve.py Note [The recurrence]; the memory
+ * accounting is remat/solver/schedule.py Note [Accounting]. Every failure is a
  * status code, and remat_strerror(status) says what went wrong.
  *
  * The block between "cdef begin" and "cdef end" is read by src_c/build.py
@@ -56,7 +56,7 @@ typedef struct {
     long long input_bytes;
     /* NULL, or L entries: bytes of a^i a forward-phase Fall(i+1) lets go when a^i
      * is held on its own (at most out_bytes, 0 for stage L), and when it is inside
-     * a-bar^i (0 or fwd_drop); remat/schedule.py Note [Accounting] 6 */
+     * a-bar^i (0 or fwd_drop); remat/solver/schedule.py Note [Accounting] 6 */
     const long long *fwd_drop;
     const long long *fwd_drop_whole;
 } remat_chain;

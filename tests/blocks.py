@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import torch.nn.utils.parametrizations as P
 
 import remat
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 
 
 # The models of test_parameters.py and test_changes_before_backward.py.

@@ -1,6 +1,6 @@
 """Exhaustive search over every valid op sequence of a tiny chain (tests only).
 
-Dijkstra over simulate's states (remat/schedule.py Note [Accounting]): the
+Dijkstra over simulate's states (remat/solver/schedule.py Note [Accounting]): the
 least time of any schedule whose peak stays within the budget. With
 ``persistent=True`` it keeps to persistent schedules: ``Fn(i)`` may only
 follow ``Fn(i-1)`` or ``Fck(i-1)``, so a value that outlives the op after
@@ -10,7 +10,7 @@ the one that made it is kept until its last use.
 import heapq
 import math
 
-from remat.schedule import B, Fall, Fck, Fn, Loss
+from remat.solver.schedule import B, Fall, Fck, Fn, Loss
 
 
 def best_schedule(costs, budget, persistent):

@@ -1,14 +1,14 @@
 """Pure-Python reference of the persistent dynamic program (tests only).
 
 It is the readable twin of src_c/solver.c: same recurrence, same slot
-rounding, no speed tricks. See remat/solve.py Note [The recurrence].
+rounding, no speed tricks. See remat/solver/solve.py Note [The recurrence].
 """
 
 import functools
 import math
 import sys
 
-from remat.schedule import B, Fall, Fck, Fn, Loss
+from remat.solver.schedule import B, Fall, Fck, Fn, Loss
 
 INF = math.inf
 
@@ -17,7 +17,7 @@ def reference_optimal(costs, budget_units, units):
     """Optimal persistent schedule for ``costs`` already in slot ``units``.
 
     Args:
-        costs: a Costs whose sizes are in slot units (see remat.solve.discretise).
+        costs: a Costs whose sizes are in slot units (see remat.solver.solve.discretise).
         budget_units: the budget in the same units.
 
     Returns:
@@ -31,7 +31,7 @@ def reference_optimal(costs, budget_units, units):
     tf = (0.0,) + costs.fwd_time
     tn = (0.0,) + costs.fwd_nograd_time
     tb = (0.0,) + costs.bwd_time
-    # a^k dropped by a forward-phase Fall(k+1) (Note [Accounting] 6 in remat/schedule.py),
+    # a^k dropped by a forward-phase Fall(k+1) (Note [Accounting] 6 in remat/solver/schedule.py),
     # held on its own or (whole) inside a-bar^k; sizes here are already whole units
     fd = (0,) + costs.fwd_drop
     fdw = (0,) + costs.fwd_drop_whole

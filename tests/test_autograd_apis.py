@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.schedule import simulate
-from remat.solve import minimum_budget, store_all
+from remat.solver.schedule import simulate
+from remat.solver.solve import minimum_budget, store_all
 from chains import run_blocks
 from test_runtime import _fresh, _with_budget
 
@@ -139,7 +139,7 @@ def test_encoder_output_side_input_stays_under_budget(fraction, leaf):
     gradient at its edge): the real peak was 1.9x the budget at store-all, 3.6x at
     the minimum (the leaf: 1.2x, its share counted as a shared parameter's, which
     misses a stage's two uses of it). The gradients are plain PyTorch's."""
-    from remat.meter import Instrument
+    from remat.measure.meter import Instrument
 
     torch.manual_seed(0)
     decs = nn.ModuleList(_CrossAttention(16) for _ in range(4))

@@ -2,7 +2,7 @@
 
 import json
 
-from remat.bench import write_bench
+from remat.tools.bench import write_bench
 
 KEYS = {"model", "device", "machine", "torch", "stages", "steps", "min_budget", "store_all_peak", "costs",
         "run_costs", "runs", "summary"}
@@ -59,9 +59,9 @@ def test_checkpoint_sequential_ops_are_torchs_segments():
     """checkpoint_sequential(s) as remat's ops: s - 1 kept segments of L // s stages, the
     rest plain; one segment is plain PyTorch, and each kept stage is recomputed once."""
     from remat import Costs, simulate
-    from remat.bench import checkpoint_sequential_ops
-    from remat.schedule import Fall, Fck, Fn, Loss
-    from remat.solve import store_all
+    from remat.tools.bench import checkpoint_sequential_ops
+    from remat.solver.schedule import Fall, Fck, Fn, Loss
+    from remat.solver.solve import store_all
 
     assert checkpoint_sequential_ops(5, 1) == list(store_all(5))
     ops = checkpoint_sequential_ops(12, 5)   # segments of 2: stages 1-8 kept, 9-12 plain
@@ -101,7 +101,7 @@ def test_cuda_chain_meter_leaves_out_memory_that_is_not_the_chains(monkeypatch):
     the chain's backward), nor what comes after the gate closes for good."""
     import torch
 
-    from remat.trials import ChainMeter
+    from remat.tools.trials import ChainMeter
 
     alloc = FakeAllocator(1000)          # parameters, gradients: before the step
     alloc.install(monkeypatch)
@@ -134,7 +134,7 @@ def test_stage_cost_times_remat_alone_and_unwraps_its_timers():
     import importlib.util
     import os
 
-    from remat import stage_call
+    from remat.runtime import stage_call
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "stage_cost.py")
     module_spec = importlib.util.spec_from_file_location("stage_cost", path)
@@ -154,9 +154,9 @@ def test_a_job_at_a_budget_runs_the_schedule_it_solves_on_its_refined_costs():
     model it copied is left untouched, and its costs' sizes are store-all's."""
     import torch
 
-    from remat.schedule import simulate
-    from remat.solve import minimum_budget, store_all
-    from remat.trials import MODELS, job, measure_costs
+    from remat.solver.schedule import simulate
+    from remat.solver.solve import minimum_budget, store_all
+    from remat.tools.trials import MODELS, job, measure_costs
 
     spec = MODELS["tiny"][0]()
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import remat
 from chains import Net, assert_same, costs_file_step, make_input, measured_costs, run_blocks, train
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 
 
 @pytest.mark.parametrize("budget", ["abc", "12 parsecs", -1, 0, 1.5, None, [1], "0MB", "-5GiB"])
@@ -63,7 +63,7 @@ def test_budget_below_minimum_names_the_minimum_and_leaves_state(monkeypatch):
     ref = copy.deepcopy(base)
     train_ref = train(ref)
     runs = []
-    measuring = sys.modules["remat.measuring"]
+    measuring = sys.modules["remat.measure.measuring"]
     real = measuring.instrumented_run
     monkeypatch.setattr(measuring, "instrumented_run", lambda *a, **k: runs.append(1) or real(*a, **k))
     assert_same(train_ref, train(net))

@@ -1,4 +1,4 @@
-"""What changes between a chain's forward and its backward (remat/replay.py Note
+"""What changes between a chain's forward and its backward (remat/runtime/replay.py Note
 [Replaying a stage] 5): a parameter, a side input or the chain's input changed
 in place, or a stage frozen or unfrozen, is a clear error that names it and
 leaves the next call exact; an optimizer stepping each parameter inside the

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import remat
 from chains import Net, assert_same, measured_costs, train
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 
 D = 8
 

@@ -6,11 +6,11 @@ import types
 import pytest
 
 from chains import costs_file_step
-from remat import _c_solver
-from remat.costs import Costs
+from remat.solver import binding as _c_solver
+from remat.solver.costs import Costs
 from remat.errors import CostsError, SolverError
-from remat.schedule import simulate
-from remat.solve import store_all
+from remat.solver.schedule import simulate
+from remat.solver.solve import store_all
 
 
 def test_costs_errors_name_field_and_stage():
@@ -135,7 +135,7 @@ def test_costs_file_that_never_ends_is_refused(tmp_path, monkeypatch):
     under the limit is read (and refused for what it holds)."""
     import os
 
-    from remat import costs as costs_module
+    from remat.solver import costs as costs_module
 
     if os.path.exists("/dev/zero"):
         with pytest.raises(CostsError, match=r"/dev/zero is over 64\.00 MiB"):

@@ -158,7 +158,7 @@ def test_auto_budget_is_free_cuda_memory_less_the_margin():
 
 def test_demo_on_cuda():
     """The demo at its default budget runs on CUDA, with plain PyTorch's losses and gradients."""
-    from remat.demo import run_demo
+    from remat.tools.demo import run_demo
 
     result = run_demo(model="gpt", budget="40%", device=CUDA, steps=4, out=lambda s: None, progress=False)
     assert result["losses_equal"]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from remat.demo import run_demo
+from remat.tools.demo import run_demo
 
 
 def test_demo_keeps_remat_under_budget_with_plain_losses():
@@ -81,8 +81,8 @@ def test_demo_budget_auto_is_the_free_memory(monkeypatch):
     """The demo and explain take "auto" as remat.chain does: the device's free memory
     less its margin."""
     import remat.budget as budget
-    from remat.costs import Costs
-    from remat.demo import resolve_demo_budget
+    from remat.solver.costs import Costs
+    from remat.tools.demo import resolve_demo_budget
 
     monkeypatch.setattr(budget, "free_memory", lambda device: 10**9)
     cpu = torch.device("cpu")

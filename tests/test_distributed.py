@@ -91,8 +91,8 @@ def _train(model, rank, params):
 def _budget(base):
     """A budget a third of the way from the chain's minimum to store-all (sizes only,
     so the same on every rank) that makes remat recompute."""
-    from remat.schedule import simulate
-    from remat.solve import minimum_budget, store_all
+    from remat.solver.schedule import simulate
+    from remat.solver.solve import minimum_budget, store_all
 
     probe = copy.deepcopy(base)
     probe.budget, probe.algorithm = 2**50, "store_all"
@@ -112,7 +112,7 @@ def _ddp_worker(rank, port, tmp):
     _init(rank, port)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    measuring = sys.modules["remat.measuring"]   # where the measuring call looks up its timers
+    measuring = sys.modules["remat.measure.measuring"]   # where the measuring call looks up its timers
     torch.manual_seed(0)
     base = Model()
     budget = _budget(base)

@@ -16,12 +16,12 @@ from hypothesis import given, strategies as st
 
 import remat
 from chains import IMG_KINDS, SEQ_KINDS, make_stage
-from remat.recompute import replaying
-from remat.runtime import Run
-from remat.schedule import Fall, simulate
-from remat.solve import minimum_budget, store_all
+from remat.runtime.recompute import replaying
+from remat.runtime.executor import Run
+from remat.solver.schedule import Fall, simulate
+from remat.solver.solve import minimum_budget, store_all
 
-_chain_module = sys.modules["remat.chain_call"]
+_chain_module = sys.modules["remat.runtime.chain_call"]
 D = 8
 # weak references to the storage of every activation a stage made (forward or recompute)
 _made = []
@@ -195,7 +195,7 @@ def test_fault_in_recomputation(runs, exc, measured, algorithm):
     equal plain PyTorch's (whose faulty step ran its forward only)."""
     plain, net = _pair(algorithm=algorithm)
     if measured:
-        # two calls: the first one's backward may change the plan (remat/recording.py
+        # two calls: the first one's backward may change the plan (remat/measure/recording.py
         # Note [The chain's output]); the second shows the one the next call runs
         for seed in (1, 5):
             _assert_equal(_step(plain, seed), _step(net, seed))
@@ -309,7 +309,7 @@ def test_random_chain_budget_and_fault(chain, fraction, algorithm):
         try:
             _, loss = _loss(net, 2)
             # this call's schedule (the first call's backward may have changed the
-            # plan: remat/recording.py Note [The chain's output])
+            # plan: remat/measure/recording.py Note [The chain's output])
             recomputed = fault == "recompute" and remat.explain().schedule.forward_modes()[where] is not Fall
             loss.backward()
             raised = None

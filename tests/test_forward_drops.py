@@ -1,4 +1,4 @@
-"""What the forward phase lets go (remat/recording.py Note [What the forward phase
+"""What the forward phase lets go (remat/measure/recording.py Note [What the forward phase
 drops]): a^i of a stage whose successor's recording keeps no part of it, unless
 the code around the chain holds it."""
 
@@ -108,7 +108,7 @@ def test_loop_keeping_aliases_is_caught_by_the_first_run():
     said = " ".join(str(w.message) for w in seen)
     assert "kept the outputs of stages 1-4 after the next stage had run" in said
     assert "kept the outputs of stages 5-6 through its backward" in said
-    entry = next(e for e in importlib.import_module("remat.chain_call")._cache.values() if e.idents[0]() is net.stages[0])
+    entry = next(e for e in importlib.import_module("remat.runtime.chain_call")._cache.values() if e.idents[0]() is net.stages[0])
     now = entry.costs
     assert not any(now.fwd_drop) and now.held_bytes == measured.held_bytes + sum(costs.out_bytes[:-1])
     net.budget = budget_for(entry.planning_costs(), "optimal", 0.3)
@@ -286,7 +286,7 @@ class CastingNet(Net):
 def _cached_step(net, seed=0):
     """A training step of ``net`` (its cache around the backward too if ``both``)
     under the storage meter, as ``_physical_peak`` meters one."""
-    from remat.meter import Instrument
+    from remat.measure.meter import Instrument
 
     x, mask = __import__("chains").make_input(net, seed=seed)
     target = torch.randn(x.shape)

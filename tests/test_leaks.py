@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.meter import Instrument
-from remat.runtime import Run
-from remat.solve import minimum_budget
+from remat.measure.meter import Instrument
+from remat.runtime.executor import Run
+from remat.solver.solve import minimum_budget
 
-_chain_module = sys.modules["remat.chain_call"]
+_chain_module = sys.modules["remat.runtime.chain_call"]
 
 
 class Block(nn.Module):
@@ -109,7 +109,7 @@ def test_thousand_steps_hold_constant_memory(runs):
     assert len(set(counts[1:])) == 1, f"Python tensor counts grow: {counts}"
     assert cache == [1] * len(cache)
     # (the measuring call's plan goes when its backward shows the chain's output let
-    # go: remat/recording.py Note [The chain's output]; step 1 solves the one kept)
+    # go: remat/measure/recording.py Note [The chain's output]; step 1 solves the one kept)
     assert plans[1:] == [1] * (len(plans) - 1)
     assert alive == [0] * len(alive), f"Run objects alive: {alive}"
 

@@ -11,10 +11,10 @@ import torch.nn as nn
 from hypothesis import given, strategies as st
 
 import remat
-from remat import measuring
-from remat.measuring import StageMeasuring
+from remat.measure import measuring
+from remat.measure.measuring import StageMeasuring
 from chains import IMG_KINDS, SEQ_KINDS, Net, make_input, run_blocks
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 
 
 class Counted(nn.Module):
@@ -53,7 +53,7 @@ def test_first_call_holds_the_stage_inputs_and_one_stage():
     forward and backward (and the parameters' gradients): the saved tensors of the
     stages it lets go must go. (They did not: autograd keeps the pack hook with each
     tensor it packs, and the hook held the list; the call peaked above plain.)"""
-    from remat.meter import Instrument
+    from remat.measure.meter import Instrument
 
     def make():
         torch.manual_seed(0)
@@ -136,7 +136,7 @@ def _measure(net):
     x, mask = make_input(probe)
     torch.manual_seed(1)
     probe(x, mask).sum().backward()
-    entry = next(iter(sys.modules["remat.chain_call"]._cache.values()))
+    entry = next(iter(sys.modules["remat.runtime.chain_call"]._cache.values()))
     return remat.explain().costs, list(entry.grad_replay)
 
 
@@ -201,7 +201,7 @@ def test_backward_is_measured_again_with_the_gradient_layout_it_gets(monkeypatch
     """The attention stage's gradient comes contiguous from a Linear stage and
     transposed from a BatchNorm1d stage (which runs on x.transpose(1, 2)): only
     the second measures its backward again, with the transposed layout."""
-    measuring = sys.modules["remat.measuring"]
+    measuring = sys.modules["remat.measure.measuring"]
     calls = []
 
     def spy(call, x, cuda, rng0, originals, layout, *rest, **kw):
@@ -227,7 +227,7 @@ def test_gradients_held_across_stages_are_counted_as_held():
 def test_meter_counts_a_tensor_made_outside_its_gate():
     """``Instrument.count``: a gradient made while the gate was shut is metered
     from then on, and let go when it dies."""
-    from remat.meter import Instrument
+    from remat.measure.meter import Instrument
 
     with Instrument() as inst:
         inst.set_gate(False)
@@ -292,8 +292,8 @@ def test_signature_check_agrees_with_the_signature():
     exactly what comparing ``input_signature``s says: activation alone (its fast
     path), passed by keyword, with tensor, tuple and Python side inputs, and with
     a submodule switched to eval."""
-    from remat.stage_check import input_signature, module_dicts, signature_matches
-    from remat.stage_call import StageCall
+    from remat.runtime.stage_check import input_signature, module_dicts, signature_matches
+    from remat.runtime.stage_call import StageCall
 
     block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
     dicts = module_dicts(block)

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.schedule import simulate
-from remat.solve import minimum_budget, store_all
+from remat.solver.schedule import simulate
+from remat.solver.solve import minimum_budget, store_all
 from chains import run_blocks
 
 D = 16
@@ -60,7 +60,7 @@ def _pair(block, n):
 @pytest.fixture
 def measured(monkeypatch):
     """The stages measured (remat.profile's instrumented run), in order, since last cleared."""
-    from remat import measuring
+    from remat.measure import measuring
 
     seen = []
     run = measuring.instrumented_run
@@ -141,7 +141,7 @@ def test_a_path_changing_from_call_to_call_is_warned_of():
     changed ``PATH_CHANGES`` calls in a row; a path that changes once and stays does not."""
     import warnings
 
-    from remat.running import PATH_CHANGES
+    from remat.runtime.runner import PATH_CHANGES
 
     torch.manual_seed(0)
     net = _Skipping()
@@ -190,7 +190,7 @@ WHOLE_CHANGES = {
 def test_a_stage_recorded_whole_changed_is_measured_again_on_the_next_call(change, measured):
     """At a budget that stores everything each stage is recorded whole, and its
     module is checked at the end of the call (Note [Stages recorded whole] in
-    remat/running.py): the call after a change runs as recorded, exact; the one
+    remat/runtime/runner.py): the call after a change runs as recorded, exact; the one
     after it measures that stage again (and the stages after it), and no call
     after that does."""
     plain, blocks = _pair(Block, 4)

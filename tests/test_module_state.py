@@ -16,7 +16,7 @@ import torch.nn as nn
 import remat
 from blocks import BlockNet, LnBlock, assert_blocks_same, block_budgets, block_net, train_blocks
 
-chain_module = importlib.import_module("remat.chain_call")
+chain_module = importlib.import_module("remat.runtime.chain_call")
 
 
 @pytest.mark.parametrize("kind", ["spectral", "spectral_hook", "weight_norm", "counting"])
@@ -24,7 +24,7 @@ chain_module = importlib.import_module("remat.chain_call")
 def test_stage_reading_state_it_updates_matches_plain(kind, where):
     """Spectral norm's power iteration updates its vectors in place and then reads
     them: a recomputation starting from the updated values computes another weight.
-    remat starts it from the values the first forward found (remat/replay.py Note
+    remat starts it from the values the first forward found (remat/runtime/replay.py Note
     [Replaying a stage] 3); parameters, gradients and buffers stay plain PyTorch's."""
     x = torch.randn(4, 8, 16)
     ref = block_net(kind)
@@ -45,7 +45,7 @@ def test_weight_set_by_a_pre_hook_of_the_stage_module(shared):
     forward pre-hook, which for a stage module runs before the stage, on every call.
     A discriminator step runs two forwards (real, fake) before one backward, and a
     module may be several stages of one chain: each recomputation runs with the
-    weight its own forward used (the slots hold tensor attributes: remat/replay.py
+    weight its own forward used (the slots hold tensor attributes: remat/runtime/replay.py
     Note [Replaying a stage] 5), and gradients are plain PyTorch's."""
     torch.manual_seed(0)
     layers = [nn.utils.spectral_norm(nn.Linear(16, 16)) for _ in range(4)]
@@ -114,7 +114,7 @@ def test_tensors_held_outside_autograd_are_counted():
     """A custom Function keeping a tensor on ctx holds it until its backward in every
     mode of the schedule: measuring says so once, counts it as held, and a training
     step's real peak stays under the budget (it went to twice the budget uncounted)."""
-    from remat.meter import Instrument
+    from remat.measure.meter import Instrument
     torch.manual_seed(0)
     ref = BlockNet([CtxBlock(16) for _ in range(6)])
     net = copy.deepcopy(ref)

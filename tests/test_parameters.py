@@ -1,5 +1,5 @@
 """Parameters, buffers and code paths other than those a stage was measured with,
-or than those its module holds by the backward (remat/replay.py Note [Replaying
+or than those its module holds by the backward (remat/runtime/replay.py Note [Replaying
 a stage] 5): swapped for the forward only (``torch.func.functional_call``,
 ``parametrize.cached()``), replaced between calls
 (``load_state_dict(assign=True)``), frozen or unfrozen mid-training, cast to
@@ -18,7 +18,7 @@ from torch.func import functional_call
 
 import remat
 from blocks import PosBlock, PosNet, assert_grads_equal, grads_of, pos_pair
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 
 
 def test_functional_call_with_other_parameters_gives_their_gradients():
@@ -90,7 +90,7 @@ def test_stage_cast_to_another_dtype_measures_again():
     cast to another dtype: each stage's parameters' dtypes do, and the costs follow.
     The first stage, which the plan records whole, is checked at the end of the
     call after the cast and measured again on the next (Note [Stages recorded
-    whole] in remat/running.py); the stages after it, on their input's dtype."""
+    whole] in remat/runtime/runner.py); the stages after it, on their input's dtype."""
     torch.manual_seed(0)
     stages = [remat.stage(nn.Embedding(50, 32))] + [
         remat.stage(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))) for _ in range(3)]

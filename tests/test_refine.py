@@ -1,4 +1,4 @@
-"""Times refined by the calls after the measuring one (remat/refine.py, Note
+"""Times refined by the calls after the measuring one (remat/measure/refine.py, Note
 [Timing the second call]): stages that sleep show what the storage meter's op
 timer misses and a training step does not."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.refine import ATTEMPTS
-from remat.solve import minimum_budget
+from remat.measure.refine import ATTEMPTS
+from remat.solver.solve import minimum_budget
 
 
 class _Sleepy(torch.autograd.Function):
@@ -112,7 +112,7 @@ def test_one_slow_sample_is_outvoted():
 def test_samples_combine_to_their_mean_unless_one_is_an_outlier():
     """Two like samples give their mean (the least would be biased low); one 1.5x
     the other gives the lesser (the stage was preempted in that call)."""
-    from remat.refine import combine
+    from remat.measure.refine import combine
 
     assert combine([0.010, 0.012]) == pytest.approx(0.011)
     assert combine([0.010, 0.016]) == 0.010
@@ -215,7 +215,7 @@ def test_stamped_times_hold_remat_own_work(monkeypatch):
     stage (the checks against the recording before it), and the last stage's the
     chain's end of call: simulate charges nothing else, and on small stages that
     work is a few percent of a step (Note [Timing the second call], 1)."""
-    import remat.running as running
+    import remat.runtime.runner as running
 
     remat.clear_cache()
     call = _sleepy_chain(0.0, 0.0)
@@ -245,7 +245,7 @@ def test_recording_recomputations_count_in_the_forward_time(monkeypatch):
     pack hooks, the determinism guard: slowed here): a stage's refined forward time
     is the mean of that run and its forward-phase run, so that the schedule that
     ran both is charged their sum (Note [Timing the second call], 3)."""
-    import remat.recompute as recompute
+    import remat.runtime.recompute as recompute
 
     remat.clear_cache()
     call = _sleepy_chain(0.0, 0.0)

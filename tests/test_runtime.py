@@ -8,8 +8,8 @@ import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 import remat
-from remat.schedule import simulate
-from remat.solve import minimum_budget, solve, store_all
+from remat.solver.schedule import simulate
+from remat.solver.solve import minimum_budget, solve, store_all
 from chains import IMG_KINDS, SEQ_KINDS, Net, assert_same, measured_costs, train
 
 ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(2)", "periodic(3)")
@@ -55,7 +55,7 @@ def _physical_peak(net, batch=4, length=6, seed=7, hold=True):
     (new allocations, plus the chain input, which the budget counts): those of
     the chain, its output's gradient and its input's, not the loss's forward.
     With ``hold`` the step keeps the output through the backward, as ``train``."""
-    from remat.meter import Instrument
+    from remat.measure.meter import Instrument
 
     x, mask = __import__("chains").make_input(net, batch, length, seed=seed)
     target = torch.randn(x.shape)
@@ -90,7 +90,7 @@ def _physical_peak(net, batch=4, length=6, seed=7, hold=True):
 def test_measured_peak_stays_under_budget(chain, fraction, hold):
     """The storage meter's peak of a real training step never exceeds the budget,
     whether the loop keeps the chain's output through the backward or not
-    (remat/recording.py Note [The chain's output]), and is within 10% of
+    (remat/measure/recording.py Note [The chain's output]), and is within 10% of
     simulate's: what the forward phase lets go (Costs.fwd_drop) and what the
     chain holds through the step (Costs.held_bytes) are counted apart from the
     activations. The output a loop keeps is counted in held_bytes from the
@@ -298,7 +298,7 @@ def test_explain_after_a_budget_error_shows_that_budget():
 
 def test_chain_output_held_through_backward_is_counted():
     """Plans count the chain's output as held until a backward shows it let go; a loop
-    that holds it once keeps it counted (remat/recording.py Note [The chain's output])."""
+    that holds it once keeps it counted (remat/measure/recording.py Note [The chain's output])."""
     torch.manual_seed(0)
     net = Net(["linear", "scale", "linear"])
     net.budget = 2**40
@@ -326,7 +326,7 @@ def test_one_module_as_every_stage_stays_under_budget():
     of the shared parameters' gradient before the engine adds it into the sum it
     holds, a transient the stage's measured backward left out (the peak went 51% over
     the minimum budget)."""
-    from remat.meter import Instrument
+    from remat.measure.meter import Instrument
 
     class Blk(nn.Module):
         def __init__(self, d):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.schedule import simulate
-from remat.solve import minimum_budget, solve, store_all
+from remat.solver.schedule import simulate
+from remat.solver.solve import minimum_budget, solve, store_all
 
 
 def make_layers(seed=0):
@@ -154,7 +154,7 @@ def test_measure_leaves_no_trace():
 
 def test_measure_then_solve_then_train_matches_plain(monkeypatch):
     """Measuring and solving ahead: the calls give plain PyTorch's results with no second
-    measurement; the first two refine the times (remat/refine.py), and solve then gives
+    measurement; the first two refine the times (remat/measure/refine.py), and solve then gives
     the schedule the calls run."""
     plain = make_layers()
     seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=None)
@@ -163,7 +163,7 @@ def test_measure_then_solve_then_train_matches_plain(monkeypatch):
     schedule = seq.solve(minimum_budget(costs))
     assert seq.budget == minimum_budget(costs) and schedule.peak <= seq.budget
     runs = []
-    measuring = sys.modules["remat.measuring"]
+    measuring = sys.modules["remat.measure.measuring"]
     real = measuring.instrumented_run
     monkeypatch.setattr(measuring, "instrumented_run", lambda *a, **k: runs.append(1) or real(*a, **k))
     assert_same(train(copy.deepcopy(plain)), train(seq))

@@ -12,12 +12,12 @@ from hypothesis import given, strategies as st
 
 from exhaustive import best_schedule
 import reference_solver
-from remat import _c_solver
-from remat._solver import ffi, lib
-from remat.costs import Costs
+from remat.solver import binding as _c_solver
+from remat.solver._solver import ffi, lib
+from remat.solver.costs import Costs
 from remat.errors import BudgetError, CostsError, SolverError
-from remat.schedule import simulate
-from remat.solve import discretise, minimum_budget, periodic, slot_size, solve, store_all, time_bound
+from remat.solver.schedule import simulate
+from remat.solver.solve import discretise, minimum_budget, periodic, slot_size, solve, store_all, time_bound
 from remat.units import format_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

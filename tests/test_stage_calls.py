@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 
 
 def test_sparse_embedding_stage_matches_plain():

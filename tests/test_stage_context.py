@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 
-chain_module = importlib.import_module("remat.chain_call")
+chain_module = importlib.import_module("remat.runtime.chain_call")
 
 
 def test_chain_inside_torch_func_transforms_runs_plainly():

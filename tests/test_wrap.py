@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.schedule import simulate
-from remat.solve import minimum_budget, solve, store_all
+from remat.solver.schedule import simulate
+from remat.solver.solve import minimum_budget, solve, store_all
 
 os.environ["HF_HUB_OFFLINE"] = "1"      # before transformers is imported: never reach the hub
 try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat.solve import minimum_budget
+from remat.solver.solve import minimum_budget
 from test_wrap import assert_same, budget_for, needs_transformers, transformers
 
 
@@ -66,7 +66,7 @@ def test_gpt2_matches_pytorch(gpt2_setup, attn, algorithm, fraction):
     """Losses and every parameter gradient of three AdamW steps with dropout and a padding mask are
     bitwise the unwrapped model's, for sdpa and eager attention (had a kernel drawn dropout
     differently without grad, remat would have measured it and recomputed that block with grad
-    on: Note [Replaying a stage], 4 in remat/replay.py)."""
+    on: Note [Replaying a stage], 4 in remat/runtime/replay.py)."""
     base, ref, costs = gpt2_setup[attn]
     budget = budget_for(costs, algorithm, fraction)
     model = copy.deepcopy(base)
@@ -204,7 +204,7 @@ def test_gpt2_output_attentions_are_counted_as_held(gpt2_setup):
     """output_attentions=True on transformers 5 has a hook collect each block's attention
     map, which autograd also saves: dropping it with the block frees nothing. The
     measuring call warns and counts the maps as held through the step (Note [Saved
-    tensors held elsewhere], remat/measuring.py); at the minimum budget that gives,
+    tensors held elsewhere], remat/measure/measuring.py); at the minimum budget that gives,
     gradients and maps stay plain PyTorch's and no later call warns."""
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("transformers 4's blocks return their maps, which need grad (refused: see above)")

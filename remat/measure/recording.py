@@ -5,7 +5,7 @@ Note [The chain's output]
 -------------------------
 The cost model lets a^L go at ``B(L)`` with a-bar^L, and where the last
 stage's backward does not read a^L, ``bwd_tmp[L]`` gives its bytes back
-during ``B(L)`` itself (remat/profile.py). That holds where the caller lets
+during ``B(L)`` itself (remat/measure/profile.py). That holds where the caller lets
 the chain's output go once it is used (a head that saved it has released it
 by ``B(L)``), not where a training loop keeps it in a variable through
 ``loss.backward()``: then a^L stays to the end of the backward, and a step
@@ -33,9 +33,9 @@ input a^(i-1) lives on only if something keeps it: its own recording (it
 saved its input, or returned a view of it), the previous stage's backward
 (a-bar^(i-1) holds a^(i-1) only if B(i-1) reads it), or the code around the
 chain. ``Costs.fwd_drop`` counts a^(i-1) as gone once stage i has run where
-none does (remat/schedule.py Note [Accounting] 6): the measuring call sees
+none does (remat/solver/schedule.py Note [Accounting] 6): the measuring call sees
 the first two in the stages' saved tensors (``input_kept``, ``out_freed``,
-remat/profile.py) and the third by weak references to the activations the
+remat/measure/profile.py) and the third by weak references to the activations the
 stages returned, read as the chain ends (``caller_holds``: a list of hidden
 states, as transformers' ``output_hidden_states`` keeps, holds them all).
 Without it, a chain of stages that keep nothing of their input (dropout,
@@ -60,16 +60,16 @@ import weakref
 
 import torch
 
-from .costs import Costs
+from ..solver.costs import Costs
 from .costs_source import distributed, write_costs
-from .dynamo import DYNAMO_SKIPS
-from .errors import BudgetError, CostsError
+from ..dynamo import DYNAMO_SKIPS
+from ..errors import BudgetError, CostsError
 from .refine import SAMPLES, combine
-from .runtime import BWD, FALL, FCK, FN, _releasing
-from .schedule import B, Fall, Fck, Fn, Loss
-from .solve import solve
-from .tensor_slots import NO_SLOTS
-from .units import format_bytes
+from ..runtime.executor import BWD, FALL, FCK, FN, _releasing
+from ..solver.schedule import B, Fall, Fck, Fn, Loss
+from ..solver.solve import solve
+from ..runtime.tensor_slots import NO_SLOTS
+from ..units import format_bytes
 
 __all__ = ["Recording"]
 
@@ -79,7 +79,7 @@ _CODES = {Fn: FN, Fck: FCK, Fall: FALL, B: BWD}
 def _stage_gone(recording, i):
     """The callback of the weak reference to stage i+1's object. The recording holds
     that stage module's ``__dict__``, ``_parameters`` and ``_buffers`` (to check them
-    on later calls, remat/stage_check.py): a model deleted while its recording stayed
+    on later calls, remat/runtime/stage_check.py): a model deleted while its recording stayed
     cached kept its weights, up to ``CACHE_SIZE`` models' of them. No call can match
     a stage that is gone (its object is checked first), so it lets them go."""
     def gone(_ref):
@@ -126,8 +126,8 @@ class Recording:
         self.input_bytes = 0
         self.costs = None
         self.plans = {}
-        self.attempts = 0        # calls left to refine the times (remat/refine.py)
-        self.samples = []        # the stamped calls' times so far (remat/refine.py)
+        self.attempts = 0        # calls left to refine the times (remat/measure/refine.py)
+        self.samples = []        # the stamped calls' times so far (remat/measure/refine.py)
         self.costs_file = None   # the costs file this process measured for (or None)
         self.unsaved = False     # refined costs not yet written to it
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
@@ -143,7 +143,7 @@ class Recording:
     def quiet(self, k):
         """The indices, among stage k's slots (``slots``), of the buffers it did not
         write in place when measured: those a later call watches for new writes
-        (remat/running.py, ``_new_writes``); its state's are written every call."""
+        (remat/runtime/runner.py, ``_new_writes``); its state's are written every call."""
         quiet = self._quiet.get(k)
         if quiet is None:
             slots, n, _ = self.slots[k - 1]
@@ -233,7 +233,7 @@ class Recording:
 
     def timed(self, forward, backward, nograd):
         """A call after the measuring one was stamped (Note [Timing the second call],
-        remat/refine.py): ``forward`` and ``nograd`` map stages to seconds,
+        remat/measure/refine.py): ``forward`` and ``nograd`` map stages to seconds,
         ``backward`` lists them. With ``SAMPLES`` such calls, or none left to try,
         the times replace the measured ones."""
         costs = self.costs
@@ -351,7 +351,7 @@ class Recording:
                     raise BudgetError(
                         f"{exc}. That counts the chain's output ({format_bytes(self.costs.out_bytes[-1])}) "
                         f"as held through the backward: the code around the chain kept it "
-                        f"(remat/recording.py Note [The chain's output])") from None
+                        f"(remat/measure/recording.py Note [The chain's output])") from None
                 schedule = None
             if schedule is None:
                 # no backward has told yet whether the code around the chain lets a^L go:
@@ -384,7 +384,7 @@ class Recording:
 def _least(costs, algorithm, slots):
     """The least budget of the optimal algorithm for ``costs`` (None for the others,
     whose errors say their own)."""
-    from .solve import minimum_budget
+    from ..solver.solve import minimum_budget
 
     return minimum_budget(costs) if algorithm == "optimal" else None
 

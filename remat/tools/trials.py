@@ -1,6 +1,6 @@
 """Training steps of several methods side by side on one model: plain PyTorch,
 ``torch.utils.checkpoint.checkpoint_sequential`` and remat, for the demo
-(remat/demo.py) and the benchmarks (remat/bench.py, benchmarks/).
+(remat/tools/demo.py) and the benchmarks (remat/tools/bench.py, benchmarks/).
 
 A model is given as a spec, ``(build, data, pre, stages, post)``: ``build()``
 makes it, ``data(step, device)`` the batch of a step, ``pre(model, input)`` the
@@ -9,7 +9,7 @@ A method is ``("plain", None)``, ``("checkpoint_sequential", segments)`` or
 ``("remat", (budget, algorithm[, costs path]))``.
 
 Memory is the peak of the chain's activations during a training step: the
-storage meter (remat/meter.py) on CPU, the CUDA allocator on GPU, gated so
+storage meter (remat/measure/meter.py) on CPU, the CUDA allocator on GPU, gated so
 that it only looks while the blocks run forward and while their backward runs
 (from the gradient of the chain's output to that of its input), plus the chain
 input.
@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
-from .chain import chain
-from .costs import Costs
-from .meter import Instrument
-from .explanation import explain
-from .refine import SAMPLES
+from ..chain import chain
+from ..solver.costs import Costs
+from ..measure.meter import Instrument
+from ..explanation import explain
+from ..measure.refine import SAMPLES
 
 __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "job", "measure_all", "measure_costs",
            "median_costs", "resnet_spec", "run_step"]
@@ -90,7 +90,7 @@ class ChainMeter:
 def gpt_spec(n_layer, n_embd, n_head, length, batch, vocab=256):
     """A GPT-style model (remat/models/gpt.py) on random tokens: its blocks are the chain."""
     def build():
-        from .models import GPT
+        from ..models import GPT
 
         return GPT(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=length, dropout=0.1)
 
@@ -113,7 +113,7 @@ def gpt_spec(n_layer, n_embd, n_head, length, batch, vocab=256):
 def resnet_spec(depth, size, batch, classes=10):
     """A ResNet (remat/models/resnet.py) on random images: its stages are the chain."""
     def build():
-        from . import models
+        from .. import models
 
         return getattr(models, f"resnet{depth}")(num_classes=classes)
 
@@ -320,7 +320,7 @@ def measure_all(base, spec, methods, steps, device, bar=None, probe=None):
 
 def measure_costs(base, spec, step, device, budget=None):
     """The costs remat measures on a fresh copy of ``base`` in a first call, times refined
-    by the next two (remat/refine.py), as they are written to the costs file: with
+    by the next two (remat/measure/refine.py), as they are written to the costs file: with
     ``budget``, the costs a job running the optimal schedule for it would get (the
     refining calls run that schedule: remat's work as it runs it is in the times),
     else those of store-all."""

@@ -1,6 +1,6 @@
 """One call of a chain (the user's forward, from the ``with remat.chain`` to its
-end): its stage calls checked and handed to the measuring half (remat/measuring.py)
-or the running half (remat/running.py), and the recordings of the chains, per key
+end): its stage calls checked and handed to the measuring half (remat/measure/measuring.py)
+or the running half (remat/runtime/runner.py), and the recordings of the chains, per key
 (Note [Chain keys], remat/chain.py), in a bounded cache.
 """
 
@@ -16,17 +16,17 @@ from torch.nn.modules import module as nn_module
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
-from .budget import resolve_budget
-from .costs_source import chain_costs, distributed, read_costs, write_costs
-from .errors import RematError, StageError, not_handed_on
-from .explanation import Explanation, publish
-from .measuring import StageMeasuring, shared_grad_transients
-from .recording import Recording
-from .refine import ATTEMPTS, StageTimes
+from ..budget import resolve_budget
+from ..measure.costs_source import chain_costs, distributed, read_costs, write_costs
+from ..errors import RematError, StageError, not_handed_on
+from ..explanation import Explanation, publish
+from ..measure.measuring import StageMeasuring, shared_grad_transients
+from ..measure.recording import Recording
+from ..measure.refine import ATTEMPTS, StageTimes
 from .replay import capture_autocast, capture_rng, cuda_devices
-from .running import StageRunning, site_text
+from .runner import StageRunning, site_text
 from .recompute import replaying
-from .runtime import Run
+from .executor import Run
 from .stage_call import StageCall
 from .stage_check import check_hooks_enabled, check_output, find_activation, handed_on, signature
 from .tensor_slots import module_slots, take
@@ -120,7 +120,7 @@ class ChainCall(StageMeasuring, StageRunning):
         self.held_bytes = 0
         self.measured = {}      # stage -> what run 4 of Note [Measuring a stage] needs of it
         self.relayout = None    # (that of the stage before, the layout its gradient has) due for run 4
-        self.twins = {}         # Note [Twin stages] (remat/measuring.py): key -> stage
+        self.twins = {}         # Note [Twin stages] (remat/measure/measuring.py): key -> stage
         self.outs = {}          # measuring: stage -> weak reference to the activation it returned
         self.dropped = []       # running: (i, weak reference to a^i's storage) the plan lets go
         self.acts = []          # running: (i, weak reference to a^i's storage), each stage
@@ -129,7 +129,7 @@ class ChainCall(StageMeasuring, StageRunning):
         self.costs_path = None  # the costs file this measuring call reads or writes
         self.seen = {}          # id of each stage's object -> the first stage it was
         self.stale = False      # running: a stage saved other tensors than the recording says
-        self.unchecked = []     # running: stages whose module is checked at the end (remat/running.py)
+        self.unchecked = []     # running: stages whose module is checked at the end (remat/runtime/runner.py)
 
     # stage calls ---------------------------------------------------------
 
@@ -324,7 +324,7 @@ class ChainCall(StageMeasuring, StageRunning):
         new.watch_output(self.prev)
         try:
             # (this call's own backward may yet show its output let go: Note [The
-            # chain's output], remat/recording.py; only a budget under the measured
+            # chain's output], remat/measure/recording.py; only a budget under the measured
             # costs' minimum fails now)
             plan = new.plan(self.budget, self.spec.algorithm, self.spec.slots)
         except Exception as exc:

@@ -5,9 +5,9 @@
 for periodic checkpointing (what ``checkpoint_sequential`` does).
 """
 
-from .schedule import B, Fall, Fck, Fn, Loss, simulate
-from .solve import minimum_budget, periodic, solve, store_all
-from .units import format_bytes
+from ..solver.schedule import B, Fall, Fck, Fn, Loss, simulate
+from ..solver.solve import minimum_budget, periodic, solve, store_all
+from ..units import format_bytes
 
 __all__ = ["timeline", "tradeoff"]
 

@@ -17,7 +17,7 @@ Note [The life of a saved tensor]
    recomputed tensor is let go as soon as the engine has unpacked it, so it
    lives until the node that uses it has run, as what autograd saves itself
    does (``_unpack``; the measuring call meters a stage's backward so,
-   remat/stage_backward.py).
+   remat/measure/stage_backward.py).
 3. When the engine is about to run the last node of stage i (the first of its
    backward: a pre-hook, ``Run.watch``), or else the first time it unpacks a
    handle of stage i whose anchor holds no saved tensors,
@@ -33,8 +33,8 @@ Note [The life of a saved tensor]
    stages out of chain order) or the run has no ops (a measuring call),
    stage i is rebuilt from the nearest held input below it. Slower, never
    wrong.
-5. Every recomputation (remat/recompute.py) replays RNG, autocast and
-   in-place state (remat/replay.py), and its saved tensors are checked
+5. Every recomputation (remat/runtime/recompute.py) replays RNG, autocast and
+   in-place state (remat/runtime/replay.py), and its saved tensors are checked
    against what the first forward saved (count, shape, dtype, device).
 """
 
@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from .errors import StageError
+from ..errors import StageError
 from .recompute import record_again, run_again
 
 __all__ = ["Run", "RELEASES"]
@@ -137,7 +137,7 @@ class Run:
         self.passed = set()       # such stages the engine has backwarded (``settle``)
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
         self.autocast = autocast
-        self.clock = None         # StageTimes of a call that refines the times (remat/refine.py)
+        self.clock = None         # StageTimes of a call that refines the times (remat/measure/refine.py)
         self.pinned = []          # anchors kept by the run itself (``pin``)
 
     # forward phase ------------------------------------------------------
@@ -286,7 +286,7 @@ class Run:
             j -= 1
         if j < 1:
             raise StageError(f"remat: no held input to rebuild stage {k} from; please report this bug")
-        if any(self.whole[j:k]):   # (Note [Stages recorded whole], remat/running.py)
+        if any(self.whole[j:k]):   # (Note [Stages recorded whole], remat/runtime/runner.py)
             raise StageError(f"remat: rebuilding stage {k} would run a stage recorded whole again; please "
                              f"report this bug")
         anchor = self._anchor(j)

@@ -41,8 +41,8 @@ forward phase out of order or ends before ``B(1)``.
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .errors import InvalidScheduleError
-from .units import format_bytes
+from ..errors import InvalidScheduleError
+from ..units import format_bytes
 
 __all__ = ["Fn", "Fck", "Fall", "B", "Loss", "Schedule", "Simulation", "simulate"]
 

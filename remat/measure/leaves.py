@@ -1,6 +1,6 @@
 """The leaf tensors (parameters) a stage's backward reaches, and the gradient
 buffers the measuring call's stage backwards add into (Note [Measuring a
-stage] 2 in remat/profile.py)."""
+stage] 2 in remat/measure/profile.py)."""
 
 import torch
 from torch.utils._pytree import tree_leaves

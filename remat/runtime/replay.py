@@ -35,7 +35,7 @@ leave no trace:
    buffer it did not write when measured (version counters, compared around
    each stage) measures the chain again on the next call; that call's
    recomputations put the buffer back as its forward left it
-   (remat/running.py, ``_new_writes``).
+   (remat/runtime/runner.py, ``_new_writes``).
 4. Grad mode: a recomputation that only rebuilds an activation runs without
    recording, which is cheaper, unless the stage computes something else
    that way: some kernels are chosen by grad mode (scaled_dot_product_attention
@@ -84,7 +84,7 @@ import functools
 
 import torch
 
-from .errors import RecomputeMismatchError, StageError
+from ..errors import RecomputeMismatchError, StageError
 from .tensor_slots import ForwardTensors, param_flags
 
 __all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "Replay",
@@ -341,7 +341,7 @@ class Replay:
 
 def check_saved(call, saved):
     """The determinism guard: what a recomputation of ``call`` saved against what its
-    first forward saved (Note [The life of a saved tensor] 5 in remat/runtime.py)."""
+    first forward saved (Note [The life of a saved tensor] 5 in remat/runtime/executor.py)."""
     meta = call.meta
     if meta is None:
         if call.count is not None and len(saved) != call.count:

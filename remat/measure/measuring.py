@@ -1,10 +1,10 @@
 """A chain's measuring call, stage by stage (Note [Measuring a stage] in
-remat/profile.py): the forward that counts, metered and backwarded
+remat/measure/profile.py): the forward that counts, metered and backwarded
 (``instrumented_run``), the forward without recording that Fn and Fck cost, run
 4 for a stage whose gradient arrives in another layout, and which stages keep
-their saved tensors for the call's own backward. ``ChainCall`` (remat/chain_call.py)
+their saved tensors for the call's own backward. ``ChainCall`` (remat/runtime/chain_call.py)
 takes these methods; what it records for later calls to be checked against is
-read by remat/stage_check.py.
+read by remat/runtime/stage_check.py.
 
 Note [Saved tensors held elsewhere]
 -----------------------------------
@@ -42,7 +42,7 @@ output, saved and transient bytes, saved tensors' shapes, RNG use, in-place
 writes, held gradients, parameters to differentiate and backward graph (node
 types and edges, from the output to the inputs). Same ops on like tensors
 allocate alike, so nothing the budget relies on is guessed. On CPU the
-next two calls' own times then replace the shared ones (remat/refine.py).
+next two calls' own times then replace the shared ones (remat/measure/refine.py).
 """
 
 import warnings
@@ -55,12 +55,12 @@ from .meter import Instrument, storage_key
 from .profile import instrumented_run, saved_storages
 from .stage_backward import backward_again
 from .timing import Timer, timed_step, warm_cuda
-from .replay import Replay, capture_rng, cuda_devices, restore_tensors
-from .runtime import _Saved
-from .stage_call import first
-from .stage_check import check_output, input_signature, module_dicts, module_structure, signature
-from .tensor_slots import param_flags, state_plan
-from .units import format_bytes
+from ..runtime.replay import Replay, capture_rng, cuda_devices, restore_tensors
+from ..runtime.executor import _Saved
+from ..runtime.stage_call import first
+from ..runtime.stage_check import check_output, input_signature, module_dicts, module_structure, signature
+from ..runtime.tensor_slots import param_flags, state_plan
+from ..units import format_bytes
 
 __all__ = ["StageMeasuring", "shared_grad_transients", "side_grads"]
 
@@ -163,7 +163,7 @@ class StageMeasuring:
                 f"managed", RuntimeWarning, stacklevel=2)
         if self.given is None and row is not None:
             # a recomputation holds a copy of the state the stage writes in place
-            # (remat/replay.py, restore_tensors) on top of what its forward holds
+            # (remat/runtime/replay.py, restore_tensors) on top of what its forward holds
             row["fwd_tmp"] += sum(t.numel() * t.element_size() for t, _ in originals)
             # run 4 of the Note: the gradient reaching the previous stage is laid
             # out as this stage's backward made it, not as the ones it was measured with
@@ -181,7 +181,7 @@ class StageMeasuring:
         call.state = state
         call.before = [old for _, old in originals] if reads_state else None
         if reads_state:
-            # each call keeps the values the stage started from (remat/replay.py Note
+            # each call keeps the values the stage started from (remat/runtime/replay.py Note
             # [Replaying a stage] 3) through its step: held on top of the activations
             held[("state", k)] = sum(old.untyped_storage().nbytes() for old in call.before)
         call.rng = rng0 if uses_rng else None
@@ -362,7 +362,7 @@ def side_grads(call, x):
     ``.grad``), after the chain's: held through the chain's backward, like a shared
     parameter's, counted once in held_bytes. What each stage adds into it is in that
     stage's bwd_tmp: the measured backward takes it at the side input's edge
-    (``run_backward``, remat/stage_backward.py), as it comes out of the stage, summed
+    (``run_backward``, remat/measure/stage_backward.py), as it comes out of the stage, summed
     over the stage's own uses of it (two in an attention: keys and values)."""
     return {("side", id(a)): a.numel() * a.element_size() for a in grad_side_inputs(call, x)}
 

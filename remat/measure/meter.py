@@ -1,11 +1,11 @@
 """``Instrument``: a storage meter and in-place write detector for one region
-of code, as a TorchDispatchMode (Note [Measuring a stage] in remat/profile.py).
+of code, as a TorchDispatchMode (Note [Measuring a stage] in remat/measure/profile.py).
 
 While active it (a) meters the storages allocated by the ops it sees, each
 counted once and let go when its last reference goes (weak references on the
 storage objects, which PyTorch keeps alive as long as the storage lives),
 (b) notes every tensor that existed before and that an op writes in place,
-cloning it first (Note 3 of remat/replay.py), and (c) adds up the time spent
+cloning it first (Note 3 of remat/runtime/replay.py), and (c) adds up the time spent
 inside the ops themselves, its own work left out.
 
 Note [Dynamo and the meter]

@@ -4,7 +4,7 @@ Note [The recurrence]
 ---------------------
 The optimal algorithm is the persistent dynamic program of Beaumont et al.
 (2019), with every memory condition derived from ``simulate``'s accounting
-(remat/schedule.py Note [Accounting]) rather than copied from rotor.
+(remat/solver/schedule.py Note [Accounting]) rather than copied from rotor.
 
 P(a, t, m) backpropagates stages a..t. On entry a^(a-1) and the gradient of
 a^t are held by the caller (the latter only if t < L: before ``Loss`` there
@@ -21,7 +21,7 @@ With g = x[t] if t < L else 0, and forward cost f_k = fwd_time[k] if t = L
   than B(L)'s peak where bwd_tmp[L] < -x[L-1] (a stage that gives its output
   back, Costs.bwd_tmp); elsewhere the ops before B(a) held as much. For a = t
   the middle call is empty.
-* Drops (forward phase, t = L; Note [Accounting] 6 in remat/schedule.py): in
+* Drops (forward phase, t = L; Note [Accounting] 6 in remat/solver/schedule.py): in
   P(a, L) whose caller holds a^(a-1) on its own with fwd_drop[a-1] > 0, or
   inside a-bar^(a-1) with fwd_drop_whole[a-1] > 0, a Fall(a) lets go of
   r = fwd_drop[a-1] of it: the rest of the Fall branch has headroom m - s[a]
@@ -63,9 +63,9 @@ import re
 import warnings
 
 from .costs import Costs
-from .errors import BudgetError, RematError, SolverError
+from ..errors import BudgetError, RematError, SolverError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
-from .units import format_bytes
+from ..units import format_bytes
 
 __all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget", "time_bound"]
 
@@ -209,7 +209,7 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
     full = simulate(costs, store_all(n))
     if full.peak <= budget:
         return Schedule(store_all(n), full.time, full.peak, "optimal", budget, None)
-    from . import _c_solver
+    from . import binding as _c_solver
 
     # the C solver plans the activations: what is held through the step comes off the budget
     held = costs.held_bytes
@@ -281,7 +281,7 @@ def best_periodic(costs, budget, lengths=None):
 
 def minimum_budget(costs):
     """The least budget in bytes any persistent schedule of ``costs`` fits in."""
-    from . import _c_solver
+    from . import binding as _c_solver
 
     return _c_solver.least_memory(costs)[1] + costs.held_bytes
 

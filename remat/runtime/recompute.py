@@ -1,6 +1,6 @@
 """Running a stage again in the backward (Note [The life of a saved tensor] 4-5,
-remat/runtime.py): on a detached copy of its input, its state replayed
-(remat/replay.py), outside the engine's vmap and inference mode, recording
+remat/runtime/executor.py): on a detached copy of its input, its state replayed
+(remat/runtime/replay.py), outside the engine's vmap and inference mode, recording
 or not, and what a recording recomputation saved checked against the forward.
 """
 
@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from .errors import RecomputeMismatchError, StageError
+from ..errors import RecomputeMismatchError, StageError
 from .replay import Replay, check_saved
 
 __all__ = ["hooks_disabled", "record_again", "replaying", "run_again"]

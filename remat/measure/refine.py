@@ -2,7 +2,7 @@
 
 Note [Timing the second call]
 -----------------------------
-The measuring call (Note [Measuring a stage], remat/profile.py) times each
+The measuring call (Note [Measuring a stage], remat/measure/profile.py) times each
 stage once, in a process that is not yet in its stride: its memory is laid
 out for the measuring runs, fresh pages fault on first touch, caches hold
 the other runs' data, and on CPU runs 1 and 2 go through the storage meter,
@@ -41,7 +41,7 @@ stamps two of them (``SAMPLES``):
    the measured one, but no more than their new ``fwd_time``: a forward
    without recording does the same work less the graph, while the measured
    run (run 3) was the stage's first without recording, cold, and twins
-   (remat/measuring.py) copy the first one's. On ResNet-101 on CPU those
+   (remat/measure/measuring.py) copy the first one's. On ResNet-101 on CPU those
    measured times summed 1.85x a steady no-grad forward, above the
    recording forward's, and the solver would have recomputed with grad
    mode on rather than without.

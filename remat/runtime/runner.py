@@ -1,9 +1,9 @@
 """A recorded chain's later calls, stage by stage: each stage checked against
 the recording (Note [Chain keys], remat/chain.py) and run in its forward-phase
 mode of the plan (``Fall`` records whole; ``Fck`` and ``Fn`` run under the pack
-hooks of remat/runtime.py, keeping their input or not), and the recording's
-update at the end of the call. ``ChainCall`` (remat/chain_call.py) takes these
-methods, as it takes the measuring ones of remat/measuring.py.
+hooks of remat/runtime/executor.py, keeping their input or not), and the recording's
+update at the end of the call. ``ChainCall`` (remat/runtime/chain_call.py) takes these
+methods, as it takes the measuring ones of remat/measure/measuring.py.
 
 Note [Stages recorded whole]
 ----------------------------
@@ -42,10 +42,10 @@ import weakref
 
 import torch
 
-from .costs_source import rows_of
-from .recording import Recording
+from ..measure.costs_source import rows_of
+from ..measure.recording import Recording
 from .replay import capture_rng, cuda_devices, snapshot
-from .runtime import FALL, FCK
+from .executor import FALL, FCK
 from .stage_call import first
 from .stage_check import same_structure, signature_matches, trained_as
 from .tensor_slots import param_flags, resolve_state, take

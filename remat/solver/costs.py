@@ -9,8 +9,8 @@ import math
 import numbers
 from dataclasses import MISSING, dataclass, fields
 
-from .errors import CostsError
-from .units import format_bytes
+from ..errors import CostsError
+from ..units import format_bytes
 
 __all__ = ["Costs"]
 

@@ -1,6 +1,6 @@
 """``python -m remat demo``: train a model under a memory budget and compare
 it with plain PyTorch and ``torch.utils.checkpoint.checkpoint_sequential``,
-all measured in one run (remat/trials.py): the three methods take each step in
+all measured in one run (remat/tools/trials.py): the three methods take each step in
 turn, so that a machine whose speed drifts weighs on all of them alike.
 
 Memory is the peak of the chain's activations during a training step, metered
@@ -12,13 +12,13 @@ import math
 
 import torch
 
-from .budget import parse_budget, resolve_budget
-from .errors import BudgetError
-from .explanation import explain
-from .schedule import simulate
-from .solve import minimum_budget, store_all
+from ..budget import parse_budget, resolve_budget
+from ..errors import BudgetError
+from ..explanation import explain
+from ..solver.schedule import simulate
+from ..solver.solve import minimum_budget, store_all
 from .trials import Clock, gpt_spec, measure_all, measure_costs, run_step
-from .units import format_bytes
+from ..units import format_bytes
 
 __all__ = ["run_demo", "explain_model", "MODELS"]
 

@@ -7,7 +7,7 @@ this order:
 
 1. The real forward, whose graph the user will backward through, under the
    hooks of a checkpointed stage (its input is kept) and under
-   ``Instrument`` (remat/meter.py), which meters the storages the stage
+   ``Instrument`` (remat/measure/meter.py), which meters the storages the stage
    allocates, notes the tensors it writes in place and times its ops. It
    gives out_bytes, saved_bytes (the distinct storages autograd saved,
    allocated by the stage, plus the output), fwd_tmp and fwd_time. The stage
@@ -18,9 +18,9 @@ this order:
 2. The stage's backward on that graph (``retain_graph``), still metered:
    bwd_tmp and bwd_time. It runs as a training step runs it: parameter
    gradients are added into ``.grad`` buffers swapped in for the run and out
-   after (``GradPool``, remat/leaves.py); the gradient of the input is made
+   after (``GradPool``, remat/measure/leaves.py); the gradient of the input is made
    and held to the end, not kept. The engine takes the gradients at the
-   edges of the input and of the parameters (``_backward``, remat/stage_backward.py), so the input's
+   edges of the input and of the parameters (``_backward``, remat/measure/stage_backward.py), so the input's
    node, the previous stage's, does not run, nor do AccumulateGrad and its
    hooks (FSDP1's post-backward); the input's and parameters' own hooks are
    held back. A
@@ -30,13 +30,13 @@ this order:
    writes in place is put back.
 3. A timed forward without recording, from the RNG and in-place state the
    stage started from (put back after), replayed as the runtime replays a
-   recomputation (``Replay``, remat/replay.py, whose per-call work is then in the time):
+   recomputation (``Replay``, remat/runtime/replay.py, whose per-call work is then in the time):
    fwd_nograd_time. Its output is compared, bit for bit, with the real
-   forward's (Note [Replaying a stage] 4 in remat/replay.py).
+   forward's (Note [Replaying a stage] 4 in remat/runtime/replay.py).
 4. Only when the next stage's backward (run 2 of that stage) hands its
    input a gradient laid out otherwise than the ones run 2 fed this stage
    (a transpose, say): this stage's backward again, on a fresh forward of a
-   copy of its input, with a gradient of that layout (``backward_again``, remat/stage_backward.py):
+   copy of its input, with a gradient of that layout (``backward_again``, remat/measure/stage_backward.py):
    bwd_time and bwd_tmp. A layout can cost a copy (a ``reshape`` of a
    transposed gradient), which a training step pays. It runs once the next
    stage's saved tensors have gone or been kept, at the start of the stage
@@ -49,25 +49,25 @@ where one plain forward leaves them. The times of runs 1 and 2 are those of
 the ops inside them, the meter's own work left out (it would double them on
 small ops): a few per cent below a plain run's wall time, which also has the
 model's and PyTorch's Python around the ops. A twin of a stage measured
-before skips runs 2 and 3 (Note [Twin stages], remat/measuring.py).
+before skips runs 2 and 3 (Note [Twin stages], remat/measure/measuring.py).
 Measuring the real forward and
 its own backward, rather than separate timed runs, keeps a first call at
 two to three plain steps (runs 1 to 3, then the backward, which rebuilds
 the stages whose saved tensors did not fit the budget, never the last;
-remat/measuring.py ``_keep_saved``). On CUDA the ops run asynchronously and the time
+remat/measure/measuring.py ``_keep_saved``). On CUDA the ops run asynchronously and the time
 inside the mode is launch time: there a forward and backward on a detached
-copy of the input (``timed_step``, remat/timing.py, the lesser of two) give fwd_time and
+copy of the input (``timed_step``, remat/measure/timing.py, the lesser of two) give fwd_time and
 bwd_time, and the allocator's peak statistics replace the meter for the
 peaks; before a chain's first stage is measured there, ``warm_cuda`` has
 CUDA's once-per-process set-up done, which would count as that stage's. On CPU the
 next two calls' own times replace these (Note [Timing the second call],
-remat/refine.py).
+remat/measure/refine.py).
 """
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .errors import input_modified
+from ..errors import input_modified
 from .leaves import grad_side_inputs, stage_leaves
 from .meter import Instrument, InputWritten, storage_key
 from .stage_backward import node_of, run_backward
@@ -78,8 +78,8 @@ __all__ = ["instrumented_run", "saved_storages"]
 def saved_storages(inst, saved, act, held_elsewhere):
     """{storage: bytes} of the distinct storages among a stage's ``saved`` tensors and
     its output ``act`` that the meter ``inst`` saw it make, less those ``held_elsewhere``
-    (counted as held through the step instead, remat/measuring.py; the stage's backward
-    lets none of them go, ``_Releases`` in remat/stage_backward.py). saved_bytes is
+    (counted as held through the step instead, remat/measure/measuring.py; the stage's backward
+    lets none of them go, ``_Releases`` in remat/measure/stage_backward.py). saved_bytes is
     their sum, at least the output's."""
     keys = {}
     for t in saved + [act]:
@@ -102,9 +102,9 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         pool: a ``GradPool`` for the parameters' gradients, or None.
         upstream: an ``Upstream`` that has taken in ``x`` and the side inputs.
         anchor: the stage's anchor, whose unpacked tensors a backward that
-            frees its graph lets go one by one (remat/runtime.py); the
+            frees its graph lets go one by one (remat/runtime/executor.py); the
             backward here keeps the graph and meters as if it did not.
-        twin: a ``_Twin`` (remat/measuring.py, Note [Twin stages]): given what
+        twin: a ``_Twin`` (remat/measure/measuring.py, Note [Twin stages]): given what
             run 1 showed, it may name a stage measured before whose run 2 this
             one takes instead of running its own.
 
@@ -147,7 +147,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     # saved (through the hooks) and what it returned: tensors on a custom Function's
     # ctx, a module's cache; no mode of the schedule lets them go before B(i). And what
     # autograd saved that something else holds too (Note [Saved tensors held
-    # elsewhere], remat/measuring.py)
+    # elsewhere], remat/measure/measuring.py)
     returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     row["held_outside"] = inst.alive_bytes(saved + returned)
     elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
@@ -166,7 +166,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     row["out_freed"] = 0 if any(storage_key(t) == out_key for t in saved) else out_bytes
     bwd_delta = 0
     in_grad = 0
-    # side inputs needing grad (remat/leaves.py grad_side_inputs): their gradients are
+    # side inputs needing grad (remat/measure/leaves.py grad_side_inputs): their gradients are
     # taken at their edges below, as x's is, not as parameters'
     side = grad_side_inputs(call, x) if act.requires_grad else []
     params = [p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side)] \
@@ -204,7 +204,7 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
 
 def _graph_shape(node, stop):
     """The backward graph of a stage, from the node of its output down to the nodes
-    in ``stop``, as node types and edges (Note [Twin stages] in remat/measuring.py)."""
+    in ``stop``, as node types and edges (Note [Twin stages] in remat/measure/measuring.py)."""
     if node is None:
         return None
     order, index, todo = [], {}, [node]

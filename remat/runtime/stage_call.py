@@ -2,7 +2,7 @@
 side inputs (never its activation), and what running it again needs and checks:
 the state it writes, its module's parameter slots and their version counters,
 its side inputs' version counters, its autocast state and the parametrization
-cache as it found them (Note [Replaying a stage], remat/replay.py).
+cache as it found them (Note [Replaying a stage], remat/runtime/replay.py).
 """
 
 import contextlib
@@ -11,8 +11,8 @@ import sys
 import torch
 import torch.nn.utils.parametrize as _parametrize
 
-from .dynamo import STANCES
-from .errors import StageError
+from ..dynamo import STANCES
+from ..errors import StageError
 from .tensor_slots import NO_SLOTS
 
 __all__ = ["StageCall", "first"]

@@ -1,4 +1,4 @@
-"""Python face of the C solver (src_c/solver.c, bound by cffi as ``remat._solver``).
+"""Python face of the C solver (src_c/solver.c, bound by cffi as ``remat.solver._solver``).
 
 Arguments are checked here first; any status the C side still returns
 becomes a typed exception: ``Infeasible`` when no schedule fits, and
@@ -8,20 +8,20 @@ memory).
 
 import math
 
-from .errors import RematError, SolverError
+from ..errors import RematError, SolverError
 from .schedule import op_from_code
 
 try:
     from ._solver import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
-        "remat: the C solver (remat._solver) is not built; run `pip install -e .` "
+        "remat: the C solver (remat.solver._solver) is not built; run `pip install -e .` "
         f"in the remat source tree to compile it ({exc})"
     ) from exc
 
 __all__ = ["Infeasible", "optimal", "least_memory", "MAX_TABLE_BYTES"]
 
-# The solver refuses tables larger than this (remat/solve.py uses the same).
+# The solver refuses tables larger than this (remat/solver/solve.py uses the same).
 MAX_TABLE_BYTES = 2 * 2**30
 _MAX_BYTES = 2**62
 # First guess at the op count; the C side says the exact need if it is short.
@@ -112,7 +112,7 @@ def optimal(costs, budget, slots, max_table_bytes=MAX_TABLE_BYTES):
     """Least-time persistent schedule of ``costs`` within ``budget`` bytes.
 
     Sizes are rounded up to slots of ``ceil(budget / slots)`` bytes and the
-    budget down (remat/solve.py Note [The recurrence]).
+    budget down (remat/solver/solve.py Note [The recurrence]).
 
     Returns:
         (ops, dp_time, slot_bytes).

@@ -1,6 +1,6 @@
 """Where a stage module's parameters, buffers and plain tensor attributes live,
 and putting the forward's back in their places for a recomputation (Note
-[Replaying a stage] 5 in remat/replay.py).
+[Replaying a stage] 5 in remat/runtime/replay.py).
 
 A stage's ``slots`` are the (dict, name) pairs of its module and submodules
 (``_parameters``, ``_buffers``, ``__dict__``); each call takes the tensors
@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .errors import StageError
+from ..errors import StageError
 
 __all__ = ["NO_SLOTS", "module_slots", "take", "param_flags", "state_plan", "resolve_state", "ForwardTensors"]
 

@@ -1,23 +1,23 @@
 """A stage's backward run by itself while it is measured: on the real
-forward's graph (run 2 of Note [Measuring a stage], remat/profile.py), metered
+forward's graph (run 2 of Note [Measuring a stage], remat/measure/profile.py), metered
 as a backward that frees its graph runs it, and again on a fresh forward with
 another layout of its output's gradient (run 4).
 """
 
 import torch
 
-from .errors import StageError
+from ..errors import StageError
 from .leaves import held_hooks, stage_leaves, step_grads
 from .meter import Instrument, storage_key
-from .replay import restore_tensors
-from .runtime import RELEASES
+from ..runtime.replay import restore_tensors
+from ..runtime.executor import RELEASES
 from .timing import Timer
 
 __all__ = ["backward_again", "node_of", "run_backward"]
 
 
 def run_backward(call, act, x, side, params, stop, saved, keys, inst, row, cuda, pool=None, anchor=None):
-    """Run 2 of Note [Measuring a stage] (remat/profile.py): the stage's backward on
+    """Run 2 of Note [Measuring a stage] (remat/measure/profile.py): the stage's backward on
     the real forward's graph, kept for the real backward, metered as one that
     frees its graph runs it (``_Releases``). Sets ``row``'s bwd_time, grad_layout
     and input_grad_layout.
@@ -38,7 +38,7 @@ def run_backward(call, act, x, side, params, stop, saved, keys, inst, row, cuda,
     grad_out = torch.ones_like(act)
     row["grad_layout"] = grad_out.stride()
     # side inputs needing grad: their gradients are taken at their edges as x's is
-    # (what the stage adds into the sum the engine holds: remat/measuring.py
+    # (what the stage adds into the sum the engine holds: remat/measure/measuring.py
     # side_grads), their nodes (before the chain, or a leaf's AccumulateGrad) not run
     own = held_hooks(([x] if x.requires_grad else []) + side)   # their hooks held back (x's .grad kept)
     own.__enter__()
@@ -93,7 +93,7 @@ class _Releases:
     """Meters a stage's backward as one that frees its graph runs it: each saved
     storage the stage made (its output aside, which stays as the next input) is
     let go once the node unpacking its last handle has run, as ``_unpack`` and
-    autograd do (Note [The life of a saved tensor] 2 in remat/runtime.py).
+    autograd do (Note [The life of a saved tensor] 2 in remat/runtime/executor.py).
     ``held`` is their bytes at the start. Without the engine's keep-graph query
     (old PyTorch) the runtime keeps them to the stage's end, and so does this."""
 
@@ -199,7 +199,7 @@ def _backward(out, grad, x, params, grads, side=()):
 
 
 def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=()):
-    """Run 4 of Note [Measuring a stage] (remat/profile.py): bwd_time and bwd_tmp of a stage measured
+    """Run 4 of Note [Measuring a stage] (remat/measure/profile.py): bwd_time and bwd_tmp of a stage measured
     again, its output's gradient laid out with strides ``layout``, on a fresh
     forward of a detached copy of its input from the RNG and in-place state it
     started from (put back after). This backward frees the graph as it goes, as

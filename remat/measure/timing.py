@@ -1,7 +1,7 @@
 """Timing a stage's runs while it is measured: wall-clock regions that
 synchronise CUDA, CUDA's once-per-process set-up done before the first stage,
 and on CUDA a forward and backward timed on a copy of the input (Note
-[Measuring a stage], remat/profile.py).
+[Measuring a stage], remat/measure/profile.py).
 """
 
 import time
@@ -9,7 +9,7 @@ import time
 import torch
 
 from .leaves import stage_leaves, step_grads
-from .replay import restore_tensors
+from ..runtime.replay import restore_tensors
 
 __all__ = ["Timer", "timed_step", "warm_cuda"]
 
@@ -39,7 +39,7 @@ class Timer:
 
 def warm_cuda(devices):
     """Make CUDA's lazy, once-per-process set-up happen before a stage is measured
-    on ``devices``, not inside it (Note [Measuring a stage], remat/profile.py):
+    on ``devices``, not inside it (Note [Measuring a stage], remat/measure/profile.py):
     the cuBLAS handles and workspaces of the calling thread and of the engine's
     backward thread (32 MiB each on an H100, held for good, which the allocator's
     peak would count as the first stage's transient memory), and the loading of
@@ -59,7 +59,7 @@ def warm_cuda(devices):
 
 def timed_step(call, x, cuda, rng0, state):
     """Forward and backward times on a detached copy, on CUDA (Note [Measuring a
-    stage], remat/profile.py): the lesser of two runs, the first of which may
+    stage], remat/measure/profile.py): the lesser of two runs, the first of which may
     still load kernels."""
     first = _timed_step(call, x, cuda, rng0, state)
     second = _timed_step(call, x, cuda, rng0, state)

@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from .costs import Costs
-from .errors import CostsError, RematError
-from .units import format_bytes
+from ..solver.costs import Costs
+from ..errors import CostsError, RematError
+from ..units import format_bytes
 
 __all__ = ["chain_costs", "read_costs", "write_costs"]
 
@@ -84,7 +84,7 @@ def forward_drops(rows):
     """``Costs.fwd_drop`` and ``fwd_drop_whole`` from the measured rows: a^i goes once
     stage i+1 has run recording if that stage keeps no part of its input
     (``input_kept``) and the code around the chain does not hold it
-    (``caller_holds``, remat/chain_call.py); inside a-bar^i only if B(i) does not read it
+    (``caller_holds``, remat/runtime/chain_call.py); inside a-bar^i only if B(i) does not read it
     either (``out_freed``). Unknown is kept."""
     n = len(rows)
     drop = [0] * n

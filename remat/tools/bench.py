@@ -3,7 +3,7 @@
 
 For every method it records the peak of the chain's activations during a
 training step (the storage meter on CPU, the CUDA allocator on GPU, gated to
-the chain's forward and backward, remat/trials.py), the median step time
+the chain's forward and backward, remat/tools/trials.py), the median step time
 and the median time of the chain alone (its forward plus its backward), and
 for remat the schedule's predicted time and peak.
 """
@@ -15,13 +15,13 @@ import tempfile
 
 import torch
 
-from .costs import Costs
-from .errors import BudgetError
-from .refine import SAMPLES
-from .schedule import B, Fall, Fck, Fn, Loss, simulate
-from .solve import best_periodic, minimum_budget, solve, store_all, time_bound
+from ..solver.costs import Costs
+from ..errors import BudgetError
+from ..measure.refine import SAMPLES
+from ..solver.schedule import B, Fall, Fck, Fn, Loss, simulate
+from ..solver.solve import best_periodic, minimum_budget, solve, store_all, time_bound
 from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
-from .units import format_bytes
+from ..units import format_bytes
 
 __all__ = ["MODELS", "run_bench", "write_bench", "device_name", "summarise", "checkpoint_sequential_ops"]
 
@@ -44,7 +44,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
         run_step(probe, spec, ("plain", None), spec[1](i, device), Clock(None, device))
     folder = tempfile.TemporaryDirectory()
     path = os.path.join(folder.name, "costs.json")
-    for i in range(1 + SAMPLES):   # the calls after the first refine the times (remat/refine.py)
+    for i in range(1 + SAMPLES):   # the calls after the first refine the times (remat/measure/refine.py)
         run_step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](i, device), Clock(None, device))
     costs = Costs.load(path)
     del probe
@@ -172,7 +172,7 @@ def summarise(result):
         "mean_overhead_reduction": statistics.mean(reductions) if reductions else None,
         "mean_overhead_reduction_predicted": statistics.mean(predicted) if predicted else None,
         # the most any schedule could reduce it by, on the run's costs (Note [A bound on
-        # any schedule] in remat/solve.py)
+        # any schedule] in remat/solver/solve.py)
         "mean_overhead_reduction_bound": statistics.mean(bound) if bound else None,
         "repeat_noise": overhead(cs[0]) if cs and cs[0]["segments"] == 1 else None,
         "all_under_budget": all(r["peak_bytes"] <= r["budget"] for r in remat),

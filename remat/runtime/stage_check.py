@@ -3,8 +3,8 @@
 (``handed_on``), what it returned (``check_output``), and on later calls, that it
 is the stage recorded, on a like input, made of the same modules
 (``signature_matches``, ``same_structure``; Note [Chain keys], remat/chain.py).
-The measuring call (remat/measuring.py) records what these read, the running
-calls (remat/running.py) compare.
+The measuring call (remat/measure/measuring.py) records what these read, the running
+calls (remat/runtime/runner.py) compare.
 """
 
 import functools
@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .errors import StageError, input_modified
+from ..errors import StageError, input_modified
 from .recompute import hooks_disabled
 
 __all__ = ["check_hooks_enabled", "check_output", "find_activation", "handed_on", "input_signature",

@@ -1,0 +1,2 @@
+"""The measuring half: a chain's first call, stage by stage, under the storage
+meter (or the CUDA allocator), and the ``Recording`` of what it learned."""
