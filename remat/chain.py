@@ -24,6 +24,7 @@ import functools
 import os
 import sys
 import threading
+from typing import NamedTuple
 
 from .budget import parse_budget
 from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache
@@ -32,7 +33,7 @@ from .errors import StageError
 from .explanation import LatestExplanation, explain
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 
-__all__ = ["chain", "explain", "CACHE_SIZE", "clear_cache"]
+__all__ = ["chain", "ChainHints", "explain", "CACHE_SIZE", "clear_cache"]
 
 _local = threading.local()
 
@@ -40,6 +41,14 @@ _local = threading.local()
 def active():
     """The chain being recorded or run on this thread, or None."""
     return getattr(_local, "active", None)
+
+
+class ChainHints(NamedTuple):
+    """What a chain opened by ``remat.wrap`` or ``remat.Sequential`` adds to its
+    messages, where the user did not write the ``with remat.chain`` block."""
+    empty: str = None    # to the warning that the chain ran no stage
+    split: str = None    # to the error that a stage's input is not the stage before's output
+    nested: str = None   # to the error that chains cannot be nested
 
 
 class chain:
@@ -60,6 +69,7 @@ class chain:
             each stage once to learn what to replay); if not, the measured
             costs are written there. Under torch.distributed every rank uses
             rank 0's costs, so all ranks run the same schedule.
+        hints: a ``ChainHints`` (for ``remat.wrap`` and ``remat.Sequential``).
 
     Raises:
         BudgetError: malformed budget (at once), or a budget below the
@@ -80,7 +90,9 @@ class chain:
 
     last = LatestExplanation()   # (read on the class: remat.chain.last)
 
-    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
+    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, hints=None):
+        self.settings = (budget, algorithm, slots, costs)   # as given
+        self.hints = hints if hints is not None else ChainHints()
         self.budget = parse_budget(budget)
         if costs is not None and not isinstance(costs, (str, os.PathLike)):
             raise TypeError(f"remat: costs must be a path to a JSON file, got {type(costs).__name__}")
@@ -100,7 +112,7 @@ class chain:
                      f"instead, to have them managed)" if current.in_stage else
                      "between the open chain's stages, whose stages then join it" if current.k else
                      "before the open chain's first stage, whose stages then join it")
-            nested = getattr(self, "nested_hint", None) or getattr(current.spec, "nested_hint", None)
+            nested = self.hints.nested or current.spec.hints.nested
             raise StageError(
                 f"remat: chains cannot be nested; a chain is already open on this thread. Remove the "
                 f"inner remat.chain ({where}) or close the outer one first" + (f". {nested}" if nested else "")

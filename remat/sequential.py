@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .budget import parse_budget, resolve_budget
-from .chain import chain, explain
+from .chain import ChainHints, chain, explain
 from .errors import RematError
 from .runtime.replay import capture_rng, cuda_devices
 from .solver.solve import DEFAULT_SLOTS, solve as _solve
@@ -43,6 +43,10 @@ from .stage import stage
 
 __all__ = ["Sequential"]
 
+
+# (shown only where the chain ran no stage: a Sequential that is empty, or all in place)
+_HINTS = ChainHints(empty="this remat.Sequential has no stage: it is empty or all its layers work in place "
+                          "(each joins the stage before it)")
 
 class _Keep(torch.autograd.Function):
     """Identity saving a constant token (Note [Stages of a Sequential], 4)."""
@@ -173,9 +177,8 @@ class Sequential(nn.Sequential):
     def _make_spec(self):
         if self.budget is None:
             return None
-        spec = chain(budget=self.budget, algorithm=self.algorithm, slots=self.slots, costs=self.costs_path)
-        spec.settings = (self.budget, self.algorithm, self.slots, self.costs_path)
-        return spec
+        return chain(budget=self.budget, algorithm=self.algorithm, slots=self.slots, costs=self.costs_path,
+                     hints=_HINTS)
 
     def _stages(self):
         """Leading in-place layers and the stages (Note [Stages of a Sequential])."""
@@ -215,9 +218,6 @@ class Sequential(nn.Sequential):
             x = layer(x)
         if isinstance(x, torch.Tensor):
             self._device = x.device
-        if not stages:
-            spec.empty_hint = ("this remat.Sequential has no stage: it is empty or all its layers work in place "
-                               "(each joins the stage before it)")
         with spec:    # the one chain site of every Sequential (Note [Chain keys] in remat/chain.py)
             for s in stages:
                 x = s(x)
@@ -250,7 +250,7 @@ class Sequential(nn.Sequential):
         buffers = [(b, b.detach().clone()) for b in self.buffers()]
         tensors = [x] + [p for p, _ in grads] if isinstance(x, torch.Tensor) else [p for p, _ in grads]
         rng = capture_rng(cuda_devices(tensors))
-        probe = chain(budget=2**61, algorithm="store_all", slots=self.slots, costs=self.costs_path)
+        probe = chain(budget=2**61, algorithm="store_all", slots=self.slots, costs=self.costs_path, hints=_HINTS)
         try:
             with rng.replayed(), torch.enable_grad():
                 self._run(x, probe)

@@ -74,7 +74,7 @@ def _hand_over(current, ident, name, fn, args, kwargs):
             # made here, not at import: torch.compiler.disable imports Dynamo (a second)
             _kept_from_dynamo.append(torch.compiler.disable(_hand_over_eagerly))
         return _kept_from_dynamo[0](current, ident, name, fn, args, kwargs)
-    return current.call(ident, name, fn, args, kwargs, 0)
+    return current.call(ident, name, fn, args, kwargs)
 
 
 _compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -93,7 +93,7 @@ def _hand_over_eagerly(current, ident, name, fn, args, kwargs):
             f"and around it, code runs compiled. Gradients are exact either way",
             stacklevel=2,
         )
-    return current.call(ident, name, fn, args, kwargs, 0)
+    return current.call(ident, name, fn, args, kwargs)
 
 
 def stage(obj):

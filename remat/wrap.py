@@ -33,7 +33,7 @@ import inspect
 
 import torch
 
-from .chain import chain
+from .chain import ChainHints, chain
 from .errors import StageError
 from .solver.solve import DEFAULT_SLOTS
 from .stage import is_stage, stage, unstage
@@ -223,16 +223,17 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
                 f"attribute (set by another library's hooks, e.g. accelerate); remat.stage would "
                 f"replace it. Remove those hooks, or mark the block's class forward with remat.stage"
             )
-    spec = chain(budget=budget, algorithm=algorithm, slots=slots, costs=costs)
-    spec.empty_hint = (f"remat.wrap: the forward of this {type(model).__name__} called none of the "
-                       f"{len(blocks)} blocks given; pass the blocks it calls, e.g. model.transformer.h")
-    spec.split_hint = (". With remat.wrap: blocks that do not hand their output straight to the next (an "
-                       "encoder's layers and a decoder's) are two chains; wrap each part apart, e.g. "
-                       "remat.wrap(model.encoder, encoder layers) and remat.wrap(model.decoder, decoder layers)")
-    spec.nested_hint = ("remat.wrap opens a chain in the forward of each model it wraps, so a wrapped model "
-                        "cannot run inside another: wrap the inner models side by side instead (an "
-                        "encoder-decoder: remat.wrap(model.encoder, encoder layers) and "
-                        "remat.wrap(model.decoder, decoder layers)), each a chain of its own")
+    hints = ChainHints(
+        empty=(f"remat.wrap: the forward of this {type(model).__name__} called none of the "
+               f"{len(blocks)} blocks given; pass the blocks it calls, e.g. model.transformer.h"),
+        split=(". With remat.wrap: blocks that do not hand their output straight to the next (an "
+               "encoder's layers and a decoder's) are two chains; wrap each part apart, e.g. "
+               "remat.wrap(model.encoder, encoder layers) and remat.wrap(model.decoder, decoder layers)"),
+        nested=("remat.wrap opens a chain in the forward of each model it wraps, so a wrapped model "
+                "cannot run inside another: wrap the inner models side by side instead (an "
+                "encoder-decoder: remat.wrap(model.encoder, encoder layers) and "
+                "remat.wrap(model.decoder, decoder layers)), each a chain of its own"))
+    spec = chain(budget=budget, algorithm=algorithm, slots=slots, costs=costs, hints=hints)
     marked, seen = [], set()
     for block in blocks:
         if id(block) in seen:

@@ -1,6 +1,7 @@
 """Chains of small stages for tests only: random chains and the plain-PyTorch
-reference to hold them to, and one step of a chain over a costs file (the
-block models of the parameter and module tests are in tests/blocks.py)."""
+reference to hold them to, one step of a chain over a costs file, budgets
+between a chain's minimum and its store-all peak and the peak a step meters
+(the block models of the parameter and module tests are in tests/blocks.py)."""
 
 import copy
 import math
@@ -8,8 +9,11 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import strategies as st
 
 import remat
+from remat.solver.schedule import simulate
+from remat.solver.solve import minimum_budget, solve, store_all
 
 SEQ_KINDS = ("linear", "mlp", "ln", "dropout", "gelu", "relu", "bn", "attn", "tied", "scale")
 IMG_KINDS = ("conv", "bn2d", "relu", "gelu", "dropout", "convblock", "scale")
@@ -205,3 +209,61 @@ def run_blocks(blocks, x, budget):
         for b in blocks:
             x = b(x)
     return x
+
+
+ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(2)", "periodic(3)")
+
+
+@st.composite
+def random_chains(draw):
+    """(kinds, image): a random chain of one to twelve stage kinds, of images or of sequences."""
+    image = draw(st.booleans())
+    kinds = draw(st.lists(st.sampled_from(IMG_KINDS if image else SEQ_KINDS), min_size=1, max_size=12))
+    return kinds, image
+
+
+def budget_for(costs, algorithm, fraction):
+    """A budget ``fraction`` of the way from the chain's minimum to its store-all peak,
+    raised to what ``algorithm`` needs if it is not the optimal one."""
+    low = minimum_budget(costs)
+    high = simulate(costs, store_all(costs.length)).peak
+    budget = int(low + fraction * (high - low))
+    if algorithm != "optimal":
+        budget = max(budget, solve(costs, 2**50, algorithm).peak)
+    return max(budget, low)
+
+
+def physical_peak(net, batch=4, length=6, seed=7, hold=True):
+    """Peak bytes of tensor storages live during one training step of ``net``
+    (new allocations, plus the chain input, which the budget counts): those of
+    the chain, its output's gradient and its input's, not the loss's forward.
+    With ``hold`` the step keeps the output through the backward, as ``train``."""
+    from remat.measure.meter import Instrument
+
+    x, mask = make_input(net, batch, length, seed=seed)
+    target = torch.randn(x.shape)
+    with Instrument() as inst:   # metering only what the chain makes (its gate)
+        x.register_hook(lambda g: inst.set_gate(False))
+        y = net(x, mask)
+        inst.set_gate(False)
+        loss = (y * target).sum()
+        if not hold:
+            del y
+        seed = torch.ones(())      # the loss's own gradient is not the chain's
+        inst.set_gate(True)
+        loss.backward(seed)
+    return inst.peak + x.untyped_storage().nbytes()
+
+
+def fresh_net(kinds=("mlp", "attn", "bn", "dropout", "mlp"), image=False):
+    """A ``Net`` of ``kinds`` made from seed 0."""
+    torch.manual_seed(0)
+    return Net(list(kinds), image=image)
+
+
+def with_budget(net, fraction=0.0, algorithm="optimal"):
+    """A copy of ``net`` with the budget ``fraction`` of the way up (``budget_for``) for ``algorithm``."""
+    out = copy.deepcopy(net)
+    out.budget = budget_for(measured_costs(net), algorithm, fraction)
+    out.algorithm = algorithm
+    return out

@@ -10,10 +10,9 @@ import torch
 from ..solver.costs import Costs
 from ..errors import CostsError, RematError
 from ..units import format_bytes
+from .record import COST_FIELDS
 
 __all__ = ["chain_costs", "read_costs", "write_costs"]
-
-FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
 
 
 def distributed():
@@ -42,23 +41,23 @@ def read_costs(path):
     return None if box[0] is None else Costs.from_dict(box[0])
 
 
-def chain_costs(rows, input_bytes, held_bytes, path, given):
+def chain_costs(stages, input_bytes, held_bytes, path, given):
     """The costs of a measuring call: ``given`` (read from ``path``) checked against
-    what the call saw, else the measured ``rows`` (rank 0's under torch.distributed),
+    what the call saw, else the measured ``stages`` (rank 0's under torch.distributed),
     written to ``path`` if one is given.
 
     Args:
-        rows: per stage, a dict of the measured cost fields (only ``out_bytes``
-            when the costs are given).
+        stages: a ``StageCosts`` per stage (remat/measure/record.py; only
+            ``out_bytes`` and ``saved_seen`` when the costs are given).
         input_bytes: the chain input's bytes.
         held_bytes: what the chain holds through the step beside its activations
             (``Recording.held_bytes``).
     """
     if given is not None:
-        _check_given(given, rows, input_bytes, held_bytes, path)
+        _check_given(given, stages, input_bytes, held_bytes, path)
         return given
-    drop, whole = forward_drops(rows)
-    costs = Costs(**{f: [row[f] for row in rows] for f in FIELDS}, input_bytes=input_bytes,
+    drop, whole = forward_drops(stages)
+    costs = Costs(**{f: [getattr(s, f) for s in stages] for f in COST_FIELDS}, input_bytes=input_bytes,
                   fwd_drop=drop, fwd_drop_whole=whole, held_bytes=held_bytes)
     rank = 0
     if distributed():
@@ -71,27 +70,18 @@ def chain_costs(rows, input_bytes, held_bytes, path, given):
     return costs
 
 
-def rows_of(costs, count):
-    """The rows of ``costs``' first ``count`` stages, as measuring makes them, for a
-    chain measured again from stage count+1 on; what decides the drops only as far
-    as the costs tell (``forward_drops``: unknown is kept)."""
-    return [{**{f: getattr(costs, f)[i] for f in FIELDS}, "out_freed": costs.fwd_drop_whole[i],
-             "input_kept": i == 0 or not costs.fwd_drop[i - 1], "caller_holds": not costs.fwd_drop[i]}
-            for i in range(count)]
-
-
-def forward_drops(rows):
+def forward_drops(stages):
     """``Costs.fwd_drop`` and ``fwd_drop_whole`` from the measured rows: a^i goes once
     stage i+1 has run recording if that stage keeps no part of its input
     (``input_kept``) and the code around the chain does not hold it
     (``caller_holds``, remat/runtime/chain_call.py); inside a-bar^i only if B(i) does not read it
     either (``out_freed``). Unknown is kept."""
-    n = len(rows)
+    n = len(stages)
     drop = [0] * n
     for i in range(n - 1):
-        if rows[i + 1].get("input_kept", True) is False and rows[i].get("caller_holds", True) is False:
-            drop[i] = rows[i]["out_bytes"]
-    whole = [d if rows[i].get("out_freed", 0) else 0 for i, d in enumerate(drop)]
+        if stages[i + 1].input_kept is False and stages[i].caller_holds is False:
+            drop[i] = stages[i].out_bytes
+    whole = [d if stages[i].out_freed else 0 for i, d in enumerate(drop)]
     return drop, whole
 
 
@@ -103,10 +93,10 @@ def write_costs(costs, path):
         raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
 
 
-def _check_given(costs, rows, input_bytes, held_bytes, path):
+def _check_given(costs, stages, input_bytes, held_bytes, path):
     """Costs read from ``path`` must describe this chain (a file written before
     ``held_bytes`` counted it in ``input_bytes``)."""
-    sizes = [row["out_bytes"] for row in rows]
+    sizes = [s.out_bytes for s in stages]
     same_input = costs.input_bytes in (input_bytes, input_bytes + held_bytes)
     if costs.length != len(sizes) or not same_input or list(costs.out_bytes) != sizes:
         raise CostsError(
@@ -117,8 +107,8 @@ def _check_given(costs, rows, input_bytes, held_bytes, path):
     # the sizes above agree for models of another width with the same input and
     # output (a GPT's blocks): what each stage saves, seen in this call's forward, must
     # be within 2x of the file's (the same model gives the same bytes)
-    for i, row in enumerate(rows):
-        seen, filed = row.get("saved_seen"), costs.saved_bytes[i]
+    for i, stage in enumerate(stages):
+        seen, filed = stage.saved_seen, costs.saved_bytes[i]
         if seen is not None and not (filed / 2 <= seen <= 2 * filed):
             raise CostsError(
                 f"remat: the costs in {path} describe another chain: its stage {i + 1} saves "

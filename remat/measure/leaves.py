@@ -5,24 +5,34 @@ stage] 2 in remat/measure/profile.py)."""
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GradPool", "Upstream", "grad_side_inputs", "held_hooks", "stage_leaves", "step_grads"]
+__all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "grad_side_inputs", "stage_leaves", "stop_nodes", "walk"]
 
 
-def stage_leaves(out, stop):
-    """Leaf tensors requiring grad reachable from ``out``'s graph without
-    passing the nodes in ``stop``: the parameters a stage's backward reaches."""
-    found, seen, todo = [], set(), [out.grad_fn] if out.grad_fn is not None else []
+def stop_nodes(tensors):
+    """The nodes that made ``tensors`` (those that are tensors made by autograd):
+    where a stage's own backward graph ends."""
+    return {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+
+
+def walk(roots, stop=(), seen=None):
+    """The nodes of the backward graph reachable from ``roots``, each once (depth
+    first, in the engine's edge order), not entering the nodes in ``stop``;
+    ``seen`` (a set, updated) carries what an earlier walk visited."""
+    seen = set() if seen is None else seen
+    todo = list(roots)
     while todo:
         node = todo.pop()
         if node is None or node in seen or node in stop:
             continue
         seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
-            found.append(var)
-            continue
+        yield node
         todo.extend(n for n, _ in node.next_functions)
-    return found
+
+
+def stage_leaves(out, stop):
+    """Leaf tensors requiring grad reachable from ``out``'s graph without
+    passing the nodes in ``stop``: the parameters a stage's backward reaches."""
+    return [node.variable for node in walk([out.grad_fn], stop) if hasattr(node, "variable")]
 
 
 class Upstream:
@@ -46,24 +56,16 @@ class Upstream:
 
     def add(self, tensors):
         """Take in the graphs behind ``tensors``."""
-        todo = []
+        roots = []
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 if t.grad_fn is None:
                     self.leaves.add(id(t))
                 else:
-                    todo.append(t.grad_fn)
-        seen = self._seen
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            var = getattr(node, "variable", None)
-            if var is not None:
-                self.leaves.add(id(var))
-                continue
-            todo.extend(n for n, _ in node.next_functions)
+                    roots.append(t.grad_fn)
+        for node in walk(roots, seen=self._seen):
+            if hasattr(node, "variable"):
+                self.leaves.add(id(node.variable))
 
 
 class GradPool:
@@ -98,7 +100,7 @@ class GradPool:
         return out
 
 
-class held_hooks:
+class HeldHooks:
     """Context: the Python hooks of ``tensors`` (``register_hook``,
     ``register_post_accumulate_grad_hook``: an optimizer stepping in the
     backward) held back, and their ``.grad`` put back after: for the measuring
@@ -131,11 +133,11 @@ class held_hooks:
         return False
 
 
-class step_grads(held_hooks):
+class StepGrads(HeldHooks):
     """Backward of one stage as a training step runs it: each parameter gradient is
     added into an existing ``.grad`` (and freed), and the stage's parameters get
     their own ``.grad`` back afterwards, untouched, their hooks held back meanwhile
-    (``held_hooks``)."""
+    (``HeldHooks``)."""
 
     def __init__(self, params, pool=None):
         super().__init__(params)

@@ -2,9 +2,10 @@
 remat/measure/profile.py): the forward that counts, metered and backwarded
 (``instrumented_run``), the forward without recording that Fn and Fck cost, run
 4 for a stage whose gradient arrives in another layout, and which stages keep
-their saved tensors for the call's own backward. ``ChainCall`` (remat/runtime/chain_call.py)
-takes these methods; what it records for later calls to be checked against is
-read by remat/runtime/stage_check.py.
+their saved tensors for the call's own backward: the measuring part
+(``Measurer``) of a ``ChainCall`` (remat/runtime/chain_call.py). What it records
+of each stage is a ``StageRecord`` (remat/measure/record.py); later calls are
+checked against it by remat/runtime/stage_check.py.
 
 Note [Saved tensors held elsewhere]
 -----------------------------------
@@ -26,65 +27,162 @@ buffers alone: autocast's casts of the weights and of a leaf input, kept to
 the end of the autocast region, and ``parametrize.cached()``'s weights (a
 stage dropped with its saved tensors went up to 2x over the budget under
 autocast before, as the plan counted those freed with it).
-
-Note [Twin stages]
-------------------
-Chains are mostly copies of one block (a transformer's layers, a ResNet
-stage's bottlenecks). A stage whose run 1 shows it to be a twin of a stage
-measured before in the call skips runs 2 and 3 and takes that stage's
-backward time and peak, time without recording and grad-mode verdict: the
-most of a first call's work (run 2 is metered op by op). Twins have the same
-code (the function, or the module's class and forward), the same tree of
-submodules with the same configuration (``extra_repr``), training flags,
-parameter and buffer shapes; like inputs (shape, strides, dtype, device,
-requires_grad; side inputs by ``signature``); and, from run 1, the same
-output, saved and transient bytes, saved tensors' shapes, RNG use, in-place
-writes, held gradients, parameters to differentiate and backward graph (node
-types and edges, from the output to the inputs). Same ops on like tensors
-allocate alike, so nothing the budget relies on is guessed. On CPU the
-next two calls' own times then replace the shared ones (remat/measure/refine.py).
 """
 
+import dataclasses
 import warnings
+import weakref
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .leaves import GradPool, Upstream, grad_side_inputs, stage_leaves
-from .meter import Instrument, storage_key
-from .profile import instrumented_run, saved_storages
-from .stage_backward import backward_again
-from .timing import Timer, timed_step, warm_cuda
+from ..runtime.executor import Run, _Saved
 from ..runtime.replay import Replay, capture_rng, cuda_devices, restore_tensors
-from ..runtime.executor import _Saved
 from ..runtime.stage_call import first
-from ..runtime.stage_check import check_output, input_signature, module_dicts, module_structure, signature
+from ..runtime.stage_check import check_output, input_signature, module_dicts, module_structure
 from ..runtime.tensor_slots import param_flags, state_plan
 from ..units import format_bytes
+from .costs_source import chain_costs, distributed, read_costs
+from .leaves import GradPool, Upstream, grad_side_inputs
+from .meter import Instrument, storage_key
+from .profile import instrumented_run, observed_forward
+from .record import StageRecord
+from .recording import Recording
+from .refine import ATTEMPTS
+from .stage_backward import backward_again
+from .twins import Twin
+from .timing import Timer, timed_step, warm_cuda
 
-__all__ = ["StageMeasuring", "shared_grad_transients", "side_grads"]
+__all__ = ["Measurer", "shared_grad_transients", "side_grads"]
+
+_warned_sizes = set()   # costs files whose input size differed from a call's (warned once each)
 
 
-class StageMeasuring:
-    """The measuring half of ``ChainCall``: its state is set up by ``ChainCall``."""
+@dataclasses.dataclass(slots=True, eq=False)
+class _Measured:
+    """What run 4 of Note [Measuring a stage] needs of a measured stage."""
+    index: int
+    call: object
+    x: object
+    cuda: bool
+    rng0: object
+    writes: list
+    layout: tuple      # strides of its output's gradient in run 2
+    leaves: frozenset  # the leaves behind it as they were (later stages add this one's own)
 
-    def _measure_stage(self, call, ident, x):
-        run, new, k = self.run, self.new, call.index
+
+class Measurer:
+    """The measuring part of a chain call: each stage measured as it is called,
+    into a new ``Recording``.
+
+    Args:
+        budget: the call's budget in bytes; ``autocast`` the state it opened in.
+        recording: the recording of the stages already run on a plan, when a
+            call left its recorded path (``Runner.diverge``); else None.
+        run: that call's ``Run``; else None (a new one).
+    """
+
+    def __init__(self, budget, autocast, recording=None, run=None):
+        self.budget, self.autocast = budget, autocast
+        self.new = recording if recording is not None else Recording()
+        self.run = run if run is not None else Run(None, autocast)
+        self.diverged = len(self.new.stages) + 1 if recording is not None else 0
+        self.given = None        # costs read from a file
+        self.costs_path = None   # the costs file this call reads or writes
+        self.rng_start = None    # the RNG state as the call began (put back if it fails)
+        self.originals = {}      # storage -> (tensor, value before the call) of the state stages wrote
+        self.grad_pool = None
+        self.upstream = None
+        self.held_bytes = 0      # bytes ``_keep_saved`` counts as held so far
+        self.measured = {}       # stage -> its ``_Measured``
+        self.relayout = None     # (the ``_Measured`` of the stage before, the layout its gradient has) due for run 4
+        self.twins = {}          # Note [Twin stages]: key -> stage
+        self.outs = {}           # stage -> weak reference to the activation it returned
+
+    @classmethod
+    def first(cls, spec, budget, autocast, x):
+        """The measuring part of a chain's first call on input ``x``, with the
+        costs of ``spec.costs_path`` if that file exists (and fits the input)."""
+        self = cls(budget, autocast)
+        self.rng_start = capture_rng(cuda_devices([x]))
+        self.given = read_costs(spec.costs_path)
+        self.costs_path = spec.costs_path
+        size = x.untyped_storage().nbytes()
+        if self.given is not None and self.given.input_bytes != size:
+            # another input size (the last, smaller batch; another sequence length):
+            # measured as without a file, which keeps the costs it holds
+            if self.costs_path not in _warned_sizes:
+                _warned_sizes.add(self.costs_path)
+                warnings.warn(
+                    f"remat: the costs in {self.costs_path} are for an input of {self.given.input_bytes} "
+                    f"bytes; this call's is {size} (another batch size or sequence length?): it is "
+                    f"measured, and the file keeps the costs it has", RuntimeWarning, stacklevel=5)
+            self.given = None
+            self.costs_path = None
+        if self.given is None and not x.is_cuda and not distributed():
+            # the next two calls time the stages again (Note [Timing the second call])
+            self.new.attempts = ATTEMPTS
+            self.new.costs_file = self.costs_path
+        return self
+
+    # a stage -------------------------------------------------------------
+
+    def stage(self, call, ident, x):
+        """Measure stage ``call`` on ``x`` (the forward that counts); return what it returned."""
+        k = call.index
         cuda = x.is_cuda
         devices = cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)])
         if cuda:
             warm_cuda(devices)
         rng0 = capture_rng(devices)
         # the previous stage kept its saved tensors in case it was the last one:
-        # it is not, so they go before this stage is measured (DESIGN.md section 2),
-        # unless they fit the budget, which spares rebuilding it in the backward
-        prev_anchor = run._anchor(k - 1) if k > 1 else None
+        # it is not, so they go before this stage is measured, unless they fit the
+        # budget, which spares rebuilding it in the backward
+        prev_anchor = self.run._anchor(k - 1) if k > 1 else None
         if prev_anchor is not None and not self._keep_saved(k - 1):
             prev_anchor.saved = None
         self._measure_backward_again()
-        # the forward that counts: checkpoint the input, keep the saved tensors
-        # until the next stage starts so the last stage needs no recomputation
-        anchor, _, count = run.new_anchor(call, True, x)
+        anchor, kept, hooks = self._anchored(call, x)
+        if self.upstream is None:
+            self.upstream = Upstream()
+        self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
+        twin = None
+        if self.given is None:
+            if self.grad_pool is None:
+                self.grad_pool = GradPool()
+            twin = Twin(self.twins, ident, call, x)
+            probe = instrumented_run(call, ident, x, cuda, rng0, check_output, hooks, kept, self.grad_pool,
+                                     self.upstream, anchor, twin)
+            twin.keep(probe)
+        else:   # costs come from a file: learn only what replay needs, from this forward
+            probe, *_ = observed_forward(call, ident, x, Instrument(exclude=[x], sources=[x]), hooks, kept, rng0,
+                                         self.upstream)
+        held = self._held(call, x, probe)
+        if self.given is None and probe.costs is not None:
+            self._due_for_run4(call, x, cuda, rng0, probe)
+        self._replayable(call, probe, kept, rng0, held)
+        self.run.settle(anchor, len(kept), x)
+        if kept:
+            self.run.watch(anchor, first(probe.out))
+        if twin is not None and twin.of is not None:
+            # Note [Twin stages]: runs 2 and 3 are the twin's
+            theirs = self.new.stages[twin.of - 1]
+            probe.costs.fwd_nograd_time = theirs.costs.fwd_nograd_time
+            if cuda:   # timed_step's, not run 2's (launch time on CUDA), which ``twin`` kept
+                probe.costs.fwd_time, probe.costs.bwd_time = theirs.costs.fwd_time, theirs.costs.bwd_time
+            call.grad_replay = theirs.grad_replay
+        else:
+            self._measure_nograd(call, x, probe, rng0, cuda)
+            if twin is not None:
+                twin.register(k)
+        self._record(call, ident, x, probe, rng0, held)
+        return probe.out
+
+    def _anchored(self, call, x):
+        """The forward that counts checkpoints its input and keeps its saved tensors
+        until the next stage starts, so that the last stage needs no recomputation:
+        (its anchor, the list of what it saves, the saved-tensor hooks)."""
+        anchor, _, _ = self.run.new_anchor(call, True, x)
         kept = []
         anchor.saved = kept
         anchor.versions = []
@@ -98,170 +196,120 @@ class StageMeasuring:
             anchor.versions.append(t._version)
             return _Saved(anchor, i)
 
-        if self.upstream is None:
-            self.upstream = Upstream()
-        self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
-        twin = None
-        if self.given is None:
-            if self.grad_pool is None:
-                self.grad_pool = GradPool()
-            twin = _Twin(self.twins, ident, call, x)
-            out, row, originals, uses_rng, reads_state = instrumented_run(
-                call, ident, x, cuda, rng0, check_output, run.hooks(pack), kept, self.grad_pool, self.upstream,
-                anchor, twin)
-            twin.keep(row)
-        else:
-            # costs come from a file: learn only what replay needs, from this forward
-            detector = Instrument(exclude=[x], sources=[x])
-            buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
-            with detector, run.hooks(pack):
-                out = call.invoke(x)
-            detector.note_changed(buffers)
-            originals = list(detector.mutated.values())
-            reads_state = detector.reads_state()
-            rng0.extra = list(detector.generators.values())
-            uses_rng = rng0.changed()
-            act = out[0] if isinstance(out, tuple) else out
-            row = {"out_bytes": act.untyped_storage().nbytes()} if isinstance(act, torch.Tensor) else None
-            if row is not None and act.requires_grad:
-                stop = {a.grad_fn for a in (x, *call.args) if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-                side = grad_side_inputs(call, x)
-                row["held_grads"] = self.upstream.held_grads(
-                    p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side))
-            if row is not None:
-                returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-                row["held_outside"] = detector.alive_bytes(kept + returned)
-                elsewhere, cached = detector.held_elsewhere(kept, returned, besides=[act])
-                row["saved_elsewhere"], row["saved_cached"] = sum(elsewhere.values()), sum(cached.values())
-                # saved_bytes as the measuring run counts it, for costs_source._check_given
-                seen = saved_storages(detector, kept, act, [*elsewhere, *cached])
-                row["saved_seen"] = max(sum(seen.values()), row["out_bytes"])
-        held = row.pop("held_grads", {}) if row is not None else {}
-        if row is not None and first(out).requires_grad:
+        return anchor, kept, Run.hooks(pack)
+
+    def _held(self, call, x, probe):
+        """{key: bytes} the stage makes the chain hold through the step (Note [Saved
+        tensors held elsewhere]); the measuring call warns of what a user can change."""
+        k = call.index
+        held = dict(probe.held_grads)
+        if probe.costs is not None and first(probe.out).requires_grad:
             held.update(side_grads(call, x))
-        pop = row.pop if row is not None else (lambda _key, default: default)
-        cached = pop("saved_cached", 0)
-        if cached:   # (Note [Saved tensors held elsewhere]: a cache's, nothing to say)
-            held[("cached", k)] = cached
-        elsewhere = pop("saved_elsewhere", 0)
-        if elsewhere and _held_first(new, held, "elsewhere", k, elsewhere):
+        if probe.saved_cached:   # (Note [Saved tensors held elsewhere]: a cache's, nothing to say)
+            held[("cached", k)] = probe.saved_cached
+        if probe.saved_elsewhere and _held_first(self.new, held, "elsewhere", k, probe.saved_elsewhere):
             warnings.warn(
                 f"remat: stage {k} ({call.name}) saves tensors for its backward that something else "
-                f"keeps too ({format_bytes(elsewhere)}): attention maps a hook collects (transformers' "
-                f"output_attentions=True), a tensor stored on a module. Dropping them with the stage "
-                f"would free nothing, so remat counts them, for this stage and any other that does the "
-                f"same, as held through the step; stop keeping them while training to have that "
-                f"memory back", RuntimeWarning, stacklevel=2)
-        outside = pop("held_outside", 0)
-        if outside and _held_first(new, held, "outside", k, outside):
+                f"keeps too ({format_bytes(probe.saved_elsewhere)}): attention maps a hook collects "
+                f"(transformers' output_attentions=True), a tensor stored on a module. Dropping them with "
+                f"the stage would free nothing, so remat counts them, for this stage and any other that "
+                f"does the same, as held through the step; stop keeping them while training to have that "
+                f"memory back", RuntimeWarning, stacklevel=3)
+        if probe.held_outside and _held_first(self.new, held, "outside", k, probe.held_outside):
             warnings.warn(
-                f"remat: stage {k} ({call.name}) still holds {format_bytes(outside)} it made after its "
-                f"forward, outside what autograd saves (tensors stored as attributes of a custom "
+                f"remat: stage {k} ({call.name}) still holds {format_bytes(probe.held_outside)} it made "
+                f"after its forward, outside what autograd saves (tensors stored as attributes of a custom "
                 f"autograd.Function's ctx, or cached on a module). remat can neither drop nor "
                 f"recompute them and counts them, for this stage and any other that does the same, "
                 f"as held through the step; save them with ctx.save_for_backward to have them "
-                f"managed", RuntimeWarning, stacklevel=2)
-        if self.given is None and row is not None:
-            # a recomputation holds a copy of the state the stage writes in place
-            # (remat/runtime/replay.py, restore_tensors) on top of what its forward holds
-            row["fwd_tmp"] += sum(t.numel() * t.element_size() for t, _ in originals)
-            # run 4 of the Note: the gradient reaching the previous stage is laid
-            # out as this stage's backward made it, not as the ones it was measured with
-            layout, seen = row.pop("grad_layout", None), row.pop("input_grad_layout", None)
-            last = self.measured.get(k - 1)
-            if last is not None and last[6] is not None and seen not in (None, last[6]):
-                self.relayout = (last, seen)
-            # (the leaves behind it as they were: later stages add this one's own)
-            self.measured[k] = (k, call, x, cuda, rng0, list(originals), layout, frozenset(self.upstream.leaves))
-        state = [t for t, _ in originals]
-        for t, old in originals:
-            self.originals.setdefault(storage_key(t), (t, old))
-        meta = tuple((t.shape, t.dtype, t.device) for t in kept)
-        call.meta = meta
-        call.state = state
-        call.before = [old for _, old in originals] if reads_state else None
-        if reads_state:
-            # each call keeps the values the stage started from (remat/runtime/replay.py Note
-            # [Replaying a stage] 3) through its step: held on top of the activations
-            held[("state", k)] = sum(old.untyped_storage().nbytes() for old in call.before)
-        call.rng = rng0 if uses_rng else None
-        run.settle(anchor, len(kept), x)
-        if kept:
-            run.watch(anchor, first(out))
-        if twin is not None and twin.of is not None:
-            # Note [Twin stages]: runs 2 and 3 are the twin's
-            j = twin.of
-            row["fwd_nograd_time"] = new.rows[j - 1]["fwd_nograd_time"]
-            if cuda:   # timed_step's, not run 2's (launch time on CUDA), which ``twin`` kept
-                row["fwd_time"] = new.rows[j - 1]["fwd_time"]
-                row["bwd_time"] = new.rows[j - 1]["bwd_time"]
-            call.grad_replay = new.grad_replay[j - 1]
-        else:
-            self._measure_nograd(call, x, out, row, rng0, originals, cuda)
-            if twin is not None:
-                twin.register(k)
-        if k == 1:
-            new.input_bytes = x.untyped_storage().nbytes()
-        new.add_ident(ident)
-        new.names.append(call.name)
-        dicts = module_dicts(ident)
-        new.dicts.append(dicts)
-        new.structures.append(module_structure(ident))
-        new.in_sigs.append(input_signature(x, call, dicts))
-        new.meta.append(meta)
-        new.uses_rng.append(uses_rng)
-        new.generators.append([g for g, _ in rng0.extra])
-        new.grad_replay.append(call.grad_replay)
-        new.state.append(state_plan(state, call.tensors or ()))
-        new.slots.append(call.slots)
-        new.autocasts.append(call.autocast)
-        call.flags = param_flags(call.tensors or (), call.slots[1])
-        new.grads.append(call.flags)
-        new.reads_state.append(reads_state)
-        new.rows.append(row)
-        new.held.append(held)
-        return out
+                f"managed", RuntimeWarning, stacklevel=3)
+        return held
 
-    def _measure_nograd(self, call, x, out, row, rng0, originals, cuda):
+    def _due_for_run4(self, call, x, cuda, rng0, probe):
+        """Note what run 4 of Note [Measuring a stage] needs of this stage; due now for
+        the stage before if this stage's backward hands it another layout than
+        the one it was measured with."""
+        k = call.index
+        # a recomputation holds a copy of the state the stage writes in place
+        # (remat/runtime/replay.py, restore_tensors) on top of what its forward holds
+        probe.costs.fwd_tmp += sum(t.numel() * t.element_size() for t, _ in probe.writes)
+        last = self.measured.get(k - 1)
+        seen = probe.input_grad_layout
+        if last is not None and last.layout is not None and seen not in (None, last.layout):
+            self.relayout = (last, seen)
+        self.measured[k] = _Measured(k, call, x, cuda, rng0, list(probe.writes), probe.grad_layout,
+                                     frozenset(self.upstream.leaves))
+
+    def _replayable(self, call, probe, kept, rng0, held):
+        """What a recomputation of the stage replays and checks (Note [Replaying a
+        stage], remat/runtime/replay.py), on ``call``."""
+        state = [t for t, _ in probe.writes]
+        for t, old in probe.writes:
+            self.originals.setdefault(storage_key(t), (t, old))
+        call.meta = tuple((t.shape, t.dtype, t.device) for t in kept)
+        call.state = state
+        call.before = [old for _, old in probe.writes] if probe.reads_state else None
+        if probe.reads_state:
+            # each call keeps the values the stage started from (Note [Replaying a
+            # stage] 3) through its step: held on top of the activations
+            held[("state", call.index)] = sum(old.untyped_storage().nbytes() for old in call.before)
+        call.rng = rng0 if probe.uses_rng else None
+
+    def _record(self, call, ident, x, probe, rng0, held):
+        """Append the stage's ``StageRecord`` to the recording."""
+        if call.index == 1:
+            self.new.input_bytes = x.untyped_storage().nbytes()
+        dicts = module_dicts(ident)
+        call.flags = param_flags(call.tensors or (), call.slots[1])
+        record = StageRecord(None, call.name, input_signature(x, call, dicts), dicts, module_structure(ident),
+                             call.slots, call.flags, call.autocast, call.meta,
+                             state_plan(call.state, call.tensors or ()), probe.reads_state, probe.uses_rng,
+                             [g for g, _ in rng0.extra], call.grad_replay, probe.costs, held)
+        self.new.add(record, ident)
+
+    def _measure_nograd(self, call, x, probe, rng0, cuda):
         """Run 3 of Note [Measuring a stage]: without recording, from the state the
         stage started in, replayed as a recomputation is (what it costs is what Fn
         and Fck cost); and whether that forward gives the recorded output."""
-        state = [t for t, _ in originals]
+        state = [t for t, _ in probe.writes]
         with rng0.replayed(), torch.no_grad(), restore_tensors(state):
-            for t, old in originals:
+            for t, old in probe.writes:
                 t.copy_(old)
             with Timer(cuda) as timer, Replay(call, self.autocast):
                 nograd_out = call.call(x).detach()
+        costs = probe.costs
         if self.given is None:
-            row["fwd_nograd_time"] = timer.seconds
+            costs.fwd_nograd_time = timer.seconds
             if cuda:
-                row["fwd_time"], row["bwd_time"] = timed_step(call, x, cuda, rng0, state)
+                costs.fwd_time, costs.bwd_time = timed_step(call, x, cuda, rng0, state)
         # Note [Replaying a stage] 4: a stage whose forward without recording
         # differs from the recorded one is recomputed with grad mode on
-        act = first(out)
+        act = first(probe.out)
         call.grad_replay = not (isinstance(act, torch.Tensor) and _bitwise_equal(nograd_out, act))
         if call.grad_replay and self.given is None:
-            row["fwd_nograd_time"] = row["fwd_time"]
+            costs.fwd_nograd_time = costs.fwd_time
 
     def _measure_backward_again(self):
         """Run 4 of Note [Measuring a stage] for the stage due (if any), after the
         saved tensors of the stage past it have gone or been kept."""
         due, self.relayout = self.relayout, None
         while due is not None:
-            (i, call, x, cuda, rng0, originals, _, leaves), layout = due
-            row = self.new.rows[i - 1]
-            if i < self.diverged or row is None or "bwd_tmp" not in row:
+            m, layout = due
+            i = m.index
+            costs = self.new.stages[i - 1].costs
+            if i < self.diverged or costs is None or not costs.backward_measured:
                 return
-            again = backward_again(call, x, cuda, rng0, originals, layout, row.get("out_freed", 0),
-                                   self.grad_pool, leaves)
+            again = backward_again(m.call, m.x, m.cuda, m.rng0, m.writes, layout, costs.out_freed or 0,
+                                   self.grad_pool, m.leaves)
             if again is None:
                 return
-            seconds, row["bwd_tmp"], seen = again
-            if not cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
-                row["bwd_time"] = seconds   # timed_step's unmetered time stands
+            seconds, costs.bwd_tmp, seen = again
+            if not m.cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
+                costs.bwd_time = seconds   # timed_step's unmetered time stands
             # a stage that passes the layout on (an elementwise one) hands it further down
             last = self.measured.get(i - 1)
-            due = (last, seen) if last is not None and last[6] is not None and seen not in (None, last[6]) else None
+            due = (last, seen) if last is not None and last.layout is not None and seen not in (None, last.layout) \
+                else None
 
     def _keep_saved(self, i):
         """Whether measured stage i keeps its saved tensors for this call's backward.
@@ -274,11 +322,11 @@ class StageMeasuring:
         """
         if i < self.diverged:
             return False
-        rows, given = self.new.rows, self.given
-        saved = rows[i - 1].get("saved_bytes") if rows[i - 1] is not None else None
+        costs, given = self.new.stages[i - 1].costs, self.given
+        saved = costs.saved_bytes if costs is not None else None
         if saved is None and given is not None and i <= given.length:
             saved = given.saved_bytes[i - 1]
-        out = rows[i - 1].get("out_bytes", 0) if rows[i - 1] is not None else 0
+        out = costs.out_bytes if costs is not None else 0
         if saved is None:
             return False
         if self.new.input_bytes + self.held_bytes + saved > self.budget:
@@ -287,56 +335,43 @@ class StageMeasuring:
         self.held_bytes += saved
         return True
 
+    # the chain's end -----------------------------------------------------
 
-class _Twin:
-    """The twin lookup of one stage (Note [Twin stages]): ``instrumented_run`` hands
-    ``find`` what run 1 showed and gets the twin's run 2 results, or None; ``of`` is
-    then the twin's stage number. Those results are kept as run 2 gave them, before
-    run 4 (another gradient layout) may change the twin's row."""
+    def returned(self, k, act):
+        """Stage k returned the activation ``act``."""
+        self.outs[k] = weakref.ref(act)
 
-    RUN2 = ("bwd_time", "bwd_tmp", "grad_layout", "input_grad_layout")
-
-    def __init__(self, twins, ident, call, x):
-        self.twins, self.key, self.of, self.run2 = twins, None, None, None
+    def finish(self, last):
+        """The end of the measuring call, whose last stage was ``last``: the
+        recording's costs (on failure, the call undone)."""
+        new = self.new
         try:
-            base = (_structure(ident, call.fn), tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad,
-                    signature((call.args, call.kwargs)))
-            hash(base)
-        except TypeError:   # an unhashable stage function: no twins
-            base = None
-        self.base = base
+            try:
+                self._measure_backward_again()
+            finally:
+                self.measured, self.grad_pool, self.upstream = {}, None, None
+            new.caller_holds(self.outs, last)
+            if self.given is None:
+                for i, extra in enumerate(shared_grad_transients([s.held for s in new.stages])):
+                    costs = new.stages[i].costs
+                    if extra and i + 1 >= self.diverged and costs is not None and costs.backward_measured:
+                        costs.bwd_tmp += extra
+            new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
+                                    self.costs_path, self.given)
+        except BaseException:
+            self.undo()
+            raise
+        return new
 
-    def find(self, seen):
-        if self.base is None:
-            return None
-        self.key = (self.base, seen)
-        found = self.twins.get(self.key)
-        if found is None:
-            return None
-        self.of, run2 = found
-        return run2
-
-    def keep(self, row):
-        """Note the stage's own run 2 results (``row`` as ``instrumented_run`` made it)."""
-        if row is not None:
-            self.run2 = {f: row[f] for f in self.RUN2 if f in row}
-
-    def register(self, k):
-        """Stage ``k``, measured in full, is the one its twins take after."""
-        if self.key is not None and self.run2 is not None:
-            self.twins.setdefault(self.key, (k, self.run2))
-
-
-def _structure(ident, fn):
-    """The code a stage runs and, for a module, its submodules' classes, configuration
-    and training flags and its parameters' and buffers' shapes."""
-    code = getattr(fn, "__func__", fn)
-    if not isinstance(ident, torch.nn.Module):
-        return (code,)
-    return (code,
-            tuple((name, type(m), m.extra_repr(), m.training) for name, m in ident.named_modules()),
-            tuple((name, p.shape, p.dtype, p.device, p.requires_grad) for name, p in ident.named_parameters()),
-            tuple((name, b.shape, b.dtype, b.device) for name, b in ident.named_buffers()))
+    def undo(self):
+        """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""
+        if self.rng_start is not None:
+            torch.set_rng_state(self.rng_start.cpu)
+            for d, s in self.rng_start.cuda:
+                torch.cuda.set_rng_state(s, d)
+        with torch.no_grad():
+            for t, old in self.originals.values():
+                t.copy_(old)
 
 
 def _bitwise_equal(a, b):
@@ -352,7 +387,7 @@ def _held_first(recording, held, kind, k, nbytes):
     ``held``); True if no stage of ``recording`` held any of that kind before
     (the measuring call says so once)."""
     held[(kind, k)] = nbytes
-    return not any(isinstance(key, tuple) and key[0] == kind for h in recording.held for key in h)
+    return not any(isinstance(key, tuple) and key[0] == kind for s in recording.stages for key in s.held)
 
 
 def side_grads(call, x):

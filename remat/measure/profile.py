@@ -49,7 +49,7 @@ where one plain forward leaves them. The times of runs 1 and 2 are those of
 the ops inside them, the meter's own work left out (it would double them on
 small ops): a few per cent below a plain run's wall time, which also has the
 model's and PyTorch's Python around the ops. A twin of a stage measured
-before skips runs 2 and 3 (Note [Twin stages], remat/measure/measuring.py).
+before skips runs 2 and 3 (Note [Twin stages], remat/measure/twins.py).
 Measuring the real forward and
 its own backward, rather than separate timed runs, keeps a first call at
 two to three plain steps (runs 1 to 3, then the backward, which rebuilds
@@ -68,11 +68,13 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..errors import input_modified
-from .leaves import grad_side_inputs, stage_leaves
+from ..runtime.stage_call import first
+from .leaves import grad_side_inputs, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
+from .record import Probe, StageCosts
 from .stage_backward import node_of, run_backward
 
-__all__ = ["instrumented_run", "saved_storages"]
+__all__ = ["instrumented_run", "observed_forward", "saved_storages"]
 
 
 def saved_storages(inst, saved, act, held_elsewhere):
@@ -91,57 +93,31 @@ def saved_storages(inst, saved, act, held_elsewhere):
     return keys
 
 
-def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None, upstream=None, anchor=None,
-                     twin=None):
-    """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
-    ``Instrument``, then its backward on that graph.
-
-    Args:
-        hooks: the saved-tensor hooks of the real forward; ``saved`` is the list
-            its pack hook appends to, and its unpack hook reads.
-        pool: a ``GradPool`` for the parameters' gradients, or None.
-        upstream: an ``Upstream`` that has taken in ``x`` and the side inputs.
-        anchor: the stage's anchor, whose unpacked tensors a backward that
-            frees its graph lets go one by one (remat/runtime/executor.py); the
-            backward here keeps the graph and meters as if it did not.
-        twin: a ``_Twin`` (remat/measure/measuring.py, Note [Twin stages]): given what
-            run 1 showed, it may name a stage measured before whose run 2 this
-            one takes instead of running its own.
+def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
+    """A stage's forward on ``x`` under the meter ``inst`` and the saved-tensor
+    ``hooks`` (whose pack hook appends to ``saved``): what it returned and wrote,
+    its RNG use, and what it holds that no schedule lets go (Note [Saved tensors
+    held elsewhere], remat/measure/measuring.py). Run 1 of Note [Measuring a
+    stage], and all a measuring call runs of a stage whose costs come from a file.
 
     Returns:
-        (what the stage returned, cost row, [(tensor, value before)] of the
-        state it updates in place, whether it draws random numbers, whether
-        what it computes may depend on that state's values: ``Instrument.reads_state``).
+        (a ``Probe`` whose costs hold out_bytes and saved_seen, {storage: bytes}
+        of the saved storages the stage made, the nodes where its graph ends,
+        its side inputs needing grad, the leaves whose gradients it makes).
     """
-    # the stage runs on x itself, so that its graph is the one a plain forward makes
-    # (a copy in between would sum the gradients reaching x in another order where x
-    # has several users: bits apart). The meter refuses an op writing x before it
-    # runs (x untouched), and the backward below stops at x without running its node
-    inst = Instrument(exclude=[x], sources=[x], protect=x)
     buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
-    version = x._version
-    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    stop = stop_nodes(call.args)
     if x.requires_grad:
         stop.add(node_of(x))
-    row = {"bwd_time": 0.0}
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    try:
-        with inst, torch.enable_grad(), hooks:
-            out = call.invoke(x)
-    except InputWritten:
-        raise input_modified(call.index, call.name) from None
-    row["fwd_time"] = inst.op_seconds
-    check(call, out, x, version)
-    act = out[0] if isinstance(out, tuple) else out
-    fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
+    with inst, torch.enable_grad(), hooks:
+        out = call.invoke(x)
     rng0.extra = list(inst.generators.values())   # the stage's own generators, as they were
     uses_rng = rng0.changed()
     inst.note_changed(buffers)
-    forward_writes = dict(inst.mutated)
-    reads_state = inst.reads_state()
+    probe = Probe(out, None, list(inst.mutated.values()), uses_rng, inst.reads_state())
+    act = first(out)
+    if not isinstance(act, torch.Tensor):
+        return probe, {}, stop, [], []
     out_bytes = act.untyped_storage().nbytes()
     # what the stage made and still holds after its forward, other than what autograd
     # saved (through the hooks) and what it returned: tensors on a custom Function's
@@ -149,44 +125,86 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
     # autograd saved that something else holds too (Note [Saved tensors held
     # elsewhere], remat/measure/measuring.py)
     returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    row["held_outside"] = inst.alive_bytes(saved + returned)
+    probe.held_outside = inst.alive_bytes(saved + returned)
     elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
-    row["saved_elsewhere"], row["saved_cached"] = sum(elsewhere.values()), sum(cached.values())
+    probe.saved_elsewhere, probe.saved_cached = sum(elsewhere.values()), sum(cached.values())
+    keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
+    probe.costs = StageCosts(out_bytes, saved_seen=max(sum(keys.values()), out_bytes))
+    # side inputs needing grad (remat/measure/leaves.py grad_side_inputs): their gradients are
+    # taken at their edges, as x's is, not as parameters'
+    side = grad_side_inputs(call, x) if act.requires_grad else []
+    params = [p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side)] \
+        if act.requires_grad else []
+    probe.held_grads = upstream.held_grads(params)
+    return probe, keys, stop, side, [p for p in params if id(p) not in upstream.leaves]
+
+
+def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool, upstream, anchor=None, twin=None):
+    """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
+    ``Instrument``, then its backward on that graph.
+
+    Args:
+        hooks: the saved-tensor hooks of the real forward; ``saved`` is the list
+            its pack hook appends to, and its unpack hook reads.
+        pool: a ``GradPool`` for the parameters' gradients.
+        upstream: an ``Upstream`` that has taken in ``x`` and the side inputs.
+        anchor: the stage's anchor, whose unpacked tensors a backward that
+            frees its graph lets go one by one (remat/runtime/executor.py); the
+            backward here keeps the graph and meters as if it did not.
+        twin: a ``Twin`` (Note [Twin stages], remat/measure/twins.py): given what
+            run 1 showed, it may name a stage measured before whose run 2 this
+            one takes instead of running its own.
+
+    Returns:
+        A ``Probe`` (remat/measure/record.py) with the stage's costs.
+    """
+    # the stage runs on x itself, so that its graph is the one a plain forward makes
+    # (a copy in between would sum the gradients reaching x in another order where x
+    # has several users: bits apart). The meter refuses an op writing x before it
+    # runs (x untouched), and the backward below stops at x without running its node
+    inst = Instrument(exclude=[x], sources=[x], protect=x)
+    version = x._version
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    try:
+        probe, keys, stop, side, params = observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream)
+    except InputWritten:
+        raise input_modified(call.index, call.name) from None
+    fwd_time = inst.op_seconds
+    check(call, probe.out, x, version)
+    act = first(probe.out)
+    fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
+    forward_writes = dict(inst.mutated)
+    costs = probe.costs
+    # (saved_seen is what a forward with costs from a file checks them against)
+    costs.fwd_time, costs.bwd_time = fwd_time, 0.0
+    costs.saved_bytes, costs.saved_seen = costs.saved_seen, None
     # whether the stage, recorded, keeps its input's storage (saved, or returned as a
     # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
     in_key = storage_key(x)
-    row["input_kept"] = any(storage_key(t) == in_key for t in saved + returned)
-    keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
-    saved_bytes = max(sum(keys.values()), out_bytes)
+    returned = [t for t in tree_leaves(probe.out) if isinstance(t, torch.Tensor)]
+    costs.input_kept = any(storage_key(t) == in_key for t in saved + returned)
     # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
     # next stage needs it; by B(i) the next stage's backward has let it go, unless
     # this stage's own backward reads it: if not, bwd_tmp gives its bytes back
     # (below zero where the backward's own transient is smaller)
     out_key = storage_key(act)
-    row["out_freed"] = 0 if any(storage_key(t) == out_key for t in saved) else out_bytes
-    bwd_delta = 0
-    in_grad = 0
-    # side inputs needing grad (remat/measure/leaves.py grad_side_inputs): their gradients are
-    # taken at their edges below, as x's is, not as parameters'
-    side = grad_side_inputs(call, x) if act.requires_grad else []
-    params = [p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side)] \
-        if act.requires_grad else []
-    if upstream is not None:
-        row["held_grads"] = upstream.held_grads(params)
-        params = [p for p in params if id(p) not in upstream.leaves]
+    costs.out_freed = 0 if any(storage_key(t) == out_key for t in saved) else costs.out_bytes
+    bwd_delta = in_grad = 0
     donor = None
     if twin is not None:
-        stops = stop
-        donor = twin.find((out_bytes, saved_bytes, fwd_peak, row["out_freed"], uses_rng,
+        donor = twin.find((costs.out_bytes, costs.saved_bytes, fwd_peak, costs.out_freed, probe.uses_rng,
                            tuple((t.shape, t.dtype, t.device) for t in saved),
                            tuple((t.shape, t.dtype) for t, _ in forward_writes.values()),
-                           tuple(sorted(row.get("held_grads", {}).values())),
+                           tuple(sorted(probe.held_grads.values())),
                            tuple((p.shape, p.dtype) for p in params),
-                           _graph_shape(act.grad_fn, stops)))
+                           _graph_shape(act.grad_fn, stop)))
     if donor is not None:
-        row.update(donor)
+        probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or params):
-        bwd_delta, in_grad = run_backward(call, act, x, side, params, stop, saved, keys, inst, row, cuda,
+        bwd_delta, in_grad = run_backward(call, act, x, side, params, stop, saved, keys, inst, probe, cuda,
                                           pool, anchor)
     del act
     # the real forward's writes stay (as one plain forward's); the backward's are undone
@@ -194,12 +212,11 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool=None,
         for key, (t, old) in inst.mutated.items():
             if key not in forward_writes:
                 t.copy_(old)
-    row["out_bytes"] = out_bytes
-    row["saved_bytes"] = saved_bytes
-    row["fwd_tmp"] = max(0, fwd_peak - out_bytes)
+    probe.writes = list(forward_writes.values())
+    costs.fwd_tmp = max(0, fwd_peak - costs.out_bytes)
     if donor is None:
-        row["bwd_tmp"] = max(0, bwd_delta - in_grad) - row["out_freed"]
-    return out, row, list(forward_writes.values()), uses_rng, reads_state
+        costs.bwd_tmp = max(0, bwd_delta - in_grad) - costs.out_freed
+    return probe
 
 
 def _graph_shape(node, stop):

@@ -65,27 +65,24 @@ from .costs_source import distributed, write_costs
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import BudgetError, CostsError
 from .refine import SAMPLES, combine
-from ..runtime.executor import BWD, FALL, FCK, FN, _releasing
-from ..solver.schedule import B, Fall, Fck, Fn, Loss
+from ..runtime.executor import _releasing
+from ..solver.plan import Plan
 from ..solver.solve import solve
-from ..runtime.tensor_slots import NO_SLOTS
+from .record import StageCosts
 from ..units import format_bytes
 
 __all__ = ["Recording"]
 
-_CODES = {Fn: FN, Fck: FCK, Fall: FALL, B: BWD}
-
-
-def _stage_gone(recording, i):
-    """The callback of the weak reference to stage i+1's object. The recording holds
+def _stage_gone(record):
+    """The callback of the weak reference to a stage's object. Its ``record`` holds
     that stage module's ``__dict__``, ``_parameters`` and ``_buffers`` (to check them
     on later calls, remat/runtime/stage_check.py): a model deleted while its recording stayed
     cached kept its weights, up to ``CACHE_SIZE`` models' of them. No call can match
     a stage that is gone (its object is checked first), so it lets them go."""
     def gone(_ref):
-        rec = recording()
-        if rec is not None and i < len(rec.slots):
-            rec.dicts[i], rec.structures[i], rec.slots[i] = (), None, NO_SLOTS
+        rec = record()
+        if rec is not None:
+            rec.forget_module()
     return gone
 
 
@@ -106,22 +103,7 @@ class Recording:
     """What the measuring call of one key learned, and the plans solved from it."""
 
     def __init__(self):
-        self.idents = []      # weak references to each stage's object
-        self.names = []
-        self.in_sigs = []     # per stage: what a later call is checked against (stage_check.input_signature)
-        self.dicts = []       # per stage: its module's and submodules' __dict__ (stage_check.module_dicts)
-        self.structures = []  # per stage: what its module is made of (stage_check.module_structure)
-        self.meta = []        # per stage: tuple of (shape, dtype, device) saved by autograd
-        self.uses_rng = []
-        self.generators = []  # per stage: its own torch.Generator objects (Note [Replaying a stage] 1)
-        self.grad_replay = []  # per stage: recompute with grad mode on (Note [Replaying a stage] 4)
-        self.state = []       # per stage: tensors it writes in place, as slot indices or weak references
-        self.slots = []       # per stage: where its module's parameters and buffers live (tensor_slots.module_slots)
-        self.grads = []       # per stage: dtype and requires_grad of those parameters (tensor_slots.param_flags)
-        self.autocasts = []   # per stage: the autocast state it ran in
-        self.reads_state = []  # per stage: its result may depend on their values (Instrument.reads_state)
-        self.rows = []        # per stage: dict of cost fields
-        self.held = []        # per stage: {id: bytes} of gradients held past it (Upstream.held_grads)
+        self.stages = []      # a StageRecord per stage (remat/measure/record.py)
         self.caller = set()   # stages whose output the code around the chain holds (Note [What the ...])
         self.input_bytes = 0
         self.costs = None
@@ -132,23 +114,44 @@ class Recording:
         self.unsaved = False     # refined costs not yet written to it
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
         self._held_costs = None  # (costs, the same with a^L held) for planning_costs
-        self._quiet = {}         # stage -> ``quiet``'s answer
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
 
-    def add_ident(self, ident):
-        """Note the next stage's object, weakly: once it is gone, so are its module's
-        dicts from this recording (``_stage_gone``)."""
-        self.idents.append(weakref.ref(ident, _stage_gone(weakref.ref(self), len(self.idents))))
+    def add(self, record, ident):
+        """Append the next stage's ``record``, of the stage object ``ident``, held
+        weakly: once it is gone, so are its module's dicts from the record
+        (``_stage_gone``)."""
+        record.ident = weakref.ref(ident, _stage_gone(weakref.ref(record)))
+        self.stages.append(record)
+
+    @property
+    def names(self):
+        """The stages' names, stage 1 first."""
+        return [s.name for s in self.stages]
+
+    def ident(self, k):
+        """Stage k's object, or None if it is gone."""
+        return self.stages[k - 1].ident()
+
+    def again(self, count):
+        """A recording of this one's first ``count`` stages, for a call that left the
+        recorded path after them (Note [Chain keys]): their costs as the costs
+        tell (``StageCosts.of``), the rest to be measured."""
+        new = Recording()
+        for i, s in enumerate(self.stages[:count]):
+            new.add(s.again(StageCosts.of(self.costs, i)), s.ident())
+        new.input_bytes = self.input_bytes
+        return new
 
     def quiet(self, k):
         """The indices, among stage k's slots (``slots``), of the buffers it did not
         write in place when measured: those a later call watches for new writes
         (remat/runtime/runner.py, ``_new_writes``); its state's are written every call."""
-        quiet = self._quiet.get(k)
+        record = self.stages[k - 1]
+        quiet = record.quiet
         if quiet is None:
-            slots, n, _ = self.slots[k - 1]
-            written = {p for p in self.state[k - 1] if type(p) is int}
-            quiet = self._quiet[k] = tuple(i for i in range(n, len(slots)) if i not in written)
+            slots, n, _ = record.slots
+            written = {p for p in record.state if type(p) is int}
+            quiet = record.quiet = tuple(i for i in range(n, len(slots)) if i not in written)
         return quiet
 
     def planning_costs(self):
@@ -161,7 +164,8 @@ class Recording:
             data = self.costs.to_dict()
             out = data["out_bytes"][-1]
             data["held_bytes"] += out
-            freed = self.rows[-1].get("out_freed") if self.rows and self.rows[-1] is not None else None
+            last = self.stages[-1].costs if self.stages else None
+            freed = last.out_freed if last is not None else None
             if freed is not None:
                 # counted there, a^L is not also in a-bar^L, nor given back at B(L)
                 data["saved_bytes"][-1] -= out
@@ -263,7 +267,7 @@ class Recording:
         data["bwd_time"] = [combine([b[i] for _, b, _ in samples]) for i in range(n)]
         # (4 of the Note: a forward without recording does no more than one with it)
         data["fwd_nograd_time"] = [
-            nograd.get(k, data["fwd_time"][k - 1] if self.grad_replay[k - 1] else min(t, data["fwd_time"][k - 1]))
+            nograd.get(k, data["fwd_time"][k - 1] if self.stages[k - 1].grad_replay else min(t, data["fwd_time"][k - 1]))
             for k, t in enumerate(data["fwd_nograd_time"], 1)]
         self.costs = Costs.from_dict(data)
         self.plans = {}
@@ -286,16 +290,17 @@ class Recording:
         held through the step (Note [What the forward phase drops])."""
         stages = [k for k, ref in outs.items() if k < last and ref() is not None]
         for k in outs:
-            if self.rows[k - 1] is not None:
-                self.rows[k - 1]["caller_holds"] = k == last or k in stages
+            costs = self.stages[k - 1].costs
+            if costs is not None:
+                costs.caller_holds = k == last or k in stages
         if not stages:
             return
         for i in stages:
-            self.held[i - 1][("caller", i)] = self.rows[i - 1]["out_bytes"]
+            self.stages[i - 1].held[("caller", i)] = self.stages[i - 1].costs.out_bytes
             self.caller.add(i)
         warnings.warn(
             f"remat: the code around the chain keeps the {_ranges(stages)} "
-            f"({format_bytes(sum(self.rows[i - 1]['out_bytes'] for i in stages))}), a list of them say "
+            f"({format_bytes(sum(self.stages[i - 1].costs.out_bytes for i in stages))}), a list of them say "
             f"(transformers' output_hidden_states): remat cannot drop those and counts them as held "
             f"through the step. Let them go inside the loop to have that memory back",
             RuntimeWarning, stacklevel=4)
@@ -333,8 +338,8 @@ class Recording:
         and code before the chain), each counted once: the engine holds them
         from the backward of the last use to that of the first."""
         held = {}
-        for stage in self.held:
-            held.update(stage)
+        for stage in self.stages:
+            held.update(stage.held)
         return sum(held.values())
 
     def plan(self, budget, algorithm, slots):
@@ -369,12 +374,7 @@ class Recording:
                     note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                             f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
                     raise BudgetError(failed + note)
-            ops = schedule.ops
-            split = ops.index(Loss)
-            modes = [None] + [_CODES[type(op)] for op in ops[:split]]
-            back = tuple((_CODES[type(op)], op.stage) for op in ops[split + 1:])
-            fall_at = {i: j for j, (code, i) in enumerate(back) if code == FALL}
-            plan = (schedule, modes, back, fall_at, costs)
+            plan = Plan.of(schedule, costs)
             if len(self.plans) > 16:
                 self.plans.clear()
             self.plans[key] = plan

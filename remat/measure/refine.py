@@ -71,6 +71,8 @@ import weakref
 
 import torch
 
+from .leaves import stop_nodes, walk
+
 __all__ = ["ATTEMPTS", "SAMPLES", "StageTimes", "combine"]
 
 SAMPLES = 2    # stamped calls whose times are combined, stage by stage
@@ -115,8 +117,7 @@ class StageTimes:
         self.stages = k
         node.register_prehook(self._start(k))
         if k == 1:
-            stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-            for n in _stage_nodes(node, stop):
+            for n in walk([node], stop_nodes(inputs) - {node}):   # (the stage's own nodes)
                 if not hasattr(n, "variable"):   # (AccumulateGrad: see the Note, 2)
                     n.register_hook(self._end)
 
@@ -180,17 +181,3 @@ class StageTimes:
                 return None
             times.append(seconds)
         return times
-
-
-def _stage_nodes(node, stop):
-    """The nodes of a stage's backward graph: from the node of its output down to
-    (not into) the nodes in ``stop``, those of its inputs."""
-    seen = {node}
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        for nxt, _ in n.next_functions:
-            if nxt is not None and nxt not in seen and nxt not in stop:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen

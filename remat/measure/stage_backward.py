@@ -7,7 +7,7 @@ another layout of its output's gradient (run 4).
 import torch
 
 from ..errors import StageError
-from .leaves import held_hooks, stage_leaves, step_grads
+from .leaves import HeldHooks, StepGrads, stage_leaves, stop_nodes, walk
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
@@ -16,11 +16,11 @@ from .timing import Timer
 __all__ = ["backward_again", "node_of", "run_backward"]
 
 
-def run_backward(call, act, x, side, params, stop, saved, keys, inst, row, cuda, pool=None, anchor=None):
+def run_backward(call, act, x, side, params, stop, saved, keys, inst, probe, cuda, pool=None, anchor=None):
     """Run 2 of Note [Measuring a stage] (remat/measure/profile.py): the stage's backward on
     the real forward's graph, kept for the real backward, metered as one that
-    frees its graph runs it (``_Releases``). Sets ``row``'s bwd_time, grad_layout
-    and input_grad_layout.
+    frees its graph runs it (``_Releases``). Sets ``probe``'s bwd_time, grad_layout
+    and input_grad_layout (a ``Probe``, remat/measure/record.py).
 
     Args:
         act: the stage's output; ``x`` its input; ``side`` its side inputs needing
@@ -36,17 +36,17 @@ def run_backward(call, act, x, side, params, stop, saved, keys, inst, row, cuda,
     """
     # the meter is off between the two runs: what is made here is no stage's
     grad_out = torch.ones_like(act)
-    row["grad_layout"] = grad_out.stride()
+    probe.grad_layout = grad_out.stride()
     # side inputs needing grad: their gradients are taken at their edges as x's is
     # (what the stage adds into the sum the engine holds: remat/measure/measuring.py
     # side_grads), their nodes (before the chain, or a leaf's AccumulateGrad) not run
-    own = held_hooks(([x] if x.requires_grad else []) + side)   # their hooks held back (x's .grad kept)
+    own = HeldHooks(([x] if x.requires_grad else []) + side)   # their hooks held back (x's .grad kept)
     own.__enter__()
-    hook = x.register_hook(lambda g: row.__setitem__("input_grad_layout", g.stride())) if x.requires_grad else None
+    hook = x.register_hook(lambda g: setattr(probe, "input_grad_layout", g.stride())) if x.requires_grad else None
     # a training step hands the stage a gradient only the engine holds, which
     # it may add into in place (a residual's sum): so does a copy made here
     relay = act.register_hook(_engine_owned)
-    with step_grads(params, pool) as grads:
+    with StepGrads(params, pool) as grads:
         inst.ignore_writes(grads)   # AccumulateGrad adds into them: no state to put back
         if cuda:
             torch.cuda.synchronize()
@@ -78,7 +78,7 @@ def run_backward(call, act, x, side, params, stop, saved, keys, inst, row, cuda,
                 hook.remove()
             own.__exit__(None, None, None)
             relay.remove()
-        row["bwd_time"] = inst.op_seconds - ops_before
+        probe.costs.bwd_time = inst.op_seconds - ops_before
         if cuda:
             bwd_delta = torch.cuda.max_memory_allocated() - base_b
         else:
@@ -109,14 +109,9 @@ class _Releases:
                 self.left[key] = self.left.get(key, 0) + 1
         self.held = sum(sizes[k] for k in self.left)
         anchor.observe = self.pending.append
-        seen, todo = set(), [act.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen or node in stop or type(node).__name__ == "AccumulateGrad":
-                continue
-            seen.add(node)
-            self.hooks.append(node.register_hook(self._ran))
-            todo.extend(n for n, _ in node.next_functions)
+        for node in walk([act.grad_fn], stop):
+            if type(node).__name__ != "AccumulateGrad":
+                self.hooks.append(node.register_hook(self._ran))
         self.sizes = sizes
 
     def _ran(self, *_):
@@ -216,7 +211,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         or None when the stage's output needs no gradient.
     """
     xin = x.detach().requires_grad_(x.requires_grad)
-    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    stop = stop_nodes(call.args)
     inst = Instrument(exclude=[x, xin], sources=[xin])
     state = [t for t, _ in originals]
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
@@ -233,7 +228,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         relay = act.register_hook(_engine_owned)   # as in run_backward
         handed = []
         hook = xin.register_hook(lambda g: handed.append(g.stride())) if xin.requires_grad else None
-        with step_grads(params, pool) as grads:
+        with StepGrads(params, pool) as grads:
             inst.ignore_writes(grads)
             if cuda:
                 torch.cuda.synchronize()

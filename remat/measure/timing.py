@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .leaves import stage_leaves, step_grads
+from .leaves import StepGrads, stage_leaves, stop_nodes
 from ..runtime.replay import restore_tensors
 
 __all__ = ["Timer", "timed_step", "warm_cuda"]
@@ -68,7 +68,7 @@ def timed_step(call, x, cuda, rng0, state):
 
 def _timed_step(call, x, cuda, rng0, state):
     xin = x.detach().requires_grad_(x.requires_grad)
-    stop = {a.grad_fn for a in call.args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    stop = stop_nodes(call.args)
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
         with Timer(cuda) as tf:
             out = call.call(xin)
@@ -78,7 +78,7 @@ def _timed_step(call, x, cuda, rng0, state):
             inputs = [xin] if xin.requires_grad else []
             if inputs or params:
                 grad_out = torch.ones_like(out)
-                with step_grads(params), Timer(cuda) as timer:
+                with StepGrads(params), Timer(cuda) as timer:
                     torch.autograd.backward(out, grad_out, inputs=inputs + params)
                 tb = timer.seconds
     return tf.seconds, tb

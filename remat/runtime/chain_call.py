@@ -1,7 +1,8 @@
 """One call of a chain (the user's forward, from the ``with remat.chain`` to its
-end): its stage calls checked and handed to the measuring half (remat/measure/measuring.py)
-or the running half (remat/runtime/runner.py), and the recordings of the chains, per key
-(Note [Chain keys], remat/chain.py), in a bounded cache.
+end): its stage calls checked and handed to its measuring part (``Measurer``,
+remat/measure/measuring.py) or its running part (``Runner``,
+remat/runtime/runner.py), and the recordings of the chains, per key (Note
+[Chain keys], remat/chain.py), in a bounded cache.
 """
 
 import collections
@@ -17,16 +18,14 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from ..budget import resolve_budget
-from ..measure.costs_source import chain_costs, distributed, read_costs, write_costs
 from ..errors import RematError, StageError, not_handed_on
 from ..explanation import Explanation, publish
-from ..measure.measuring import StageMeasuring, shared_grad_transients
-from ..measure.recording import Recording
-from ..measure.refine import ATTEMPTS, StageTimes
-from .replay import capture_autocast, capture_rng, cuda_devices
-from .runner import StageRunning, site_text
+from ..measure.costs_source import write_costs
+from ..measure.measuring import Measurer
+from ..measure.refine import StageTimes
 from .recompute import replaying
-from .executor import Run
+from .replay import capture_autocast
+from .runner import Runner, site_text
 from .stage_call import StageCall
 from .stage_check import check_hooks_enabled, check_output, find_activation, handed_on, signature
 from .tensor_slots import module_slots, take
@@ -45,7 +44,6 @@ def clear_cache():
 
 
 _warned_transforms = []
-_warned_sizes = set()   # costs files whose input size differed from a call's (warned once each)
 _warned_empty = set()   # chain sites warned of by ``_no_stage``
 
 
@@ -54,7 +52,7 @@ def _no_stage(spec, site):
     if site in _warned_empty:
         return
     _warned_empty.add(site)
-    hint = getattr(spec, "empty_hint", None) or (
+    hint = spec.hints.empty or (
         "mark the blocks with remat.stage and call them inside the `with remat.chain(...)` block")
     warnings.warn(f"remat: the chain at {site_text(site)} ran no stage, so nothing in it is under its budget; {hint}",
                   RuntimeWarning, stacklevel=4)
@@ -91,49 +89,40 @@ def _dual(x, args, kwargs):
                for t in [x, *tree_leaves((args, kwargs))])
 
 
-class ChainCall(StageMeasuring, StageRunning):
-    """One open chain on one thread (one call of the user's forward)."""
+class ChainCall:
+    """One open chain on one thread (one call of the user's forward): the stage
+    calls checked as they come and handed to its part, a ``Measurer`` or a
+    ``Runner``; a call that leaves its recorded path hands the runner's recording
+    so far to a new measurer (``Runner.diverge``)."""
 
     def __init__(self, spec, site):
         self.spec = spec
         self.site = site
         self.k = 0
         self.called = False     # a stage was called inside the chain (recorded or not)
-        self.prev = None
+        self.prev = None        # the activation the last stage returned
         self.prev_version = 0
         self.prev_name = None
         self.prev_ident = None
-        self.mode = None
         self.in_stage = False
-        self.entry = None
         self.key = None
-        self.run = None
-        self.plan = None
         self.budget = None
-        self.new = None
-        self.diverged = 0
-        self.rng_start = None
-        self.originals = {}
-        self.given = None
-        self.grad_pool = None
-        self.upstream = None
-        self.held_bytes = 0
-        self.measured = {}      # stage -> what run 4 of Note [Measuring a stage] needs of it
-        self.relayout = None    # (that of the stage before, the layout its gradient has) due for run 4
-        self.twins = {}         # Note [Twin stages] (remat/measure/measuring.py): key -> stage
-        self.outs = {}          # measuring: stage -> weak reference to the activation it returned
-        self.dropped = []       # running: (i, weak reference to a^i's storage) the plan lets go
-        self.acts = []          # running: (i, weak reference to a^i's storage), each stage
+        self.autocast = None
+        self.part = None        # a Measurer or a Runner, from stage 1 on
         self.source = None      # a^0's storage
         self.skipped = None     # a stage called under no_grad after stage 1
-        self.costs_path = None  # the costs file this measuring call reads or writes
         self.seen = {}          # id of each stage's object -> the first stage it was
-        self.stale = False      # running: a stage saved other tensors than the recording says
-        self.unchecked = []     # running: stages whose module is checked at the end (remat/runtime/runner.py)
+
+    @property
+    def measuring(self):
+        """Whether this call measures (from the stage it left its recorded path at, if so)."""
+        return isinstance(self.part, Measurer)
 
     # stage calls ---------------------------------------------------------
 
-    def call(self, ident, name, fn, args, kwargs, start):
+    def call(self, ident, name, fn, args, kwargs):
+        """Stage ``ident`` (named ``name``) is called as ``fn(*args, **kwargs)``
+        inside the chain: checked, and run by the call's part; returns what it returned."""
         self.called = True
         if self.in_stage or replaying():
             return fn(*args, **kwargs)
@@ -142,26 +131,16 @@ class ChainCall(StageMeasuring, StageRunning):
                 self.skipped = name   # (named if a stage follows, which cannot take its output)
             return fn(*args, **kwargs)
         t0 = time.perf_counter()   # (a stamped call's forward time: remat's checks included)
-        pos, in_kw, x = find_activation(args, kwargs, start, fn)
+        pos, in_kw, x = find_activation(args, kwargs, 0, fn)
         if x is None:
             raise StageError(
                 f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor "
                 f"argument of a stage is the activation that flows along the chain"
             )
         k = self.k + 1
-        if k == 1 and (_transformed(x) or _dual(x, args, kwargs)):
-            # inside torch.func.vmap / grad: remat's hooks and meter cannot see through
-            # the transforms' wrapped tensors; dual tensors of forward-mode AD carry
-            # tangents whose formulas save tensors for the backward that a recomputation
-            # (of the primal) cannot make again. The chain runs plainly this call
-            if not _warned_transforms:
-                _warned_transforms.append(True)
-                warnings.warn("remat: a chain called inside a torch.func transform (vmap, grad, ...) or on "
-                              "forward-mode AD's dual tensors runs its stages plainly, without a budget",
-                              RuntimeWarning, stacklevel=3)
-            self.in_stage = True   # (every stage of this call: the chain is never entered)
-            return fn(*args, **kwargs)
         if k == 1:
+            if self._plainly(x, args, kwargs):
+                return fn(*args, **kwargs)
             if x.is_inference():
                 raise StageError(
                     f"remat: the chain's input (to stage 1, {name}) was made under torch.inference_mode(), "
@@ -170,36 +149,20 @@ class ChainCall(StageMeasuring, StageRunning):
             check_hooks_enabled(name)
             self._begin(ident, args, kwargs, x)
             self.source = x.untyped_storage()
-        elif not handed_on(x, self.prev):
-            raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)),
-                                _hooks_between(self.prev_ident, ident) + getattr(self.spec, "split_hint", ""))
-        elif x._version != self.prev_version:
-            raise StageError(
-                f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "
-                f"stage {k} ({name}); move the in-place code into one of the stages"
-                f"{_hooks_between(self.prev_ident, ident)}"
-            )
+        else:
+            self._check_handed_on(k, ident, name, x)
         self.k = k
         self.seen.setdefault(id(ident), k)
         call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
         call.autocast = self.autocast if k == 1 else capture_autocast(self.autocast)
-        if self.mode == "run" and not self._matches(k, ident, x, call):
-            self._diverge(k)
-        if self.mode == "measure":
-            call.slots = module_slots(ident)
-            call.tensors = take(call.slots[0]) if call.slots[0] else None
-            if call.tensors and any(is_lazy(t) for t in call.tensors if t is not None):
-                raise StageError(
-                    f"remat: stage {k} ({name}) has lazy parameters or buffers not initialized yet "
-                    f"(nn.LazyLinear, ...), which remat cannot measure; run the model once first, e.g. "
-                    f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
+        if not self.measuring and not self.part.matches(k, ident, x, call):
+            self.part = Measurer(self.budget, self.autocast, self.part.diverge(k), self.part.run)
+        if self.measuring:
+            _take_slots(call, ident)
         version = x._version
         self.in_stage = True
         try:
-            if self.mode == "run":
-                out = self._run_stage(call, x)
-            else:
-                out = self._measure_stage(call, ident, x)
+            out = self.part.stage(call, ident, x)
         except BaseException as exc:
             if hasattr(exc, "add_note") and not isinstance(exc, RematError):
                 exc.add_note(f"(raised in remat stage {k}: {name})")
@@ -208,19 +171,46 @@ class ChainCall(StageMeasuring, StageRunning):
             self.in_stage = False
         act = check_output(call, out, x, version)
         call.seal()
-        if self.mode == "measure":
-            self.outs[k] = weakref.ref(act)
-        elif k not in self.entry.caller:
-            self.acts.append((k, weakref.ref(act.untyped_storage()), act.grad_fn if k == 1 else None))
+        self.part.returned(k, act)
         self.prev = act
         self.prev_version = act._version
         self.prev_name = name
         self.prev_ident = ident
-        if self.mode == "run" and self.run.clock is not None:
-            self.run.clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))])
+        clock = self.part.run.clock if not self.measuring else None
+        if clock is not None:
+            clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))])
         return out
 
+    def _plainly(self, x, args, kwargs):
+        """Inside torch.func.vmap / grad: remat's hooks and meter cannot see through
+        the transforms' wrapped tensors; dual tensors of forward-mode AD carry
+        tangents whose formulas save tensors for the backward that a recomputation
+        (of the primal) cannot make again. True if so: the chain runs plainly this
+        call (every stage: the chain is never entered)."""
+        if not (_transformed(x) or _dual(x, args, kwargs)):
+            return False
+        if not _warned_transforms:
+            _warned_transforms.append(True)
+            warnings.warn("remat: a chain called inside a torch.func transform (vmap, grad, ...) or on "
+                          "forward-mode AD's dual tensors runs its stages plainly, without a budget",
+                          RuntimeWarning, stacklevel=4)
+        self.in_stage = True
+        return True
+
+    def _check_handed_on(self, k, ident, name, x):
+        """Stage k's activation ``x`` is what stage k-1 returned, as it returned it."""
+        if not handed_on(x, self.prev):
+            raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)),
+                                _hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""))
+        if x._version != self.prev_version:
+            raise StageError(
+                f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "
+                f"stage {k} ({name}); move the in-place code into one of the stages"
+                f"{_hooks_between(self.prev_ident, ident)}"
+            )
+
     def _begin(self, ident, args, kwargs, x):
+        """Stage 1: the chain's key, and its part: a runner if the key is recorded."""
         autocast = capture_autocast()
         training = getattr(ident, "training", None)
         self.key = (self.site, id(ident), signature((args[1:] if args and args[0] is ident else args, kwargs)),
@@ -229,98 +219,48 @@ class ChainCall(StageMeasuring, StageRunning):
         with _cache_lock:
             entry = _cache.get(self.key)
             if entry is not None:
-                if entry.idents[0]() is not ident:
+                if entry.ident(1) is not ident:
                     entry = None
                     del _cache[self.key]
                 else:
                     _cache.move_to_end(self.key)
-        self.entry = entry
         self.budget = resolve_budget(self.spec.budget, x.device)
-        if entry is not None and entry.costs is not None:
-            if entry.samples and entry.attempts == 0:
-                entry.refine()   # the last call that could be stamped was not (no whole backward)
-            if entry.unsaved:
-                entry.unsaved = False
-                write_costs(entry.costs, entry.costs_file)
-            try:
-                self.plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
-            except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
-                publish(Explanation(entry.costs, None, self.budget, entry.names, entry.costs))
-                raise
-            schedule, modes, back, fall_at, _ = self.plan
-            self.mode = "run"
-            self.run = Run(back, fall_at, autocast)
-            if entry.attempts > 0:
-                entry.attempts -= 1
-                self.run.clock = StageTimes(entry)
-        else:
-            self.mode = "measure"
-            self.new = Recording()
-            self.run = Run(None, {}, autocast)
-            self.rng_start = capture_rng(cuda_devices([x]))
-            self.given = read_costs(self.spec.costs_path)
-            self.costs_path = self.spec.costs_path
-            size = x.untyped_storage().nbytes()
-            if self.given is not None and self.given.input_bytes != size:
-                # another input size (the last, smaller batch; another sequence length):
-                # measured as without a file, which keeps the costs it holds
-                if self.costs_path not in _warned_sizes:
-                    _warned_sizes.add(self.costs_path)
-                    warnings.warn(
-                        f"remat: the costs in {self.costs_path} are for an input of {self.given.input_bytes} "
-                        f"bytes; this call's is {size} (another batch size or sequence length?): it is "
-                        f"measured, and the file keeps the costs it has", RuntimeWarning, stacklevel=4)
-                self.given = None
-                self.costs_path = None
-            if self.given is None and not x.is_cuda and not distributed():
-                # the next two calls time the stages again (Note [Timing the second call])
-                self.new.attempts = ATTEMPTS
-                self.new.costs_file = self.costs_path
+        if entry is None or entry.costs is None:
+            self.part = Measurer.first(self.spec, self.budget, autocast, x)
+            return
+        if entry.samples and entry.attempts == 0:
+            entry.refine()   # the last call that could be stamped was not (no whole backward)
+        if entry.unsaved:
+            entry.unsaved = False
+            write_costs(entry.costs, entry.costs_file)
+        try:
+            plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
+        except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
+            publish(Explanation(entry.costs, None, self.budget, entry.names, entry.costs))
+            raise
+        self.part = Runner(self.key, self.site, entry, plan, autocast)
+        if entry.attempts > 0:
+            entry.attempts -= 1
+            self.part.run.clock = StageTimes(entry)
 
     # end of the chain ----------------------------------------------------
 
     def finish(self):
+        """The chain's ``with`` block ended without an exception."""
         if self.k == 0:
             if not self.called and torch.is_grad_enabled():
                 _no_stage(self.spec, self.site)
             return
-        if self.mode == "run":
-            t0 = time.perf_counter()
-            if self._finish_run():
-                with _cache_lock:
-                    _cache.pop(self.key, None)
-            publish(Explanation(self.plan[4], self.plan[0], self.budget, self.entry.names,
-                                 self.entry.costs))
-            if self.run.clock is not None:   # (the call's end is charged to its last stage)
-                self.run.clock.ran_more(self.k, time.perf_counter() - t0)
+        if not self.measuring:
+            self._finish_run()
             return
-        new = self.new
+        measurer = self.part
+        self.in_stage = True   # stages inside the stage measured again run plainly
         try:
-            self.in_stage = True   # stages inside the stage measured again run plainly
-            try:
-                self._measure_backward_again()
-            finally:
-                self.in_stage = False
-                self.measured, self.grad_pool, self.upstream = {}, None, None
-            new.caller_holds(self.outs, self.k)
-            if self.given is None:
-                for i, extra in enumerate(shared_grad_transients(new.held)):
-                    row = new.rows[i]
-                    if extra and i + 1 >= self.diverged and row is not None and "bwd_tmp" in row:
-                        row["bwd_tmp"] += extra
-            new.costs = chain_costs(new.rows, new.input_bytes, new.held_bytes(), self.costs_path, self.given)
-        except BaseException:
-            self._undo()
-            raise
-        with _cache_lock:
-            _cache[self.key] = new
-            _cache.move_to_end(self.key)
-            if len(_cache) > CACHE_SIZE:
-                # recordings of models that are gone can never match again: they go first
-                for key in [k for k, e in _cache.items() if e.idents[0]() is None]:
-                    del _cache[key]
-            while len(_cache) > CACHE_SIZE:
-                _cache.popitem(last=False)
+            new = measurer.finish(self.k)
+        finally:
+            self.in_stage = False
+        _remember(self.key, new)
         new.watch_output(self.prev)
         try:
             # (this call's own backward may yet show its output let go: Note [The
@@ -328,18 +268,43 @@ class ChainCall(StageMeasuring, StageRunning):
             # costs' minimum fails now)
             plan = new.plan(self.budget, self.spec.algorithm, self.spec.slots)
         except Exception as exc:
-            self._undo()
+            measurer.undo()
             if isinstance(exc, RematError):
                 publish(Explanation(new.costs, None, self.budget, new.names, new.costs))
             raise
-        publish(Explanation(plan[4], plan[0], self.budget, new.names, new.costs))
+        publish(Explanation(plan.costs, plan.schedule, self.budget, new.names, new.costs))
 
-    def _undo(self):
-        """Put RNG and in-place state back as before this call (a failed first call leaves no trace)."""
-        if self.rng_start is not None:
-            torch.set_rng_state(self.rng_start.cpu)
-            for d, s in self.rng_start.cuda:
-                torch.cuda.set_rng_state(s, d)
-        with torch.no_grad():
-            for t, old in self.originals.values():
-                t.copy_(old)
+    def _finish_run(self):
+        runner = self.part
+        t0 = time.perf_counter()
+        if runner.finish(self.k, self.prev, self.source):
+            with _cache_lock:
+                _cache.pop(self.key, None)
+        plan = runner.plan
+        publish(Explanation(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs))
+        if runner.run.clock is not None:   # (the call's end is charged to its last stage)
+            runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
+
+
+def _take_slots(call, ident):
+    """A stage measured: its module's slots and the tensors in them (lazy ones refused)."""
+    call.slots = module_slots(ident)
+    call.tensors = take(call.slots[0]) if call.slots[0] else None
+    if call.tensors and any(is_lazy(t) for t in call.tensors if t is not None):
+        raise StageError(
+            f"remat: stage {call.index} ({call.name}) has lazy parameters or buffers not initialized yet "
+            f"(nn.LazyLinear, ...), which remat cannot measure; run the model once first, e.g. "
+            f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
+
+
+def _remember(key, recording):
+    """Cache ``recording`` under ``key``; recordings of models that are gone go first."""
+    with _cache_lock:
+        _cache[key] = recording
+        _cache.move_to_end(key)
+        if len(_cache) > CACHE_SIZE:
+            # recordings of models that are gone can never match again: they go first
+            for old in [k for k, e in _cache.items() if e.ident(1) is None]:
+                del _cache[old]
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)

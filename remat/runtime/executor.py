@@ -1,4 +1,4 @@
-"""Executing a schedule with saved-tensor hooks (DESIGN.md section 2, step 3).
+"""Executing a plan with saved-tensor hooks (docs/how-it-works.md, "The runtime").
 
 Note [The life of a saved tensor]
 ---------------------------------
@@ -44,6 +44,7 @@ import weakref
 import torch
 
 from ..errors import StageError
+from ..solver.schedule import B, Fall, Fn
 from .recompute import record_again, run_again
 
 __all__ = ["Run", "RELEASES"]
@@ -52,9 +53,6 @@ __all__ = ["Run", "RELEASES"]
 # requires); without that, recomputed tensors would stay until their stage's backward ends.
 _keep_graph = getattr(getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", None)
 RELEASES = _keep_graph is not None
-
-FN, FCK, FALL, BWD = 0, 1, 2, 3
-
 
 class _Anchor:
     __slots__ = ("run", "stage", "input", "version", "saved", "versions", "observe", "live", "__weakref__")
@@ -127,9 +125,9 @@ def _unchanged(anchor, x):
 class Run:
     """One execution of a chain: the stage calls and the backward cursor."""
 
-    def __init__(self, ops, fall_at, autocast):
-        self.ops = ops            # backward-phase ops as (code, stage) or None
-        self.fall_at = fall_at    # stage -> index in ops of its Fall
+    def __init__(self, plan, autocast):
+        self.ops = plan.backward if plan is not None else None   # the backward phase's ops, or None
+        self.fall_at = plan.fall_at if plan is not None else {}   # stage -> index in ops of its Fall
         self.cursor = 0
         self.calls = [None]       # 1-based StageCall list
         self.anchors = [None]     # 1-based weak references
@@ -266,10 +264,11 @@ class Run:
         pos = self.fall_at.get(k) if ops is not None else None
         if pos is not None and pos >= self.cursor:
             start, self.cursor = self.cursor, pos + 1
-            for code, i in ops[start:pos + 1]:
-                if code != BWD:
+            for op in ops[start:pos + 1]:
+                i = op.stage
+                if type(op) is not B:
                     if i not in self.passed:
-                        self._execute(code, i)
+                        self._execute(op, i)
                 elif i in self.orphans:
                     del self.orphans[i]   # B(i) is behind the cursor: its anchor can go
             anchor = self._anchor(k)
@@ -295,13 +294,13 @@ class Run:
             x = self._forward(self.calls[i], x)
         self._record(k, x)
 
-    def _execute(self, code, i):
-        if code == FALL:
+    def _execute(self, op, i):
+        if type(op) is Fall:
             self._record(i, self._input(i))
             return
         anchor = self._anchor(i)
         out = self._forward(self.calls[i], self._input(i))
-        if code == FN and not (i > 1 and self.whole[i - 1]):
+        if type(op) is Fn and not (i > 1 and self.whole[i - 1]):
             anchor.input = None
         self._give(i + 1, out)
 

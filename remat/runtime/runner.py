@@ -2,8 +2,10 @@
 the recording (Note [Chain keys], remat/chain.py) and run in its forward-phase
 mode of the plan (``Fall`` records whole; ``Fck`` and ``Fn`` run under the pack
 hooks of remat/runtime/executor.py, keeping their input or not), and the recording's
-update at the end of the call. ``ChainCall`` (remat/runtime/chain_call.py) takes these
-methods, as it takes the measuring ones of remat/measure/measuring.py.
+update at the end of the call: the running part (``Runner``) of a
+``ChainCall`` (remat/runtime/chain_call.py), which hands a later call to this
+part, as it hands a first call to the measuring part (``Measurer``,
+remat/measure/measuring.py).
 
 Note [Stages recorded whole]
 ----------------------------
@@ -42,15 +44,14 @@ import weakref
 
 import torch
 
-from ..measure.costs_source import rows_of
-from ..measure.recording import Recording
+from ..solver.schedule import Fall, Fck
+from .executor import Run
 from .replay import capture_rng, cuda_devices, snapshot
-from .executor import FALL, FCK
 from .stage_call import first
 from .stage_check import same_structure, signature_matches, trained_as
 from .tensor_slots import param_flags, resolve_state, take
 
-__all__ = ["StageRunning", "site_text"]
+__all__ = ["Runner", "site_text"]
 
 _warned_writes = set()   # names of stages warned of by ``_new_writes``
 _warned_paths = set()    # chain sites warned of by ``_path_changed``
@@ -67,10 +68,25 @@ def site_text(site):
     return f"{code.co_filename}:{line or code.co_firstlineno}"
 
 
-class StageRunning:
-    """The running half of ``ChainCall``: its state is set up by ``ChainCall``."""
+class Runner:
+    """The running part of a chain call: the plan of its recording, stage by stage.
 
-    def _matches(self, k, ident, x, call):
+    Args:
+        key: the chain's key (Note [Chain keys]); ``site`` its site.
+        entry: the ``Recording`` of that key.
+        plan: the ``Plan`` solved from it for this call's budget.
+        autocast: the autocast state the chain opened in.
+    """
+
+    def __init__(self, key, site, entry, plan, autocast):
+        self.key, self.site, self.entry, self.plan = key, site, entry, plan
+        self.run = Run(plan, autocast)
+        self.dropped = []     # (i, weak reference to a^i's storage) the plan lets go
+        self.acts = []        # (i, weak reference to a^i's storage, a^1's node for stage 1), each stage
+        self.stale = False    # a stage saved other tensors than the recording says
+        self.unchecked = []   # stages whose module is checked at the end (Note [Stages recorded whole])
+
+    def matches(self, k, ident, x, call):
         """Stage k is the one recorded, on a like input, made of the same submodules,
         parameters and buffers, with the same parameters to differentiate, of the same
         dtypes and shapes (a stage frozen or unfrozen since saves other tensors; one
@@ -79,20 +95,21 @@ class StageRunning:
         the plan records whole is checked at the call's end (Note [Stages recorded
         whole])."""
         entry = self.entry
-        if k > len(entry.idents) or entry.idents[k - 1]() is not ident:
+        if k > len(entry.stages):
             return False
-        if not signature_matches(entry.in_sigs[k - 1], x, call):
+        record = entry.stages[k - 1]
+        if record.ident() is not ident or not signature_matches(record.in_sig, x, call):
             return False
-        if entry.autocasts[k - 1] != call.autocast:
+        if record.autocast != call.autocast:
             return False
-        if self.plan[1][k] == FALL and k not in entry.suspects:
+        if self.plan.modes[k] is Fall and k not in entry.suspects:
             self.unchecked.append(k)
             return True
-        tensors = _same_module(entry, k)
+        tensors = _same_module(record)
         if tensors is False:
             return False
         if tensors is not None:
-            call.slots, call.tensors, call.flags = entry.slots[k - 1], tensors, entry.grads[k - 1]
+            call.slots, call.tensors, call.flags = record.slots, tensors, record.grads
         return True
 
     def _suspect_changed(self, recording):
@@ -100,28 +117,20 @@ class StageRunning:
         this call left unchecked whose module is no longer as recorded; True if any."""
         found = False
         for k in self.unchecked:
-            if _same_module(self.entry, k) is False:
+            if _same_module(self.entry.stages[k - 1]) is False:
                 recording.suspects.add(k)
                 found = True
         return found
 
-    def _diverge(self, k):
-        """The chain left the recorded path at stage k: measure the rest (Note [Chain keys])."""
-        old = self.entry
-        new = Recording()
-        for ref in old.idents[:k - 1]:
-            new.add_ident(ref())
-        for attr in ("names", "in_sigs", "dicts", "structures", "meta", "uses_rng", "generators",
-                     "grad_replay", "state", "reads_state", "held", "slots", "grads", "autocasts"):
-            setattr(new, attr, list(getattr(old, attr)[:k - 1]))
-        new.rows = rows_of(old.costs, k - 1)
-        new.input_bytes = old.input_bytes
+    def diverge(self, k):
+        """The chain left the recorded path at stage k: return the recording of the
+        stages before it, for the measuring part to measure the rest with this
+        call's ``run`` (Note [Chain keys])."""
+        new = self.entry.again(k - 1)
         self._suspect_changed(new)
         self._path_changed()
-        self.new = new
-        self.mode = "measure"
         self.run.ops = None
-        self.diverged = k
+        return new
 
     def _path_changed(self):
         """This call left the recorded path (another stage, or fewer): after
@@ -139,7 +148,8 @@ class StageRunning:
                 f"stage's input, over the budget. remat keeps the budget on a path it has measured and "
                 f"runs again (docs/limitations.md)", RuntimeWarning, stacklevel=5)
 
-    def _run_stage(self, call, x):
+    def stage(self, call, ident, x):
+        """Run stage ``call`` on ``x`` as the plan says; return what it returned."""
         entry, tensors = self.entry, call.tensors
         quiet = entry.quiet(call.index)
         if not quiet:
@@ -147,7 +157,7 @@ class StageRunning:
         if tensors is not None:
             buffers = [tensors[i] for i in quiet]
         else:   # (a stage recorded whole, whose slots are not taken: Note [Stages recorded whole])
-            slots = entry.slots[call.index - 1][0]
+            slots = entry.stages[call.index - 1].slots[0]
             buffers = take([slots[i] for i in quiet])
         versions = [-1 if b is None else b._version for b in buffers]
         out = self._run_mode(call, x)
@@ -166,7 +176,7 @@ class StageRunning:
         if not new:
             return
         self.stale = True
-        if self.plan[1][call.index] == FALL:
+        if self.plan.modes[call.index] is Fall:
             return   # (a stage recorded whole in the forward phase is not run again this call)
         call.state = list(state) + new
         if call.before is not None:
@@ -183,24 +193,25 @@ class StageRunning:
     def _run_mode(self, call, x):
         """Stage ``call`` in its forward-phase mode of the plan."""
         entry, run, k = self.entry, self.run, call.index
-        mode = self.plan[1][k]
-        if mode == FALL:   # (run once, never again: nothing to replay)
+        mode = self.plan.modes[k]
+        record = entry.stages[k - 1]
+        if mode is Fall:   # (run once, never again: nothing to replay)
             run.add_whole(call)
             if k > 1 and entry.drops_input(k, run.whole[k - 1]):
                 self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
             out = call.invoke(x)
             _pin_if_cut(run, out)
             return out
-        call.meta = entry.meta[k - 1]
-        call.state = resolve_state(entry.state[k - 1], call.tensors)
-        if entry.reads_state[k - 1]:
+        call.meta = record.meta
+        call.state = resolve_state(record.state, call.tensors)
+        if record.reads_state:
             call.before = snapshot(call.state)
-        call.grad_replay = entry.grad_replay[k - 1]
+        call.grad_replay = record.grad_replay
         # (a stage run again replays the RNG even if it drew no random numbers when
         # measured: dropout's p raised from 0 since, noise switched on)
         call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
-                               entry.generators[k - 1])
-        keep = mode == FCK or (k > 1 and run.whole[k - 1])
+                               record.generators)
+        keep = mode is Fck or (k > 1 and run.whole[k - 1])
         anchor, pack, count = run.new_anchor(call, keep, x)
         # what the stage saves stays while it runs: a stage may backward its own graph
         # inside its forward (forces as an energy's gradient), and its recording
@@ -227,12 +238,17 @@ class StageRunning:
             run.watch(anchor, first(out))
         return out
 
-    def _finish_run(self):
-        """The end of a run-mode call: the recording learns what the call let go
-        and kept; True if the chain stopped short of its recorded stages or a
-        stage saved other tensors than recorded (the caller forgets the
-        recording)."""
-        if self.k != len(self.entry.idents):
+    def returned(self, k, act):
+        """Stage k returned the activation ``act``."""
+        if k not in self.entry.caller:
+            self.acts.append((k, weakref.ref(act.untyped_storage()), act.grad_fn if k == 1 else None))
+
+    def finish(self, k, act, source):
+        """The end of the call, whose last stage was k and returned ``act`` (a^0's
+        storage ``source``): the recording learns what the call let go and kept;
+        True if the chain stopped short of its recorded stages or a stage saved
+        other tensors than recorded (the caller forgets the recording)."""
+        if k != len(self.entry.stages):
             self.run.ops = None
             self._path_changed()
             return True
@@ -240,21 +256,21 @@ class StageRunning:
             return True
         _path_changes.pop(self.key, None)
         if not self._suspect_changed(self.entry):
-            self.entry.ran(self.prev, self.dropped, self.acts, self.run.held_storages(), self.source)
+            self.entry.ran(act, self.dropped, self.acts, self.run.held_storages(), source)
         return False
 
 
-def _same_module(entry, k):
-    """The tensors in stage k's slots now (None for a function stage) if its module
-    is made and set as recorded (training flags, submodules, parameters' dtypes,
-    requires_grad and shapes); else False."""
-    if not trained_as(entry.in_sigs[k - 1], entry.dicts[k - 1]) or not same_structure(entry.structures[k - 1]):
+def _same_module(record):
+    """The tensors in the stage's slots now (None for a function stage) if its module
+    is made and set as its ``record`` says (training flags, submodules, parameters'
+    dtypes, requires_grad and shapes); else False."""
+    if not trained_as(record.in_sig, record.dicts) or not same_structure(record.structure):
         return False
-    slots = entry.slots[k - 1]
+    slots = record.slots
     if not slots[0]:
         return None
     tensors = take(slots[0])
-    return tensors if param_flags(tensors, slots[1]) == entry.grads[k - 1] else False
+    return tensors if param_flags(tensors, slots[1]) == record.grads else False
 
 
 def _pin_if_cut(run, out):

@@ -9,6 +9,7 @@ memory).
 import math
 
 from ..errors import RematError, SolverError
+from .costs import MAX_BYTES, MAX_SECONDS, SIZE_FIELDS, TIME_FIELDS, least_bytes, where
 from .schedule import op_from_code
 
 try:
@@ -21,9 +22,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 __all__ = ["Infeasible", "optimal", "least_memory", "MAX_TABLE_BYTES"]
 
-# The solver refuses tables larger than this (remat/solver/solve.py uses the same).
+# The solver refuses tables larger than this.
 MAX_TABLE_BYTES = 2 * 2**30
-_MAX_BYTES = 2**62
 # First guess at the op count; the C side says the exact need if it is short.
 _FIRST_CAPACITY = 1 << 16
 
@@ -33,26 +33,30 @@ class Infeasible(RematError):
 
 
 def _check_costs(costs):
+    """The solver's bounds, which ``Costs`` enforces on creation, checked again here
+    (as a ``SolverError``) on what reaches C without them: costs whose fields were
+    set after creation, or an object that only looks like ``Costs``."""
     n = costs.length
     if n < 1:
         raise SolverError("remat: the chain has no stages; the solver needs at least one")
-    for name in ("fwd_time", "fwd_nograd_time", "bwd_time"):
+    for name in TIME_FIELDS:
         for i, v in enumerate(getattr(costs, name)):
-            if not (math.isfinite(v) and 0 <= v <= 1e18):
+            if not (math.isfinite(v) and 0 <= v <= MAX_SECONDS):
                 raise SolverError(
-                    f"remat: Costs.{name}[{i}] (stage {i + 1}) is {v}; the solver needs finite, "
+                    f"remat: {where(name, i)} is {v}; the solver needs finite, "
                     f"non-negative times below 1e18 seconds"
                 )
-    for name in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp"):
+    for name in SIZE_FIELDS:
+        leasts = least_bytes(name, costs.out_bytes)
         for i, v in enumerate(getattr(costs, name)):
-            least = -costs.out_bytes[i] if name == "bwd_tmp" else 0
-            if not least <= v < _MAX_BYTES:
+            least = 0 if leasts is None else leasts[i]
+            if not least <= v < MAX_BYTES:
                 raise SolverError(
-                    f"remat: Costs.{name}[{i}] (stage {i + 1}) is {v}; the solver needs sizes in "
+                    f"remat: {where(name, i)} is {v}; the solver needs sizes in "
                     f"{'-out_bytes' if least else '0'}..2^62"
                 )
-    if not 0 <= costs.input_bytes < _MAX_BYTES:
-        raise SolverError(f"remat: Costs.input_bytes is {costs.input_bytes}; the solver needs 0..2^62")
+    if not 0 <= costs.input_bytes < MAX_BYTES:
+        raise SolverError(f"remat: {where('input_bytes', None)} is {costs.input_bytes}; the solver needs 0..2^62")
 
 
 def _chain(costs):
@@ -122,7 +126,7 @@ def optimal(costs, budget, slots, max_table_bytes=MAX_TABLE_BYTES):
         SolverError: invalid input, or the tables would be too large.
     """
     _check_costs(costs)
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= _MAX_BYTES:
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_BYTES:
         raise SolverError(f"remat: the solver's budget must be an int of bytes in 0..2^62, got {budget!r}")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise SolverError(f"remat: slots must be a positive int, got {slots!r}")

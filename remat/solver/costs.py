@@ -1,4 +1,4 @@
-"""``Costs``: what one chain costs, stage by stage (DESIGN.md section 3).
+"""``Costs``: what one chain costs, stage by stage (docs/how-it-works.md, "The cost model").
 
 Stage i (1..L) is at index i-1 of every list. Times are seconds, sizes bytes.
 """
@@ -17,8 +17,13 @@ __all__ = ["Costs"]
 FORMAT = "remat.costs/1"   # the "format" a costs file is written with (read: this one, or none)
 MAX_FILE_BYTES = 64 * 2**20   # the largest costs file read (about 70 bytes a stage: some 900,000 stages)
 
-_TIMES = ("fwd_time", "fwd_nograd_time", "bwd_time")
-_SIZES = ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+TIME_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time")
+SIZE_FIELDS = ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+# The C solver's bounds (src_c/solver.c), which Costs enforces on creation and
+# binding.py checks again: below them its sums of times stay finite and its
+# sums of sizes fit a long long.
+MAX_SECONDS = 1e18
+MAX_BYTES = 2**62
 
 
 @dataclass(frozen=True)
@@ -75,46 +80,21 @@ class Costs:
 
     def __post_init__(self):
         length = None
-        for name in _TIMES + _SIZES:
-            raw = getattr(self, name)
-            values = _entries(name, raw)
-            if length is None:
-                length = len(values)
-            elif len(values) != length:
-                raise CostsError(
-                    f"remat: Costs.{name} has {len(values)} entries but fwd_time has {length}; "
-                    f"every per-stage list needs one entry per stage"
-                )
-            checked = []
-            for i, v in enumerate(values):
-                if name in _TIMES:
-                    checked.append(_check_time(name, i, v))
-                elif name == "bwd_tmp":
-                    checked.append(_check_size(name, i, v, -self.out_bytes[i]))
-                else:
-                    checked.append(_check_size(name, i, v))
-            object.__setattr__(self, name, tuple(checked))
+        for name in TIME_FIELDS + SIZE_FIELDS:
+            values = _entries(name, getattr(self, name), length)
+            length = len(values)
+            if name in TIME_FIELDS:
+                checked = tuple(_check_time(name, i, v) for i, v in enumerate(values))
+            else:
+                least = least_bytes(name, self.out_bytes)
+                checked = tuple(_check_size(name, i, v, 0 if least is None else least[i])
+                                for i, v in enumerate(values))
+            object.__setattr__(self, name, checked)
         object.__setattr__(self, "input_bytes", _check_size("input_bytes", None, self.input_bytes))
         object.__setattr__(self, "held_bytes", _check_size("held_bytes", None, self.held_bytes))
-        for name, bound in (("fwd_drop", self.out_bytes), ("fwd_drop_whole", None)):
-            raw = getattr(self, name)
-            if raw is None:
-                object.__setattr__(self, name, (0,) * length)
-                continue
-            values = _entries(name, raw)
-            if len(values) != length:
-                raise CostsError(f"remat: Costs.{name} has {len(values)} entries but fwd_time has {length}; "
-                                 f"every per-stage list needs one entry per stage")
-            bound = bound if bound is not None else self.fwd_drop
-            checked = tuple(_check_size(name, i, v) for i, v in enumerate(values))
-            for i, v in enumerate(checked):
-                bad = v > bound[i] if name == "fwd_drop" else v not in (0, bound[i])
-                if bad or (v and i == length - 1):
-                    what = "at most the stage's out_bytes" if name == "fwd_drop" else "0 or the stage's fwd_drop"
-                    raise CostsError(
-                        f"remat: {_where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
-                        f"the last stage (no stage after it lets a^L go)")
-            object.__setattr__(self, name, checked)
+        object.__setattr__(self, "fwd_drop", _drops("fwd_drop", self.fwd_drop, length, self.out_bytes))
+        object.__setattr__(self, "fwd_drop_whole",
+                           _drops("fwd_drop_whole", self.fwd_drop_whole, length, self.fwd_drop))
 
     @property
     def length(self):
@@ -207,33 +187,62 @@ class Costs:
         return "\n".join(rows)
 
 
-def _where(name, i):
+def where(name, i):
+    """How an error names a field's entry: ``Costs.name[i] (stage i+1)``, or
+    ``Costs.name`` for a chain-wide field (i None)."""
     return f"Costs.{name}" if i is None else f"Costs.{name}[{i}] (stage {i + 1})"
 
 
-def _entries(name, raw):
+def least_bytes(name, out_bytes):
+    """The least value of each entry of size field ``name``, stage by stage: a
+    backward may give back its stage's output (``bwd_tmp`` down to
+    ``-out_bytes``); None where it is 0 throughout (every other size)."""
+    return [-o for o in out_bytes] if name == "bwd_tmp" else None
+
+
+def _entries(name, raw, length=None):
     """A per-stage field as a tuple: from a list, a tuple or another sequence of
-    numbers (a NumPy array), not from a mapping, a set or a string."""
+    numbers (a NumPy array), not from a mapping, a set or a string; ``length``
+    entries if given."""
     if isinstance(raw, (str, bytes, collections.abc.Mapping, collections.abc.Set)):
         raise CostsError(f"remat: Costs.{name} must be a list with one entry per stage, got {type(raw).__name__}")
     try:
-        return tuple(raw)
+        values = tuple(raw)
     except TypeError:
         raise CostsError(f"remat: Costs.{name} must be a list with one entry per stage, "
                          f"got {type(raw).__name__}") from None
+    if length is not None and len(values) != length:
+        raise CostsError(
+            f"remat: Costs.{name} has {len(values)} entries but fwd_time has {length}; "
+            f"every per-stage list needs one entry per stage"
+        )
+    return values
 
 
-MAX_SECONDS = 1e18   # (the solver's bound: its sums of times stay finite)
+def _drops(name, raw, length, bound):
+    """``fwd_drop`` (``bound``: out_bytes) or ``fwd_drop_whole`` (``bound``:
+    fwd_drop) checked; None: nothing dropped."""
+    if raw is None:
+        return (0,) * length
+    checked = tuple(_check_size(name, i, v) for i, v in enumerate(_entries(name, raw, length)))
+    for i, v in enumerate(checked):
+        bad = v > bound[i] if name == "fwd_drop" else v not in (0, bound[i])
+        if bad or (v and i == length - 1):
+            what = "at most the stage's out_bytes" if name == "fwd_drop" else "0 or the stage's fwd_drop"
+            raise CostsError(
+                f"remat: {where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
+                f"the last stage (no stage after it lets a^L go)")
+    return checked
 
 
 def _check_time(name, i, v):
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise CostsError(f"remat: {_where(name, i)} must be a number of seconds, got {v!r}")
+        raise CostsError(f"remat: {where(name, i)} must be a number of seconds, got {v!r}")
     v = float(v)
     if not math.isfinite(v) or v < 0:
-        raise CostsError(f"remat: {_where(name, i)} is {v}; times must be finite and non-negative")
+        raise CostsError(f"remat: {where(name, i)} is {v}; times must be finite and non-negative")
     if v > MAX_SECONDS:
-        raise CostsError(f"remat: {_where(name, i)} is {v} seconds, beyond any real run; check the unit")
+        raise CostsError(f"remat: {where(name, i)} is {v} seconds, beyond any real run; check the unit")
     return v
 
 
@@ -244,14 +253,14 @@ def _check_size(name, i, v, least=0):
         if isinstance(v, float) and v.is_integer() and v >= least:
             v = int(v)
         elif least:
-            raise CostsError(f"remat: {_where(name, i)} must be an int of bytes, got {v!r}")
+            raise CostsError(f"remat: {where(name, i)} must be an int of bytes, got {v!r}")
         else:
-            raise CostsError(f"remat: {_where(name, i)} must be a non-negative int of bytes, got {v!r}")
+            raise CostsError(f"remat: {where(name, i)} must be a non-negative int of bytes, got {v!r}")
     if v < least:
         if least:
-            raise CostsError(f"remat: {_where(name, i)} is {v}; it may give back the stage's output "
+            raise CostsError(f"remat: {where(name, i)} is {v}; it may give back the stage's output "
                              f"({-least} bytes, out_bytes) but no more")
-        raise CostsError(f"remat: {_where(name, i)} is {v}; sizes must be non-negative")
-    if v >= 2**62:
-        raise CostsError(f"remat: {_where(name, i)} is {v} bytes, beyond any real device; check the unit")
+        raise CostsError(f"remat: {where(name, i)} is {v}; sizes must be non-negative")
+    if v >= MAX_BYTES:
+        raise CostsError(f"remat: {where(name, i)} is {v} bytes, beyond any real device; check the unit")
     return int(v)

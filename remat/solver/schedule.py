@@ -1,5 +1,5 @@
 """Ops, ``Schedule`` and ``simulate``: the single source of truth for what a
-schedule costs (DESIGN.md sections 3 and 4).
+schedule costs (docs/how-it-works.md, "The cost model" and "The schedule").
 
 Note [Accounting]
 -----------------
@@ -30,8 +30,8 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    it back (bwd_tmp[i] gives back a^i's bytes where B(i) does not read it,
    and they are already gone).
 7. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
-   phase (it records the graph, see DESIGN.md section 4) and fwd_nograd_time
-   afterwards; ``B`` costs bwd_time.
+   phase (it records the graph: docs/how-it-works.md, "The schedule") and
+   fwd_nograd_time afterwards; ``B`` costs bwd_time.
 
 A schedule is invalid if it uses a value that is not held, computes a value
 that is already held, recomputes a stage after its backward, runs the
@@ -48,43 +48,39 @@ __all__ = ["Fn", "Fck", "Fall", "B", "Loss", "Schedule", "Simulation", "simulate
 
 
 @dataclass(frozen=True, slots=True)
-class Fn:
-    """Forward stage ``stage`` keeping nothing; its input is let go."""
+class _StageOp:
+    """An op on stage ``stage``. Each op is a subclass, made a dataclass again (its
+    own ``__init__`` and slots), that sets its ``code``: what the C solver returns
+    for it. ``str`` gives the class name and the stage ("Fn3")."""
     stage: int
+    code = None
+
+    def __str__(self):
+        return f"{type(self).__name__}{self.stage}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fn(_StageOp):
+    """Forward stage ``stage`` keeping nothing; its input is let go."""
     code = 0
 
-    def __str__(self):
-        return f"Fn{self.stage}"
-
 
 @dataclass(frozen=True, slots=True)
-class Fck:
+class Fck(_StageOp):
     """Forward stage ``stage`` keeping its input as a checkpoint."""
-    stage: int
     code = 1
 
-    def __str__(self):
-        return f"Fck{self.stage}"
-
 
 @dataclass(frozen=True, slots=True)
-class Fall:
+class Fall(_StageOp):
     """Forward stage ``stage`` recording the graph: keep its input and a-bar."""
-    stage: int
     code = 2
 
-    def __str__(self):
-        return f"Fall{self.stage}"
-
 
 @dataclass(frozen=True, slots=True)
-class B:
+class B(_StageOp):
     """Backward of stage ``stage``."""
-    stage: int
     code = 3
-
-    def __str__(self):
-        return f"B{self.stage}"
 
 
 class _LossOp:
@@ -197,108 +193,142 @@ def simulate(costs, schedule, trace=None):
         Simulation(time=6.0, peak=50)
     """
     ops = schedule.ops if isinstance(schedule, Schedule) else tuple(schedule)
-    n = costs.length
-    x = costs.sizes()
-    s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
-    tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
-    fd, fdw = costs.fwd_drop, costs.fwd_drop_whole
-    gone = [0] * (n + 1)        # bytes of a^j let go in the forward phase (rule 6)
-    alone = [False] * (n + 1)   # a^j held on its own
-    whole = [False] * (n + 1)   # a-bar^j held (index 0 unused)
-    alone[0] = True
-    mem = x[0] + costs.held_bytes
-    peak = mem
-    during = mem
-    time = 0.0
-    forward = True
-    next_fwd = 1
-    grad = -1   # index of the gradient flowing back; -1 before Loss
-
-    def bad(pos, op, why):
-        raise InvalidScheduleError(f"remat: op {pos} ({op}) of the schedule is invalid: {why}")
-
+    run = _Run(costs)
+    n = run.n
     for pos, op in enumerate(ops):
-        if trace is not None and pos:
-            trace.append((ops[pos - 1], during, mem))
-        during = mem
         code = getattr(op, "code", None)
         if code is None:
-            bad(pos, op, "not an op (use Fn, Fck, Fall, B or Loss)")
+            _bad(pos, op, "not an op (use Fn, Fck, Fall, B or Loss)")
         i = op.stage
         if code == 4:
-            if not forward:
-                bad(pos, op, "Loss appears twice")
-            if next_fwd != n + 1:
-                bad(pos, op, f"the forward phase ended at stage {next_fwd - 1} of {n}")
-            forward = False
-            grad = n
-            mem += x[n]
-            during = mem
-            peak = max(peak, mem)
-            continue
-        if not isinstance(i, int) or not 1 <= i <= n:
-            bad(pos, op, f"stage {i} is outside 1..{n}")
-        if code == 3:
-            if forward:
-                bad(pos, op, "a backward before Loss")
-            if i != grad:
-                bad(pos, op, f"the gradient flowing back is that of a^{grad}, not a^{i} "
-                             f"(stages must be backwarded once each, {n} down to 1)")
-            if not whole[i]:
-                bad(pos, op, f"a-bar^{i} is not held (run Fall({i}) first)")
-            if not (alone[i - 1] or whole[i - 1]):
-                bad(pos, op, f"a^{i - 1} is not held")
-            during = mem + gone[i] + x[i - 1] + bt[i - 1]
-            peak = max(peak, during)
-            time += tb[i - 1]
-            whole[i] = False
-            alone[i] = False
-            mem -= s[i - 1] - gone[i] + x[i]
-            gone[i] = 0
-            if alone[i - 1]:
-                alone[i - 1] = False
-                if not whole[i - 1]:
-                    mem -= x[i - 1] - gone[i - 1]
-                    gone[i - 1] = 0
-            mem += x[i - 1]
-            grad = i - 1
-            continue
-        # a forward op
-        if forward:
-            if i != next_fwd:
-                bad(pos, op, f"the forward phase must run stage {next_fwd} next (stages 1..{n} once each, in order)")
-            next_fwd += 1
-        elif i > grad:
-            bad(pos, op, f"stage {i} is recomputed after its backward")
+            run.loss(pos, op)
+        else:
+            if not isinstance(i, int) or not 1 <= i <= n:
+                _bad(pos, op, f"stage {i} is outside 1..{n}")
+            if code == 3:
+                run.backward(pos, op, i)
+            else:
+                run.forward_op(pos, op, i, code)
+        if trace is not None:
+            trace.append((op, run.during, run.mem))
+    if run.forward:
+        raise InvalidScheduleError("remat: the schedule has no Loss op")
+    if run.grad != 0:
+        raise InvalidScheduleError(f"remat: the schedule ends before B(1) (last backward was B({run.grad + 1}))")
+    return Simulation(run.time, run.peak)
+
+
+def _bad(pos, op, why):
+    raise InvalidScheduleError(f"remat: op {pos} ({op}) of the schedule is invalid: {why}")
+
+
+class _Run:
+    """A schedule as ``simulate`` runs it, op by op, by the rules of Note [Accounting].
+
+    ``mem`` is what is held (rule 1), ``during`` the peak during the last op,
+    ``peak`` the largest ``during`` so far and ``time`` the seconds so far. Each op
+    checks what it needs, then updates them.
+    """
+
+    __slots__ = ("n", "x", "s", "ft", "bt", "tf", "tn", "tb", "fd", "fdw", "gone", "alone", "whole",
+                 "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
+
+    def __init__(self, costs):
+        n = self.n = costs.length
+        x = self.x = costs.sizes()
+        self.s, self.ft, self.bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
+        self.tf, self.tn, self.tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
+        self.fd, self.fdw = costs.fwd_drop, costs.fwd_drop_whole
+        self.gone = [0] * (n + 1)        # bytes of a^j let go in the forward phase (rule 6)
+        self.alone = [False] * (n + 1)   # a^j held on its own
+        self.whole = [False] * (n + 1)   # a-bar^j held (index 0 unused)
+        self.alone[0] = True
+        self.mem = self.during = self.peak = x[0] + costs.held_bytes
+        self.time = 0.0
+        self.forward = True   # in the forward phase (before Loss)
+        self.next_fwd = 1     # the stage the forward phase runs next
+        self.grad = -1        # index of the gradient flowing back; -1 before Loss
+
+    def loss(self, pos, op):
+        """``Loss`` (rule 4): the forward phase is over; the gradient of a^L appears."""
+        n = self.n
+        if not self.forward:
+            _bad(pos, op, "Loss appears twice")
+        if self.next_fwd != n + 1:
+            _bad(pos, op, f"the forward phase ended at stage {self.next_fwd - 1} of {n}")
+        self.forward = False
+        self.grad = n
+        mem = self.mem = self.during = self.mem + self.x[n]
+        if mem > self.peak:
+            self.peak = mem
+
+    def backward(self, pos, op, i):
+        """``B(i)`` (rule 5), giving back what rule 6 has not already let go."""
+        n, x, gone, alone, whole = self.n, self.x, self.gone, self.alone, self.whole
+        if self.forward:
+            _bad(pos, op, "a backward before Loss")
+        if i != self.grad:
+            _bad(pos, op, f"the gradient flowing back is that of a^{self.grad}, not a^{i} "
+                          f"(stages must be backwarded once each, {n} down to 1)")
+        if not whole[i]:
+            _bad(pos, op, f"a-bar^{i} is not held (run Fall({i}) first)")
         if not (alone[i - 1] or whole[i - 1]):
-            bad(pos, op, f"a^{i - 1} is used but not held")
+            _bad(pos, op, f"a^{i - 1} is not held")
+        mem = self.mem
+        during = self.during = mem + gone[i] + x[i - 1] + self.bt[i - 1]
+        if during > self.peak:
+            self.peak = during
+        self.time += self.tb[i - 1]
+        whole[i] = False
+        alone[i] = False
+        mem -= self.s[i - 1] - gone[i] + x[i]
+        gone[i] = 0
+        if alone[i - 1]:
+            alone[i - 1] = False
+            if not whole[i - 1]:
+                mem -= x[i - 1] - gone[i - 1]
+                gone[i - 1] = 0
+        self.mem = mem + x[i - 1]
+        self.grad = i - 1
+
+    def forward_op(self, pos, op, i, code):
+        """``Fn(i)``, ``Fck(i)`` (rule 2) or ``Fall(i)`` (rule 3, and rule 6 in the
+        forward phase)."""
+        x, alone, whole = self.x, self.alone, self.whole
+        forward = self.forward
+        if forward:
+            if i != self.next_fwd:
+                _bad(pos, op, f"the forward phase must run stage {self.next_fwd} next "
+                              f"(stages 1..{self.n} once each, in order)")
+            self.next_fwd += 1
+        elif i > self.grad:
+            _bad(pos, op, f"stage {i} is recomputed after its backward")
+        if not (alone[i - 1] or whole[i - 1]):
+            _bad(pos, op, f"a^{i - 1} is used but not held")
         if alone[i] or whole[i]:
-            bad(pos, op, f"a^{i} is computed while already held")
+            _bad(pos, op, f"a^{i} is computed while already held")
+        mem = self.mem
         if code == 2:
-            during = mem + max(s[i - 1], x[i] + ft[i - 1])
-            peak = max(peak, during)
-            time += tf[i - 1]
+            during = mem + max(self.s[i - 1], x[i] + self.ft[i - 1])
+            self.time += self.tf[i - 1]
             whole[i] = True
-            mem += s[i - 1]
+            mem += self.s[i - 1]
             if forward and i > 1:
-                drop = fdw[i - 2] if whole[i - 1] else fd[i - 2] if alone[i - 1] else 0
+                gone = self.gone
+                drop = self.fdw[i - 2] if whole[i - 1] else self.fd[i - 2] if alone[i - 1] else 0
                 if drop and not gone[i - 1]:
                     gone[i - 1] = drop
                     mem -= drop
         else:
-            during = mem + x[i] + ft[i - 1]
-            peak = max(peak, during)
-            time += tf[i - 1] if forward else tn[i - 1]
+            during = mem + x[i] + self.ft[i - 1]
+            self.time += self.tf[i - 1] if forward else self.tn[i - 1]
             alone[i] = True
             mem += x[i]
             if code == 0 and alone[i - 1]:
                 alone[i - 1] = False
                 if not whole[i - 1]:
                     mem -= x[i - 1]
-    if trace is not None and ops:
-        trace.append((ops[-1], during, mem))
-    if forward:
-        raise InvalidScheduleError("remat: the schedule has no Loss op")
-    if grad != 0:
-        raise InvalidScheduleError(f"remat: the schedule ends before B(1) (last backward was B({grad + 1}))")
-    return Simulation(time, peak)
+        self.mem = mem
+        self.during = during
+        if during > self.peak:
+            self.peak = during

@@ -1,4 +1,5 @@
-"""``solve``: from costs and a budget to a ``Schedule`` (DESIGN.md section 5).
+"""``solve``: from costs and a budget to a ``Schedule`` (docs/how-it-works.md,
+"The optimal solver").
 
 Note [The recurrence]
 ---------------------
@@ -62,7 +63,7 @@ import math
 import re
 import warnings
 
-from .costs import Costs
+from .costs import MAX_BYTES, Costs
 from ..errors import BudgetError, RematError, SolverError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from ..units import format_bytes
@@ -71,8 +72,6 @@ __all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget", "time_bound"]
 
 ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(k)")
 DEFAULT_SLOTS = 500
-# The DP table may use at most this many bytes before the solver refuses.
-MAX_TABLE_BYTES = 2 * 2**30
 
 
 def discretise(costs, slot):
@@ -154,7 +153,7 @@ def _check_budget(budget):
         raise BudgetError(f"remat: budget must be an int of bytes here, got {budget!r}")
     if budget <= 0:
         raise BudgetError(f"remat: budget must be positive, got {budget} bytes")
-    if budget >= 2**62:
+    if budget >= MAX_BYTES:
         raise BudgetError(f"remat: budget {budget} bytes is beyond any device; check the unit")
     return budget
 
@@ -194,18 +193,31 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
         raise ValueError("remat: the chain has no stages; call at least one @remat.stage inside the chain")
     name, k = _parse_algorithm(algorithm, n)
     if name != "optimal":
-        ops = {"store_all": lambda: store_all(n), "min_memory": lambda: min_memory(n),
-               "sqrt": lambda: periodic(n, max(1, round(math.sqrt(n)))),
-               "periodic": lambda: periodic(n, k)}[name]()
-        sim = simulate(costs, ops)
-        if sim.peak > budget:
-            raise BudgetError(
-                f"remat: the {algorithm} schedule needs {format_bytes(sim.peak)} but the budget is "
-                f"{format_bytes(budget)}; raise the budget or use algorithm='optimal' "
-                f"(this chain's minimum is {format_bytes(minimum_budget(costs))})"
-            )
-        return Schedule(ops, sim.time, sim.peak, algorithm, budget, None)
+        return _solve_fixed(costs, budget, algorithm, name, k)
+    return _solve_optimal(costs, budget, slots)
 
+
+def _solve_fixed(costs, budget, algorithm, name, k):
+    """The schedule of an algorithm that does not look at the costs (all but
+    'optimal'); a ``BudgetError`` if it does not fit."""
+    n = costs.length
+    ops = {"store_all": lambda: store_all(n), "min_memory": lambda: min_memory(n),
+           "sqrt": lambda: periodic(n, max(1, round(math.sqrt(n)))),
+           "periodic": lambda: periodic(n, k)}[name]()
+    sim = simulate(costs, ops)
+    if sim.peak > budget:
+        raise BudgetError(
+            f"remat: the {algorithm} schedule needs {format_bytes(sim.peak)} but the budget is "
+            f"{format_bytes(budget)}; raise the budget or use algorithm='optimal' "
+            f"(this chain's minimum is {format_bytes(minimum_budget(costs))})"
+        )
+    return Schedule(ops, sim.time, sim.peak, algorithm, budget, None)
+
+
+def _solve_optimal(costs, budget, slots):
+    """The 'optimal' schedule: store everything if it fits, else the C solver's
+    (docs/how-it-works.md, "Slots", lists the steps)."""
+    n = costs.length
     full = simulate(costs, store_all(n))
     if full.peak <= budget:
         return Schedule(store_all(n), full.time, full.peak, "optimal", budget, None)
@@ -223,29 +235,36 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
             f"{format_bytes(least)} ({least} bytes; storing everything needs "
             f"{format_bytes(full.peak)}); raise the budget or split the largest stage"
         )
-    # Rounding sizes up to slots can make a budget just above the minimum
-    # look infeasible: refine the slots a few times, then fall back to the
-    # exact least-memory schedule, which fits by construction.
-    for factor in (1, 4, 16):
-        attempt = slots * factor
-        try:
-            ops, _, slot = _c_solver.optimal(costs, budget - held, attempt)
-        except _c_solver.Infeasible:
-            if slot_size(budget - held, attempt) == 1:
-                break
-            continue
-        except SolverError as exc:
-            warnings.warn(f"{exc}; falling back to the least-memory schedule", RuntimeWarning, stacklevel=2)
-            break
-        sim = simulate(costs, ops)
-        _check_fits(sim, budget)
-        ops, sim = _at_least_periodic(costs, budget, ops, sim)
-        return Schedule(ops, sim.time, sim.peak, "optimal", budget, slot)
-    ops, _ = _c_solver.least_memory(costs)
+    ops, slot = _solver_ops(costs, budget - held, slots)
     sim = simulate(costs, ops)
     _check_fits(sim, budget)
     ops, sim = _at_least_periodic(costs, budget, ops, sim)
-    return Schedule(ops, sim.time, sim.peak, "optimal", budget, None)
+    return Schedule(ops, sim.time, sim.peak, "optimal", budget, slot)
+
+
+def _solver_ops(costs, room, slots):
+    """The C solver's ops for ``room`` bytes, and the slot size it used (None for
+    the exact least-memory schedule).
+
+    Rounding sizes up to slots can make a budget just above the minimum look
+    infeasible: refine the slots a few times, then fall back to the exact
+    least-memory schedule, which fits by construction."""
+    from . import binding as _c_solver
+
+    for factor in (1, 4, 16):
+        attempt = slots * factor
+        try:
+            ops, _, slot = _c_solver.optimal(costs, room, attempt)
+        except _c_solver.Infeasible:
+            if slot_size(room, attempt) == 1:
+                break
+            continue
+        except SolverError as exc:
+            # stacklevel: the warning names the code that called solve
+            warnings.warn(f"{exc}; falling back to the least-memory schedule", RuntimeWarning, stacklevel=4)
+            break
+        return ops, slot
+    return _c_solver.least_memory(costs)[0], None
 
 
 def _at_least_periodic(costs, budget, ops, sim):

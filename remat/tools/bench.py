@@ -35,19 +35,9 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     torch.manual_seed(0)
     base = spec[0]().to(device)
     n = len(spec[3](base))
-    # costs: one measuring call through remat, in a process warmed by two plain
-    # steps (a cold first step runs slower and would skew the times remat plans
-    # on), saved to a file that every remat run plans on (as a job reuses costs
-    # measured on a quiet machine): methods differ by their schedules only
-    probe = copy.deepcopy(base)
-    for i in range(2):
-        run_step(probe, spec, ("plain", None), spec[1](i, device), Clock(None, device))
     folder = tempfile.TemporaryDirectory()
     path = os.path.join(folder.name, "costs.json")
-    for i in range(1 + SAMPLES):   # the calls after the first refine the times (remat/measure/refine.py)
-        run_step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](i, device), Clock(None, device))
-    costs = Costs.load(path)
-    del probe
+    costs = _planning_costs(base, spec, device, path)
     low, high = minimum_budget(costs), simulate(costs, store_all(n)).peak
     grid = [int(low + (high - low) * i / (budgets - 1)) for i in range(budgets)]
     # the peak of every checkpoint_sequential point first (a warm-up step and a
@@ -57,7 +47,47 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     cs = [("checkpoint_sequential", s) for s in range(1, n + 1)]
     with tqdm(total=2, desc=f"bench {model} (peaks)", disable=not progress, leave=False) as bar:
         peaks = [r["peak_bytes"] for r in measure_all(base, spec, cs, 0, device, bar)[0]]
-    methods, tags = [("plain", None)] + cs, [None] * (n + 1)
+    methods, tags = _methods(costs, path, grid, low, cs, peaks)
+    # a first call on a fresh copy after each step of the run: costs measured at the
+    # machine's speed of the run, on which each schedule's time is predicted again
+    # (the planning costs' single samples carry the speed of their own moment)
+    window = []
+    with tqdm(total=steps + 2, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
+              leave=False) as bar:
+        results, schedules = measure_all(base, spec, methods, steps, device, bar,
+                                          probe=lambda i: window.append(measure_costs(base, spec, i, device)))
+    run_costs = median_costs(window[1:])
+    _label_runs(methods, tags, results, schedules, run_costs)
+    result = {
+        "model": model, "device": device.type, "machine": device_name(device), "torch": torch.__version__,
+        "stages": n, "steps": steps, "min_budget": low, "store_all_peak": high,
+        "costs": costs.to_dict(), "run_costs": run_costs.to_dict(), "runs": results,
+    }
+    result["summary"] = summarise(result)
+    out(table(result))
+    return result
+
+
+def _planning_costs(base, spec, device, path):
+    """The costs every remat run plans on: one measuring call through remat, in a
+    process warmed by two plain steps (a cold first step runs slower and would skew
+    the times remat plans on), saved to ``path`` (as a job reuses costs measured on
+    a quiet machine): methods differ by their schedules only."""
+    probe = copy.deepcopy(base)
+    for i in range(2):
+        run_step(probe, spec, ("plain", None), spec[1](i, device), Clock(None, device))
+    for i in range(1 + SAMPLES):   # the calls after the first refine the times (remat/measure/refine.py)
+        run_step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](i, device), Clock(None, device))
+    return Costs.load(path)
+
+
+def _methods(costs, path, grid, low, cs, peaks):
+    """The methods of the run and their tags: plain PyTorch and every
+    checkpoint_sequential point ``cs`` (None); remat's optimal schedule and the
+    fastest periodic one that fits, at every budget of ``grid`` ("grid"); remat's
+    optimal schedule at every checkpoint_sequential peak off the grid (the segment
+    counts that peak there)."""
+    methods, tags = [("plain", None)] + cs, [None] * (len(cs) + 1)
     for b in grid:
         methods.append(("remat", (b, "optimal", path)))
         tags.append("grid")
@@ -72,15 +102,12 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     for b, segments in sorted(at.items()):
         methods.append(("remat", (b, "optimal", path)))
         tags.append(segments)
-    # a first call on a fresh copy after each step of the run: costs measured at the
-    # machine's speed of the run, on which each schedule's time is predicted again
-    # (the planning costs' single samples carry the speed of their own moment)
-    window = []
-    with tqdm(total=steps + 2, desc=f"bench {model} ({len(methods)} methods)", disable=not progress,
-              leave=False) as bar:
-        results, schedules = measure_all(base, spec, methods, steps, device, bar,
-                                          probe=lambda i: window.append(measure_costs(base, spec, i, device)))
-    run_costs = median_costs(window[1:])
+    return methods, tags
+
+
+def _label_runs(methods, tags, results, schedules, run_costs):
+    """Add to each run's result its method, its tag, the plain step time and, for
+    remat, its schedule's predicted time on ``run_costs``."""
     for method, r, s in zip(methods, results, schedules):
         if method[0] == "remat":
             r["predicted_seconds_run_costs"] = simulate(run_costs, s).time
@@ -91,14 +118,6 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
         if tag not in (None, "grid"):
             r["at_segments"] = tag
         r["plain_step_seconds"] = results[0]["step_seconds"]
-    result = {
-        "model": model, "device": device.type, "machine": device_name(device), "torch": torch.__version__,
-        "stages": n, "steps": steps, "min_budget": low, "store_all_peak": high,
-        "costs": costs.to_dict(), "run_costs": run_costs.to_dict(), "runs": results,
-    }
-    result["summary"] = summarise(result)
-    out(table(result))
-    return result
 
 
 def overhead(run):
@@ -139,29 +158,7 @@ def summarise(result):
     cs = [r for r in runs if r["method"].startswith("checkpoint_sequential")]
     costs = Costs.from_dict(result["run_costs"])
     plain_predicted = simulate(costs, store_all(costs.length)).time
-    points = []
-    for c in cs:
-        fits = [r for r in optimal if r["peak_bytes"] <= c["peak_bytes"]]
-        if not fits:
-            points.append({"segments": c["segments"], "remat": None})
-            continue
-        best = min(fits, key=overhead)
-        oc, orr = overhead(c), overhead(best)
-        point = {"segments": c["segments"], "cs_overhead": oc, "remat_overhead": orr,
-                 "remat_budget": best["budget"], "remat_not_slower": orr <= oc,
-                 "reduction": (1 - orr / oc) if oc > 0.02 else None}
-        sim = simulate(costs, checkpoint_sequential_ops(costs.length, c["segments"]))
-        try:
-            optimal_there = simulate(costs, solve(costs, c["peak_bytes"], "optimal")).time
-        except BudgetError:
-            optimal_there = None
-        if optimal_there is not None:
-            pc, pr = sim.time / plain_predicted - 1, optimal_there / plain_predicted - 1
-            pb = time_bound(costs, c["peak_bytes"]) / plain_predicted - 1
-            point.update(cs_overhead_predicted=pc, cs_peak_predicted=sim.peak, remat_overhead_predicted=pr,
-                         reduction_predicted=(1 - pr / pc) if pc > 0.02 else None,
-                         bound_overhead=pb, reduction_bound=(1 - pb / pc) if pc > 0.02 else None)
-        points.append(point)
+    points = [_point(c, optimal, costs, plain_predicted) for c in cs]
     reductions = [p["reduction"] for p in points if p.get("reduction") is not None]
     predicted = [p["reduction_predicted"] for p in points if p.get("reduction_predicted") is not None]
     bound = [p["reduction_bound"] for p in points if p.get("reduction_bound") is not None]
@@ -186,6 +183,31 @@ def summarise(result):
         "grad_max_rel_diff": max((r.get("grad_max_rel_diff", 0.0) for r in remat), default=0.0),
         "grad_max_rel_diff_plain": max((r.get("grad_max_rel_diff", 0.0) for r in [plain] + cs[:1]), default=0.0),
     }
+
+
+def _point(c, optimal, costs, plain_predicted):
+    """The targets at one checkpoint_sequential run ``c``: against the fastest of the
+    ``optimal`` remat runs within its peak, measured and predicted on ``costs``."""
+    fits = [r for r in optimal if r["peak_bytes"] <= c["peak_bytes"]]
+    if not fits:
+        return {"segments": c["segments"], "remat": None}
+    best = min(fits, key=overhead)
+    oc, orr = overhead(c), overhead(best)
+    point = {"segments": c["segments"], "cs_overhead": oc, "remat_overhead": orr,
+             "remat_budget": best["budget"], "remat_not_slower": orr <= oc,
+             "reduction": (1 - orr / oc) if oc > 0.02 else None}
+    sim = simulate(costs, checkpoint_sequential_ops(costs.length, c["segments"]))
+    try:
+        optimal_there = simulate(costs, solve(costs, c["peak_bytes"], "optimal")).time
+    except BudgetError:
+        optimal_there = None
+    if optimal_there is not None:
+        pc, pr = sim.time / plain_predicted - 1, optimal_there / plain_predicted - 1
+        pb = time_bound(costs, c["peak_bytes"]) / plain_predicted - 1
+        point.update(cs_overhead_predicted=pc, cs_peak_predicted=sim.peak, remat_overhead_predicted=pr,
+                     reduction_predicted=(1 - pr / pc) if pc > 0.02 else None,
+                     bound_overhead=pb, reduction_bound=(1 - pb / pc) if pc > 0.02 else None)
+    return point
 
 
 def table(result):

@@ -93,12 +93,7 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     budget_bytes = resolve_demo_budget(budget, costs, device)
 
     bar = tqdm(total=2 + timed + 2, desc="remat demo", disable=not progress, leave=False)
-    # checkpoint_sequential: its fastest segment count whose peak fits the budget
-    segments = [("checkpoint_sequential", s) for s in range(1, n + 1)]
-    peaks = [r["peak_bytes"] for r in measure_all(base, spec, segments, 0, device, bar)[0]]
-    fits = [s for (_, s), peak in zip(segments, peaks) if peak <= budget_bytes]
-    chosen = fits[0] if fits else n
-    note = "" if fits else " (none fits the budget)"
+    chosen, note = _segments_within(budget_bytes, base, spec, n, device, bar)
 
     # the three methods train side by side, each step in turn
     methods = [("plain", None), ("checkpoint_sequential", chosen), ("remat", (budget_bytes, "optimal"))]
@@ -132,6 +127,15 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     out("\n".join(lines))
     return {"budget_bytes": budget_bytes, "rows": rows, "losses_equal": same,
             "first_step_seconds": rem["first_step_seconds"]}
+
+
+def _segments_within(budget_bytes, base, spec, n, device, bar):
+    """checkpoint_sequential's fastest segment count (the fewest) whose peak fits the
+    budget, each count's peak measured; n if none does, with a note saying so."""
+    segments = [("checkpoint_sequential", s) for s in range(1, n + 1)]
+    peaks = [r["peak_bytes"] for r in measure_all(base, spec, segments, 0, device, bar)[0]]
+    fits = [s for (_, s), peak in zip(segments, peaks) if peak <= budget_bytes]
+    return (fits[0], "") if fits else (n, " (none fits the budget)")
 
 
 def _row(name, result, schedule):

@@ -45,7 +45,7 @@ class ChainMeter:
     open): what the model made before the chain (the embedding's dropout mask,
     say) and between its forward and its backward (the head's gradient of a
     weight tied to the embedding, which autograd holds until the embedding's
-    backward adds its share: 147 MiB on GPT-2's vocabulary)."""
+    backward adds its share: as large as the embedding itself)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -226,9 +226,9 @@ class Trial:
     """One method's figures while the methods take their steps in turn. Each has its own
     copy of the model's modules (so remat records each apart) sharing the one set of
     parameters and buffers: a copy each would hold every method's parameters and
-    gradients at once (ResNet-101 times 80 methods does not fit in 24 GiB). Every
-    method computes the same gradients from the same parameters, so the optimizer
-    steps once per round (``measure_all``)."""
+    gradients at once, more than a GPU holds for a large model and a bench's dozens
+    of methods. Every method computes the same gradients from the same parameters,
+    so the optimizer steps once per round (``measure_all``)."""
 
     def __init__(self, base, method):
         self.method = method

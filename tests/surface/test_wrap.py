@@ -1,5 +1,5 @@
 """remat.wrap and remat.unwrap against plain PyTorch: a small torch model with side inputs
-(Hugging Face GPT-2: tests/test_wrap_gpt2.py)."""
+(Hugging Face GPT-2: tests/surface/test_wrap_gpt2.py)."""
 
 import copy
 import io
@@ -13,6 +13,7 @@ from torch import nn
 import remat
 from remat.solver.schedule import simulate
 from remat.solver.solve import minimum_budget, solve, store_all
+from remat.stage import is_stage
 
 os.environ["HF_HUB_OFFLINE"] = "1"      # before transformers is imported: never reach the hub
 try:
@@ -240,10 +241,24 @@ def test_wrapped_model_survives_torch_save_and_load():
 
 
 def test_model_with_marked_blocks_survives_torch_save_and_load():
-    """A model whose blocks wrap marked in place loads after torch.save."""
-    model = Net()
-    remat.wrap(model, model.blocks, budget="1MiB")
-    saved_and_loaded(model)
+    """A model whose blocks wrap marked in place loads after torch.save with its own
+    blocks marked as stages: it recomputes them and matches plain PyTorch, and unwrap
+    of the loaded model unmarks its blocks, not the saved model's."""
+    torch.manual_seed(0)
+    base = Net()
+    model = copy.deepcopy(base)
+    remat.wrap(model, model.blocks, budget=budget_for(net_costs(base), "optimal", 0.0))
+    loaded = saved_and_loaded(model)
+    assert loaded.forward.original.__self__ is loaded
+    assert all(is_stage(b) for b in loaded.blocks)
+    assert_same(train_net(copy.deepcopy(base)), train_net(loaded))
+    assert remat.explain().names == ["Block"] * 5
+    assert remat.explain().schedule.recomputations() > 0
+    assert all(p.grad is None for p in model.parameters())
+    remat.unwrap(loaded)
+    assert "forward" not in vars(loaded)
+    assert not any("forward" in vars(b) for b in loaded.blocks)
+    assert all(is_stage(b) for b in model.blocks)
 
 
 @needs_transformers

@@ -136,7 +136,8 @@ def test_stage_cost_times_remat_alone_and_unwraps_its_timers():
 
     from remat.runtime import stage_call
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "stage_cost.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
+    path = os.path.join(root, "benchmarks", "stage_cost.py")
     module_spec = importlib.util.spec_from_file_location("stage_cost", path)
     stage_cost = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(stage_cost)

@@ -8,32 +8,12 @@ import torch.nn as nn
 from hypothesis import example, given, strategies as st
 
 import remat
-from remat.solver.schedule import simulate
-from remat.solver.solve import minimum_budget, solve, store_all
-from chains import IMG_KINDS, SEQ_KINDS, Net, assert_same, measured_costs, train
-
-ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(2)", "periodic(3)")
+from remat.solver.solve import minimum_budget
+from chains import (ALGORITHMS, Net, assert_same, budget_for, fresh_net, make_input, measured_costs, physical_peak,
+                    random_chains, train, with_budget)
 
 
-@st.composite
-def chains(draw):
-    image = draw(st.booleans())
-    kinds = draw(st.lists(st.sampled_from(IMG_KINDS if image else SEQ_KINDS), min_size=1, max_size=12))
-    return kinds, image
-
-
-def budget_for(costs, algorithm, fraction):
-    """A budget ``fraction`` of the way from the chain's minimum to its store-all peak,
-    raised to what ``algorithm`` needs if it is not the optimal one."""
-    low = minimum_budget(costs)
-    high = simulate(costs, store_all(costs.length)).peak
-    budget = int(low + fraction * (high - low))
-    if algorithm != "optimal":
-        budget = max(budget, solve(costs, 2**50, algorithm).peak)
-    return max(budget, low)
-
-
-@given(chains(), st.sampled_from(ALGORITHMS), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
+@given(random_chains(), st.sampled_from(ALGORITHMS), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
 def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
     """Losses, input and parameter gradients, BatchNorm statistics and parameters after
     three optimizer steps are bitwise those of plain PyTorch (all ops here are
@@ -50,29 +30,7 @@ def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
     assert remat.explain().schedule.peak <= net.budget
 
 
-def _physical_peak(net, batch=4, length=6, seed=7, hold=True):
-    """Peak bytes of tensor storages live during one training step of ``net``
-    (new allocations, plus the chain input, which the budget counts): those of
-    the chain, its output's gradient and its input's, not the loss's forward.
-    With ``hold`` the step keeps the output through the backward, as ``train``."""
-    from remat.measure.meter import Instrument
-
-    x, mask = __import__("chains").make_input(net, batch, length, seed=seed)
-    target = torch.randn(x.shape)
-    with Instrument() as inst:   # metering only what the chain makes (its gate)
-        x.register_hook(lambda g: inst.set_gate(False))
-        y = net(x, mask)
-        inst.set_gate(False)
-        loss = (y * target).sum()
-        if not hold:
-            del y
-        seed = torch.ones(())      # the loss's own gradient is not the chain's
-        inst.set_gate(True)
-        loss.backward(seed)
-    return inst.peak + x.untyped_storage().nbytes()
-
-
-@given(chains(), st.floats(0, 1), st.booleans())
+@given(random_chains(), st.floats(0, 1), st.booleans())
 # the gradient reaches the attention stage transposed, and its first node copies
 # it before any saved tensor is unpacked: measured with that layout, rebuilt first
 @example((["attn", "bn"], False), 0.0, False)
@@ -105,7 +63,7 @@ def test_measured_peak_stays_under_budget(chain, fraction, hold):
     train(net, steps=1, hold=hold)            # measuring call, then .grad exists
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    peak = _physical_peak(net, hold=hold)
+    peak = physical_peak(net, hold=hold)
     explanation = remat.explain()
     predicted = explanation.schedule.peak
     assert peak <= net.budget
@@ -129,7 +87,7 @@ def test_measured_peak_close_to_prediction(kinds, fraction, hold):
     train(net, steps=1, batch=8, length=16, hold=hold)
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    peak = _physical_peak(net, 8, 16, hold=hold)
+    peak = physical_peak(net, 8, 16, hold=hold)
     explanation = remat.explain()
     predicted = explanation.schedule.peak
     assert peak <= net.budget
@@ -137,22 +95,10 @@ def test_measured_peak_close_to_prediction(kinds, fraction, hold):
         assert peak >= 0.9 * (predicted - (explanation.costs.out_bytes[-1] if hold else 0)), (peak, predicted)
 
 
-def _fresh(kinds=("mlp", "attn", "bn", "dropout", "mlp"), image=False):
-    torch.manual_seed(0)
-    return Net(list(kinds), image=image)
-
-
-def _with_budget(net, fraction=0.0, algorithm="optimal"):
-    out = copy.deepcopy(net)
-    out.budget = budget_for(measured_costs(net), algorithm, fraction)
-    out.algorithm = algorithm
-    return out
-
-
 def test_train_eval_switch():
     """Switching to eval mode (with grad) and back gives plain PyTorch's results each time."""
-    base = _fresh()
-    ref, net = copy.deepcopy(base), _with_budget(base)
+    base = fresh_net()
+    ref, net = copy.deepcopy(base), with_budget(base)
     for mode in ("train", "eval", "train"):
         ref.train(mode == "train")
         net.train(mode == "train")
@@ -161,8 +107,8 @@ def test_train_eval_switch():
 
 def test_autocast_bfloat16_on_cpu():
     """Under CPU autocast (bfloat16) results are bitwise those of plain PyTorch."""
-    base = _fresh(("mlp", "attn", "mlp", "ln"))
-    ref, net = copy.deepcopy(base), _with_budget(base)
+    base = fresh_net(("mlp", "attn", "mlp", "ln"))
+    ref, net = copy.deepcopy(base), with_budget(base)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         r = train(ref)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -177,7 +123,6 @@ def test_autocast_around_one_phase_only(where):
     way (entered when it differs from the backward's, skipped when it is the same), and
     results are bitwise plain PyTorch's."""
     import contextlib
-    from chains import make_input
 
     def bf16(on):
         return torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext()
@@ -194,8 +139,8 @@ def test_autocast_around_one_phase_only(where):
             net.zero_grad(set_to_none=True)
         return out
 
-    base = _fresh(("mlp", "attn", "mlp", "ln", "bn"))
-    ref, net = copy.deepcopy(base), _with_budget(base)
+    base = fresh_net(("mlp", "attn", "mlp", "ln", "bn"))
+    ref, net = copy.deepcopy(base), with_budget(base)
     steps(net)   # the measuring call
     torch.manual_seed(0)
     r = steps(ref)
@@ -209,8 +154,8 @@ def test_autocast_around_one_phase_only(where):
 
 def test_new_batch_size_measures_again():
     """A new input shape is a new key: it is measured, and both shapes stay exact."""
-    base = _fresh()
-    ref, net = copy.deepcopy(base), _with_budget(base, 0.2)
+    base = fresh_net()
+    ref, net = copy.deepcopy(base), with_budget(base, 0.2)
     assert_same(train(ref, batch=4), train(net, batch=4))
     costs_4 = remat.explain().costs
     assert_same(train(ref, batch=2), train(net, batch=2))
@@ -220,8 +165,8 @@ def test_new_batch_size_measures_again():
 
 def test_new_budget_solves_again_without_measuring():
     """A new budget reuses the measured costs and gives a new schedule."""
-    base = _fresh()
-    ref, net = copy.deepcopy(base), _with_budget(base, 0.0)
+    base = fresh_net()
+    ref, net = copy.deepcopy(base), with_budget(base, 0.0)
     # (the measuring call, two that time it again, one on those times)
     assert_same(train(ref, steps=4), train(net, steps=4))
     before = remat.explain()
@@ -234,11 +179,11 @@ def test_new_budget_solves_again_without_measuring():
 
 def test_gradient_accumulation_over_two_forwards():
     """Two forwards then one backward of the summed loss equal plain PyTorch."""
-    base = _fresh()
+    base = fresh_net()
     results = []
-    for net in (copy.deepcopy(base), _with_budget(base, 0.1)):
+    for net in (copy.deepcopy(base), with_budget(base, 0.1)):
         torch.manual_seed(3)
-        xs = [__import__("chains").make_input(net, seed=s) for s in (1, 2)]
+        xs = [make_input(net, seed=s) for s in (1, 2)]
         loss = sum(net(x, m).square().sum() for x, m in xs)
         loss.backward()
         results.append([p.grad for p in net.parameters() if p.grad is not None] + [x.grad for x, _ in xs])
@@ -249,9 +194,9 @@ def test_gradient_accumulation_over_two_forwards():
 
 def test_no_grad_runs_plainly():
     """Under torch.no_grad a chain runs its stages plainly and records nothing."""
-    base = _fresh()
-    net = _with_budget(base)
-    x, mask = __import__("chains").make_input(net)
+    base = fresh_net()
+    net = with_budget(base)
+    x, mask = make_input(net)
     torch.manual_seed(0)
     with torch.no_grad():
         a = net(x, mask)
@@ -265,7 +210,7 @@ def test_explain_shows_costs_and_schedule():
     """explain() names every stage with its costs and its forward-phase op, under the
     input's and the held bytes' lines (the first call counts the output as held),
     and prints the schedule."""
-    net = _with_budget(_fresh(), 0.0)
+    net = with_budget(fresh_net(), 0.0)
     train(net, steps=1)
     explanation = remat.explain()
     assert explanation.costs.held_bytes > 0
@@ -282,7 +227,7 @@ def test_explain_after_a_budget_error_shows_that_budget():
     """A budget below the minimum on a chain measured before: explain() shows the
     failed call's budget and no schedule (as after a failed first call), not the
     schedule of the call before; the next call at a good budget shows its own."""
-    net = _with_budget(_fresh(), 0.0)
+    net = with_budget(fresh_net(), 0.0)
     good = net.budget
     train(net, steps=1)
     net.budget = 100
@@ -304,7 +249,7 @@ def test_chain_output_held_through_backward_is_counted():
     net.budget = 2**40
 
     def step(hold):
-        x, mask = __import__("chains").make_input(net)
+        x, mask = make_input(net)
         y = net(x, mask)
         loss = y.sum()
         if not hold:

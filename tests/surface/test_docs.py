@@ -11,7 +11,7 @@ import pytest
 
 import remat
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # the repository
 FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 BLOCKS = [
     pytest.param(block, id=f"{path.name}:{n}")

@@ -14,7 +14,7 @@ import torch.nn as nn
 import remat
 from remat import Costs
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "hostile-input.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hostile-input.md"
 _L0 = dict(fwd_time=[], fwd_nograd_time=[], bwd_time=[], out_bytes=[], saved_bytes=[], fwd_tmp=[],
            bwd_tmp=[], input_bytes=0)
 

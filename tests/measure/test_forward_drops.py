@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from chains import Net, assert_same, measured_costs, train
-from test_runtime import _physical_peak, budget_for
+from chains import Net, assert_same, budget_for, measured_costs, physical_peak, train
 
 KINDS = ["linear", "dropout", "scale", "dropout", "relu", "scale", "linear"]
 
@@ -48,7 +47,7 @@ def _quiet_and_under_budget(net):
         train(net, steps=2, hold=False)
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    assert _physical_peak(net, hold=False) <= net.budget
+    assert physical_peak(net, hold=False) <= net.budget
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
@@ -71,7 +70,7 @@ def test_stages_keeping_nothing_of_their_input(fraction):
     assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    peak = _physical_peak(net, hold=False)
+    peak = physical_peak(net, hold=False)
     predicted = remat.explain().schedule.peak
     assert 0.9 * predicted <= peak <= net.budget
 
@@ -108,7 +107,7 @@ def test_loop_keeping_aliases_is_caught_by_the_first_run():
     said = " ".join(str(w.message) for w in seen)
     assert "kept the outputs of stages 1-4 after the next stage had run" in said
     assert "kept the outputs of stages 5-6 through its backward" in said
-    entry = next(e for e in importlib.import_module("remat.runtime.chain_call")._cache.values() if e.idents[0]() is net.stages[0])
+    entry = next(e for e in importlib.import_module("remat.runtime.chain_call")._cache.values() if e.ident(1) is net.stages[0])
     now = entry.costs
     assert not any(now.fwd_drop) and now.held_bytes == measured.held_bytes + sum(costs.out_bytes[:-1])
     net.budget = budget_for(entry.planning_costs(), "optimal", 0.3)
@@ -132,7 +131,7 @@ def test_stages_returning_their_input(fraction):
         assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    assert _physical_peak(net, hold=False) <= net.budget
+    assert physical_peak(net, hold=False) <= net.budget
 
 
 @pytest.mark.parametrize("how", ["slice", "transpose"])
@@ -224,7 +223,7 @@ def test_saved_tensors_kept_elsewhere_count_as_held(how):
         assert remat.explain().schedule.recomputations() > 0
         _quiet_and_under_budget(net)
         # (the measured backward lets none of them go either: they were a map short)
-        assert _physical_peak(net, hold=False) <= 1.01 * remat.explain().schedule.peak
+        assert physical_peak(net, hold=False) <= 1.01 * remat.explain().schedule.peak
 
 
 class Remembering(nn.Module):
@@ -285,7 +284,7 @@ class CastingNet(Net):
 
 def _cached_step(net, seed=0):
     """A training step of ``net`` (its cache around the backward too if ``both``)
-    under the storage meter, as ``_physical_peak`` meters one."""
+    under the storage meter, as ``physical_peak`` meters one."""
     from remat.measure.meter import Instrument
 
     x, mask = __import__("chains").make_input(net, seed=seed)

@@ -20,7 +20,7 @@ from remat.solver.schedule import simulate
 from remat.solver.solve import discretise, minimum_budget, periodic, slot_size, solve, store_all, time_bound
 from remat.units import format_bytes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
 STATUSES = set(range(lib.REMAT_OK, lib.REMAT_E_INTERNAL))   # INTERNAL is a bug
 
 

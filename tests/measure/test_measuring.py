@@ -12,7 +12,8 @@ from hypothesis import given, strategies as st
 
 import remat
 from remat.measure import measuring
-from remat.measure.measuring import StageMeasuring
+from remat.measure import twins as twins_module
+from remat.measure.measuring import Measurer
 from chains import IMG_KINDS, SEQ_KINDS, Net, make_input, run_blocks
 from remat.solver.solve import minimum_budget
 
@@ -108,17 +109,17 @@ def test_twin_stages_cost_what_they_measure(block, repeats):
     torch.manual_seed(0)
     net = Net(kinds * repeats, image=image)
     full, runs = [], []
-    real = StageMeasuring._measure_nograd
+    real = Measurer._measure_nograd
 
     def spy(self, *a, **k):
         runs.append(1)
         return real(self, *a, **k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StageMeasuring, "_measure_nograd", spy)
+        mp.setattr(Measurer, "_measure_nograd", spy)
         twins = _measure(net)
         distinct = len(runs)
-        mp.setattr(measuring._Twin, "find", lambda self, seen: None)
+        mp.setattr(twins_module.Twin, "find", lambda self, seen: None)
         full = _measure(net)
     for field in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp"):
         assert getattr(twins[0], field) == getattr(full[0], field), field
@@ -137,7 +138,7 @@ def _measure(net):
     torch.manual_seed(1)
     probe(x, mask).sum().backward()
     entry = next(iter(sys.modules["remat.runtime.chain_call"]._cache.values()))
-    return remat.explain().costs, list(entry.grad_replay)
+    return remat.explain().costs, [s.grad_replay for s in entry.stages]
 
 
 def test_hooks_on_activations_run_once_with_tied_weights():

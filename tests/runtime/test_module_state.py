@@ -36,7 +36,7 @@ def test_stage_reading_state_it_updates_matches_plain(kind, where):
     assert_blocks_same(ref, net)
     entry = next(iter(chain_module._cache.values()))
     reads = [kind != "weight_norm" and (kind != "counting" or i % 2 == 1) for i in range(5)]
-    assert entry.reads_state == reads
+    assert [s.reads_state for s in entry.stages] == reads
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -83,7 +83,7 @@ def test_batchnorm_statistics_need_no_copy():
         y = net(torch.randn(2, 4, 6, 6))
     y.sum().backward()
     entry = next(iter(chain_module._cache.values()))
-    assert entry.reads_state == [False, False, False]
+    assert [s.reads_state for s in entry.stages] == [False, False, False]
     assert entry.held_bytes() == 0
 
 

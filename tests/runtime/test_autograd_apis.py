@@ -12,8 +12,7 @@ import torch.nn as nn
 import remat
 from remat.solver.schedule import simulate
 from remat.solver.solve import minimum_budget, store_all
-from chains import run_blocks
-from test_runtime import _fresh, _with_budget
+from chains import fresh_net, run_blocks, with_budget
 
 
 
@@ -22,9 +21,9 @@ def test_higher_order_gradients():
     gradient) equals plain PyTorch's: an unpacked saved tensor keeps the node that
     made it in the forward, so the second backward walks the graph the forward
     built, whichever stages were recomputed."""
-    base = _fresh(("mlp", "attn", "ln", "mlp", "gelu"))
+    base = fresh_net(("mlp", "attn", "ln", "mlp", "gelu"))
     grads = []
-    for net in (copy.deepcopy(base), _with_budget(base, 0.0)):
+    for net in (copy.deepcopy(base), with_budget(base, 0.0)):
         for _ in range(2):
             torch.manual_seed(6)
             x, mask = __import__("chains").make_input(net)
@@ -87,9 +86,9 @@ def test_batched_gradients_with_dropout():
     True) uses) runs the backward under vmap, which refuses random ops: remat's
     recomputations of a dropout stage leave it, and the Jacobian rows equal plain
     PyTorch's on every call, the measuring one included."""
-    base = _fresh(("mlp", "dropout", "mlp", "dropout"))
+    base = fresh_net(("mlp", "dropout", "mlp", "dropout"))
     rows = []
-    for net in (copy.deepcopy(base), _with_budget(base, 0.0)):
+    for net in (copy.deepcopy(base), with_budget(base, 0.0)):
         got = []
         for call in range(3):
             torch.manual_seed(call)
@@ -104,9 +103,9 @@ def test_batched_gradients_with_dropout():
 
 def test_side_input_that_requires_grad_gets_exact_gradient():
     """A mask side input that requires grad receives plain PyTorch's gradient."""
-    base = _fresh(("attn", "mlp", "attn", "attn"))
+    base = fresh_net(("attn", "mlp", "attn", "attn"))
     grads = []
-    for net in (copy.deepcopy(base), _with_budget(base, 0.5)):
+    for net in (copy.deepcopy(base), with_budget(base, 0.5)):
         for _ in range(2):
             torch.manual_seed(5)
             x, mask = __import__("chains").make_input(net)

@@ -1,7 +1,7 @@
 """remat on a CUDA GPU: CUDA RNG replay, autocast, allocator measurements, the demo.
 
 Skipped where torch sees no GPU (CI has none); run on one with
-``python -m pytest -q tests/test_cuda.py``. Results are compared bitwise
+``python -m pytest -q tests/reliability/test_cuda.py``. Results are compared bitwise
 with plain PyTorch: the tests turn on torch's deterministic algorithms (the
 cuBLAS workspace set for it before CUDA starts), so that a rerun of the same
 kernels on the same data gives the same bits.
@@ -20,8 +20,7 @@ import torch  # noqa: E402
 from hypothesis import given, strategies as st  # noqa: E402
 
 import remat  # noqa: E402
-from chains import Net, assert_same, make_input, measured_costs, train  # noqa: E402
-from test_runtime import ALGORITHMS, budget_for, chains  # noqa: E402
+from chains import ALGORITHMS, Net, assert_same, budget_for, make_input, measured_costs, random_chains, train  # noqa: E402,E501
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = "cuda"
@@ -44,7 +43,7 @@ def _pair(kinds, image=False, d=8, fraction=0.0, algorithm="optimal", batch=4, l
     return base, net
 
 
-@given(chains(), st.sampled_from(ALGORITHMS), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
+@given(random_chains(), st.sampled_from(ALGORITHMS), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
 def test_random_chains_match_plain_pytorch_on_cuda(chain, algorithm, fraction, opt):
     """Losses, gradients, BatchNorm statistics, parameters after three steps and
     the CUDA RNG state after them are bitwise plain PyTorch's: dropout masks are

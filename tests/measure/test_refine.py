@@ -221,18 +221,18 @@ def test_stamped_times_hold_remat_own_work(monkeypatch):
     call = _sleepy_chain(0.0, 0.0)
     call(2**50)   # measuring
     slow_check, slow_end = 0.01, 0.03
-    matches, finish = running.StageRunning._matches, running.StageRunning._finish_run
+    matches, finish = running.Runner.matches, running.Runner.finish
 
     def slow_matches(self, *args):
         time.sleep(slow_check)
         return matches(self, *args)
 
-    def slow_finish(self):
+    def slow_finish(self, *args):
         time.sleep(slow_end)
-        return finish(self)
+        return finish(self, *args)
 
-    monkeypatch.setattr(running.StageRunning, "_matches", slow_matches)
-    monkeypatch.setattr(running.StageRunning, "_finish_run", slow_finish)
+    monkeypatch.setattr(running.Runner, "matches", slow_matches)
+    monkeypatch.setattr(running.Runner, "finish", slow_finish)
     call(2**50), call(2**50)   # stamped
     costs = call(2**50).costs
     assert all(t >= slow_check for t in costs.fwd_time), costs.fwd_time

@@ -1,0 +1,117 @@
+"""The typed records of a measuring call: what one stage costs
+(``StageCosts``), what measuring its forward and backward showed besides
+(``Probe``), and everything a later call needs of that stage (``StageRecord``).
+A ``Recording`` (remat/measure/recording.py) holds one ``StageRecord`` per
+stage; the costs file is written from their ``StageCosts`` and read back into
+them (remat/measure/costs_source.py).
+"""
+
+import dataclasses
+import weakref
+from dataclasses import dataclass, field
+
+from ..runtime.tensor_slots import NO_SLOTS
+
+__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageRecord"]
+
+# the per-stage fields of ``remat.Costs``, in its order
+COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+
+
+@dataclass(slots=True)
+class StageCosts:
+    """One stage's costs as a measuring call saw them (``remat.Costs``' per-stage
+    fields, Note [Accounting] in remat/solver/schedule.py), and what decides the
+    forward phase's drops (Note [What the forward phase drops],
+    remat/measure/recording.py). None: not known (costs read from a file measure
+    only ``out_bytes``; a stage's backward not measured)."""
+
+    out_bytes: int
+    fwd_time: float = None
+    fwd_nograd_time: float = None
+    bwd_time: float = None
+    saved_bytes: int = None
+    fwd_tmp: int = None
+    bwd_tmp: int = None
+    out_freed: int = None      # the output's bytes if the stage's own backward does not read it, else 0
+    input_kept: bool = None    # its recording keeps its input's storage (saved, or returned as a view)
+    caller_holds: bool = None  # the code around the chain held its output as the chain ended
+    saved_seen: int = None     # saved_bytes as a forward with costs from a file saw it (``_check_given``)
+
+    @property
+    def backward_measured(self):
+        """Whether the stage's backward was measured (bwd_tmp known)."""
+        return self.bwd_tmp is not None
+
+    @classmethod
+    def of(cls, costs, i):
+        """Stage i+1's costs in ``costs`` (a ``remat.Costs``), for a chain measured
+        again after it: what decides the drops only as far as the costs tell
+        (``forward_drops``, remat/measure/costs_source.py: unknown is kept)."""
+        return cls(**{f: getattr(costs, f)[i] for f in COST_FIELDS}, out_freed=costs.fwd_drop_whole[i],
+                   input_kept=i == 0 or not costs.fwd_drop[i - 1], caller_holds=not costs.fwd_drop[i])
+
+
+@dataclass(slots=True, eq=False)
+class Probe:
+    """What measuring one stage's forward (and backward) showed
+    (``instrumented_run``, remat/measure/profile.py)."""
+
+    out: object                   # what the stage returned
+    costs: StageCosts             # None if its activation is not a tensor
+    writes: list                  # [(tensor, value before)] of the state it updates in place
+    uses_rng: bool
+    reads_state: bool             # what it computes may depend on that state's values
+    held_grads: dict = field(default_factory=dict)   # Upstream.held_grads of its parameters
+    held_outside: int = 0         # bytes it still holds outside autograd (Note [Saved tensors held elsewhere])
+    saved_elsewhere: int = 0      # saved bytes something else keeps too
+    saved_cached: int = 0         # saved bytes a cache keeps (autocast's casts of the weights)
+    grad_layout: tuple = None     # strides of its output's gradient in run 2
+    input_grad_layout: tuple = None   # strides of the gradient its backward handed its input
+
+    # what a twin (Note [Twin stages], remat/measure/measuring.py) takes of run 2
+    RUN2 = ("bwd_time", "bwd_tmp", "grad_layout", "input_grad_layout")
+
+    def run2(self):
+        """The results of run 2 a twin takes, as a dict."""
+        c = self.costs
+        return {"bwd_time": c.bwd_time, "bwd_tmp": c.bwd_tmp, "grad_layout": self.grad_layout,
+                "input_grad_layout": self.input_grad_layout}
+
+    def take_run2(self, run2):
+        """Take a twin's run 2 results (``run2``)."""
+        self.costs.bwd_time, self.costs.bwd_tmp = run2["bwd_time"], run2["bwd_tmp"]
+        self.grad_layout, self.input_grad_layout = run2["grad_layout"], run2["input_grad_layout"]
+
+
+@dataclass(slots=True, eq=False, weakref_slot=True)
+class StageRecord:
+    """Everything the measuring call learned of one stage: what a later call is
+    checked against (Note [Chain keys], remat/chain.py), what a recomputation
+    replays (Note [Replaying a stage], remat/runtime/replay.py) and its costs."""
+
+    ident: weakref.ref       # the stage's object (set by ``Recording.add``, which lets go of the dicts with it)
+    name: str
+    in_sig: tuple            # its input's signature (stage_check.input_signature)
+    dicts: tuple             # its module's and submodules' __dict__ (stage_check.module_dicts)
+    structure: object        # what its module is made of (stage_check.module_structure)
+    slots: tuple             # where its module's parameters and buffers live (tensor_slots.module_slots)
+    grads: tuple             # dtype and requires_grad of those parameters (tensor_slots.param_flags)
+    autocast: object         # the autocast state it ran in
+    meta: tuple              # (shape, dtype, device) of each tensor autograd saved
+    state: tuple             # the tensors it writes in place, as slot indices or weak references
+    reads_state: bool        # its result may depend on their values (Instrument.reads_state)
+    uses_rng: bool
+    generators: list         # its own torch.Generator objects (Note [Replaying a stage] 1)
+    grad_replay: bool        # recomputed with grad mode on (Note [Replaying a stage] 4)
+    costs: StageCosts        # None if its activation is not a tensor
+    held: dict               # {key: bytes} held through the step because of it (Upstream.held_grads, ...)
+    quiet: tuple = None      # ``Recording.quiet``'s answer, once asked
+
+    def forget_module(self):
+        """The stage's object is gone: let go of its module's dicts (``Recording.add``)."""
+        self.dicts, self.structure, self.slots = (), None, NO_SLOTS
+
+    def again(self, costs):
+        """A copy for a recording made again from this one, with ``costs``."""
+        return dataclasses.replace(self, costs=costs, quiet=None)
