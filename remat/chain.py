@@ -1,5 +1,5 @@
 """``remat.chain``: stage calls inside it form a chain that is measured once,
-solved for the budget and then run on the schedule (DESIGN.md section 2).
+solved for the budget and then run on the schedule (docs/how-it-works.md, "The life of a chain").
 
 Note [Chain keys]
 -----------------

@@ -1,6 +1,6 @@
 """``remat.Sequential``: an ``nn.Sequential`` whose layers run as a remat chain,
 for people coming from rotor's ``Checkpointable`` or memonger's
-``SublinearSequential`` (DESIGN.md section 1).
+``SublinearSequential`` (docs/how-it-works.md, "The life of a chain").
 
 Note [Stages of a Sequential]
 -----------------------------

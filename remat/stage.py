@@ -1,5 +1,5 @@
 """``remat.stage``: mark a function, a method or a module instance as one
-stage of a chain (DESIGN.md section 1).
+stage of a chain (docs/how-it-works.md, "The life of a chain").
 
 Outside a chain, or under ``torch.no_grad()``, a stage is the undecorated
 code plus one thread-local lookup. Inside a chain its call is handed to the

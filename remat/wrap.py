@@ -1,6 +1,6 @@
 """``remat.wrap`` / ``remat.unwrap``: run a model you did not write (a Hugging
 Face transformer, a timm network) under remat without editing its source
-(DESIGN.md section 1).
+(docs/how-it-works.md, "The life of a chain").
 
 Note [Wrapping a model]
 -----------------------
@@ -123,6 +123,57 @@ def _checkpointing_on(kind, when=""):
         f"recompute twice and measure the wrong costs. Call model.gradient_checkpointing_disable() first")
 
 
+def _checked_blocks(model, blocks):
+    """``blocks`` as a list, once ``model`` and they are fit to wrap (the errors of ``wrap``)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"remat.wrap needs an nn.Module, got {type(model).__name__}")
+    if isinstance(model.__dict__.get("forward"), _WrappedForward):
+        raise StageError(
+            f"remat: this {type(model).__name__} is wrapped already; call remat.unwrap(model) "
+            f"before wrapping it again with other blocks or another budget"
+        )
+    if isinstance(blocks, torch.nn.Module) and not isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
+        raise TypeError(
+            f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
+            f"pass [block] for a single one"
+        )
+    # (transformers 5 names it is_activation_checkpointing; its old name warns there)
+    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    if getattr(model, flag, False) is True:
+        raise _checkpointing_on(type(model).__name__)
+    try:
+        blocks = list(blocks)
+    except TypeError:
+        raise TypeError(f"remat.wrap needs an iterable of blocks, e.g. model.layers, got "
+                        f"{type(blocks).__name__}") from None
+    if not blocks:
+        raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
+    inside = {id(m) for m in model.modules()}
+    for i, block in enumerate(blocks):
+        if not isinstance(block, torch.nn.Module):
+            raise TypeError(f"remat.wrap: block {i} is a {type(block).__name__}, not an nn.Module")
+        if id(block) not in inside:
+            raise ValueError(
+                f"remat.wrap: block {i} ({type(block).__name__}) is not a submodule of this "
+                f"{type(model).__name__}; its calls would not be part of the model's chain"
+            )
+        if block is model:
+            raise ValueError("remat.wrap: the model cannot be one of its own blocks")
+        if isinstance(block, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            raise TypeError(
+                f"remat.wrap: block {i} is a {type(block).__name__}, a container that is never called; "
+                f"pass its blocks themselves (remat.wrap(model, model.layers), not [model.layers])")
+        fwd = block.__dict__.get("forward")
+        if fwd is not None and not is_stage(block):
+            raise StageError(
+                f"remat.wrap: block {i} ({type(block).__name__}) already has its own forward "
+                f"attribute (set by another library's hooks, e.g. accelerate); remat.stage would "
+                f"replace it. Remove those hooks, or mark the block's class forward with remat.stage"
+            )
+    return blocks
+
+
 def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
     """Run ``model`` under remat: each module of ``blocks`` is a stage and the
     model's forward runs inside a ``remat.chain``. Nothing is copied; the
@@ -177,52 +228,7 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
         >>> remat.unwrap(net) is net
         True
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"remat.wrap needs an nn.Module, got {type(model).__name__}")
-    if isinstance(model.__dict__.get("forward"), _WrappedForward):
-        raise StageError(
-            f"remat: this {type(model).__name__} is wrapped already; call remat.unwrap(model) "
-            f"before wrapping it again with other blocks or another budget"
-        )
-    if isinstance(blocks, torch.nn.Module) and not isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
-        raise TypeError(
-            f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
-            f"pass [block] for a single one"
-        )
-    # (transformers 5 names it is_activation_checkpointing; its old name warns there)
-    flag = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
-            else "is_gradient_checkpointing")
-    if getattr(model, flag, False) is True:
-        raise _checkpointing_on(type(model).__name__)
-    try:
-        blocks = list(blocks)
-    except TypeError:
-        raise TypeError(f"remat.wrap needs an iterable of blocks, e.g. model.layers, got "
-                        f"{type(blocks).__name__}") from None
-    if not blocks:
-        raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
-    inside = {id(m) for m in model.modules()}
-    for i, block in enumerate(blocks):
-        if not isinstance(block, torch.nn.Module):
-            raise TypeError(f"remat.wrap: block {i} is a {type(block).__name__}, not an nn.Module")
-        if id(block) not in inside:
-            raise ValueError(
-                f"remat.wrap: block {i} ({type(block).__name__}) is not a submodule of this "
-                f"{type(model).__name__}; its calls would not be part of the model's chain"
-            )
-        if block is model:
-            raise ValueError("remat.wrap: the model cannot be one of its own blocks")
-        if isinstance(block, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            raise TypeError(
-                f"remat.wrap: block {i} is a {type(block).__name__}, a container that is never called; "
-                f"pass its blocks themselves (remat.wrap(model, model.layers), not [model.layers])")
-        fwd = block.__dict__.get("forward")
-        if fwd is not None and not is_stage(block):
-            raise StageError(
-                f"remat.wrap: block {i} ({type(block).__name__}) already has its own forward "
-                f"attribute (set by another library's hooks, e.g. accelerate); remat.stage would "
-                f"replace it. Remove those hooks, or mark the block's class forward with remat.stage"
-            )
+    blocks = _checked_blocks(model, blocks)
     hints = ChainHints(
         empty=(f"remat.wrap: the forward of this {type(model).__name__} called none of the "
                f"{len(blocks)} blocks given; pass the blocks it calls, e.g. model.transformer.h"),

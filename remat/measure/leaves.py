@@ -5,7 +5,7 @@ stage] 2 in remat/measure/profile.py)."""
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "grad_side_inputs", "stage_leaves", "stop_nodes", "walk"]
+__all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "grad_side_inputs", "shared_grad_transients", "side_grads", "stage_leaves", "stop_nodes", "walk"]
 
 
 def stop_nodes(tensors):
@@ -51,7 +51,7 @@ class Upstream:
         it. The engine sums a leaf's gradients before it accumulates them, so
         the share from this stage's backward waits, held, until the backward
         of the first use has run: memory no stage's costs show, which the chain
-        counts in ``Costs.held_bytes`` (DESIGN.md section 3 departs here)."""
+        counts in ``Costs.held_bytes`` (docs/how-it-works.md, "The cost model")."""
         return {id(p): p.numel() * p.element_size() for p in leaves if id(p) in self.leaves}
 
     def add(self, tensors):
@@ -162,3 +162,31 @@ def grad_side_inputs(call, x):
     return [a for a in tree_leaves((call.args, call.kwargs))
             if isinstance(a, torch.Tensor) and a.requires_grad and a is not x
             and (a.grad_fn is not None or not isinstance(a, torch.nn.Parameter))]
+
+
+def side_grads(call, x):
+    """{("side", id): gradient bytes} of ``grad_side_inputs``. The engine sums
+    each one's gradient into a buffer it holds from the backward of the last stage
+    using it until it runs the node that made it (or accumulates it into a leaf's
+    ``.grad``), after the chain's: held through the chain's backward, like a shared
+    parameter's, counted once in held_bytes. What each stage adds into it is in that
+    stage's bwd_tmp: the measured backward takes it at the side input's edge
+    (``run_backward``, remat/measure/stage_backward.py), as it comes out of the stage, summed
+    over the stage's own uses of it (two in an attention: keys and values)."""
+    return {("side", id(a)): a.numel() * a.element_size() for a in grad_side_inputs(call, x)}
+
+
+def shared_grad_transients(held):
+    """Per stage, the bytes to add to its bwd_tmp for the parameters it shares with
+    stages before it (``held``: per stage, {id: bytes} of ``Upstream.held_grads``)
+    and also with one after it. Such a stage's measured backward leaves them out,
+    but B(i) makes its share of their gradient all the same, alive until the engine
+    adds it into the sum it holds (counted in held_bytes); the share of the last
+    stage using one is that sum's first term, no extra."""
+    out = []
+    for i, h in enumerate(held):
+        later = set()
+        for g in held[i + 1:]:
+            later.update(key for key in g if not isinstance(key, tuple))
+        out.append(sum(v for key, v in h.items() if not isinstance(key, tuple) and key in later))
+    return out

@@ -39,11 +39,11 @@ from torch.utils._pytree import tree_leaves
 from ..runtime.executor import Run, _Saved
 from ..runtime.replay import Replay, capture_rng, cuda_devices, restore_tensors
 from ..runtime.stage_call import first
-from ..runtime.stage_check import check_output, input_signature, module_dicts, module_structure
+from ..runtime.stage_check import input_signature, module_dicts, module_structure
 from ..runtime.tensor_slots import param_flags, state_plan
 from ..units import format_bytes
 from .costs_source import chain_costs, distributed, read_costs
-from .leaves import GradPool, Upstream, grad_side_inputs
+from .leaves import GradPool, Upstream, shared_grad_transients, side_grads
 from .meter import Instrument, storage_key
 from .profile import instrumented_run, observed_forward
 from .record import StageRecord
@@ -53,7 +53,7 @@ from .stage_backward import backward_again
 from .twins import Twin
 from .timing import Timer, timed_step, warm_cuda
 
-__all__ = ["Measurer", "shared_grad_transients", "side_grads"]
+__all__ = ["Measurer"]
 
 _warned_sizes = set()   # costs files whose input size differed from a call's (warned once each)
 
@@ -151,8 +151,7 @@ class Measurer:
             if self.grad_pool is None:
                 self.grad_pool = GradPool()
             twin = Twin(self.twins, ident, call, x)
-            probe = instrumented_run(call, ident, x, cuda, rng0, check_output, hooks, kept, self.grad_pool,
-                                     self.upstream, anchor, twin)
+            probe = instrumented_run(call, ident, x, rng0, hooks, anchor, self.grad_pool, self.upstream, twin)
             twin.keep(probe)
         else:   # costs come from a file: learn only what replay needs, from this forward
             probe, *_ = observed_forward(call, ident, x, Instrument(exclude=[x], sources=[x]), hooks, kept, rng0,
@@ -276,7 +275,7 @@ class Measurer:
             for t, old in probe.writes:
                 t.copy_(old)
             with Timer(cuda) as timer, Replay(call, self.autocast):
-                nograd_out = call.call(x).detach()
+                nograd_out = call.activation(x).detach()
         costs = probe.costs
         if self.given is None:
             costs.fwd_nograd_time = timer.seconds
@@ -388,31 +387,3 @@ def _held_first(recording, held, kind, k, nbytes):
     (the measuring call says so once)."""
     held[(kind, k)] = nbytes
     return not any(isinstance(key, tuple) and key[0] == kind for s in recording.stages for key in s.held)
-
-
-def side_grads(call, x):
-    """{("side", id): gradient bytes} of ``grad_side_inputs``. The engine sums
-    each one's gradient into a buffer it holds from the backward of the last stage
-    using it until it runs the node that made it (or accumulates it into a leaf's
-    ``.grad``), after the chain's: held through the chain's backward, like a shared
-    parameter's, counted once in held_bytes. What each stage adds into it is in that
-    stage's bwd_tmp: the measured backward takes it at the side input's edge
-    (``run_backward``, remat/measure/stage_backward.py), as it comes out of the stage, summed
-    over the stage's own uses of it (two in an attention: keys and values)."""
-    return {("side", id(a)): a.numel() * a.element_size() for a in grad_side_inputs(call, x)}
-
-
-def shared_grad_transients(held):
-    """Per stage, the bytes to add to its bwd_tmp for the parameters it shares with
-    stages before it (``held``: per stage, {id: bytes} of ``Upstream.held_grads``)
-    and also with one after it. Such a stage's measured backward leaves them out,
-    but B(i) makes its share of their gradient all the same, alive until the engine
-    adds it into the sum it holds (counted in held_bytes); the share of the last
-    stage using one is that sum's first term, no extra."""
-    out = []
-    for i, h in enumerate(held):
-        later = set()
-        for g in held[i + 1:]:
-            later.update(key for key in g if not isinstance(key, tuple))
-        out.append(sum(v for key, v in h.items() if not isinstance(key, tuple) and key in later))
-    return out

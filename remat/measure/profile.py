@@ -1,4 +1,4 @@
-"""Measuring a stage: times, sizes and transient peaks (DESIGN.md section 3).
+"""Measuring a stage: times, sizes and transient peaks (docs/how-it-works.md, "How a stage is measured").
 
 Note [Measuring a stage]
 ------------------------
@@ -69,9 +69,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import input_modified
 from ..runtime.stage_call import first
+from ..runtime.stage_check import check_output
 from .leaves import grad_side_inputs, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
-from .record import Probe, StageCosts
+from .record import Probe, StageCosts, StageGraph
 from .stage_backward import node_of, run_backward
 
 __all__ = ["instrumented_run", "observed_forward", "saved_storages"]
@@ -101,9 +102,8 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     stage], and all a measuring call runs of a stage whose costs come from a file.
 
     Returns:
-        (a ``Probe`` whose costs hold out_bytes and saved_seen, {storage: bytes}
-        of the saved storages the stage made, the nodes where its graph ends,
-        its side inputs needing grad, the leaves whose gradients it makes).
+        (a ``Probe`` whose costs hold out_bytes and saved_seen, the stage's
+        ``StageGraph``).
     """
     buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
     stop = stop_nodes(call.args)
@@ -117,7 +117,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     probe = Probe(out, None, list(inst.mutated.values()), uses_rng, inst.reads_state())
     act = first(out)
     if not isinstance(act, torch.Tensor):
-        return probe, {}, stop, [], []
+        return probe, StageGraph(stop, [], [], saved, {})
     out_bytes = act.untyped_storage().nbytes()
     # what the stage made and still holds after its forward, other than what autograd
     # saved (through the hooks) and what it returned: tensors on a custom Function's
@@ -136,16 +136,17 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     params = [p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side)] \
         if act.requires_grad else []
     probe.held_grads = upstream.held_grads(params)
-    return probe, keys, stop, side, [p for p in params if id(p) not in upstream.leaves]
+    return probe, StageGraph(stop, side, [p for p in params if id(p) not in upstream.leaves], saved, keys)
 
 
-def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool, upstream, anchor=None, twin=None):
+def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=None):
     """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
     ``Instrument``, then its backward on that graph.
 
     Args:
-        hooks: the saved-tensor hooks of the real forward; ``saved`` is the list
-            its pack hook appends to, and its unpack hook reads.
+        rng0: the RNG state the stage starts from (``capture_rng``).
+        hooks: the saved-tensor hooks of the real forward, whose pack hook
+            appends to ``anchor.saved`` and whose unpack hook reads it.
         pool: a ``GradPool`` for the parameters' gradients.
         upstream: an ``Upstream`` that has taken in ``x`` and the side inputs.
         anchor: the stage's anchor, whose unpacked tensors a backward that
@@ -163,17 +164,17 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool, upst
     # has several users: bits apart). The meter refuses an op writing x before it
     # runs (x untouched), and the backward below stops at x without running its node
     inst = Instrument(exclude=[x], sources=[x], protect=x)
-    version = x._version
+    cuda, saved, version = x.is_cuda, anchor.saved, x._version
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     try:
-        probe, keys, stop, side, params = observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream)
+        probe, graph = observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream)
     except InputWritten:
         raise input_modified(call.index, call.name) from None
     fwd_time = inst.op_seconds
-    check(call, probe.out, x, version)
+    check_output(call, probe.out, x, version)
     act = first(probe.out)
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
     forward_writes = dict(inst.mutated)
@@ -199,13 +200,12 @@ def instrumented_run(call, ident, x, cuda, rng0, check, hooks, saved, pool, upst
                            tuple((t.shape, t.dtype, t.device) for t in saved),
                            tuple((t.shape, t.dtype) for t, _ in forward_writes.values()),
                            tuple(sorted(probe.held_grads.values())),
-                           tuple((p.shape, p.dtype) for p in params),
-                           _graph_shape(act.grad_fn, stop)))
+                           tuple((p.shape, p.dtype) for p in graph.params),
+                           _graph_shape(act.grad_fn, graph.stop)))
     if donor is not None:
         probe.take_run2(donor)
-    elif act.requires_grad and (x.requires_grad or params):
-        bwd_delta, in_grad = run_backward(call, act, x, side, params, stop, saved, keys, inst, probe, cuda,
-                                          pool, anchor)
+    elif act.requires_grad and (x.requires_grad or graph.params):
+        bwd_delta, in_grad = run_backward(call, act, x, graph, inst, probe, pool, anchor)
     del act
     # the real forward's writes stay (as one plain forward's); the backward's are undone
     with torch.no_grad():

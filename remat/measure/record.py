@@ -9,10 +9,11 @@ them (remat/measure/costs_source.py).
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..runtime.tensor_slots import NO_SLOTS
 
-__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageRecord"]
+__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord"]
 
 # the per-stage fields of ``remat.Costs``, in its order
 COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
@@ -50,6 +51,16 @@ class StageCosts:
         (``forward_drops``, remat/measure/costs_source.py: unknown is kept)."""
         return cls(**{f: getattr(costs, f)[i] for f in COST_FIELDS}, out_freed=costs.fwd_drop_whole[i],
                    input_kept=i == 0 or not costs.fwd_drop[i - 1], caller_holds=not costs.fwd_drop[i])
+
+
+class StageGraph(NamedTuple):
+    """A measured stage's own backward graph, as its forward left it (run 1 of
+    Note [Measuring a stage], remat/measure/profile.py), for its backward (run 2)."""
+    stop: set       # the nodes where it ends (its inputs')
+    side: list      # its side inputs needing grad, whose gradients are taken at their edges
+    params: list    # the leaves whose gradients it makes (those used behind it left out)
+    saved: list     # what autograd saved in its forward
+    keys: dict      # {storage: bytes} of those the stage made (``saved_storages``)
 
 
 @dataclass(slots=True, eq=False)

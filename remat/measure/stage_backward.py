@@ -16,24 +16,25 @@ from .timing import Timer
 __all__ = ["backward_again", "node_of", "run_backward"]
 
 
-def run_backward(call, act, x, side, params, stop, saved, keys, inst, probe, cuda, pool=None, anchor=None):
+def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None):
     """Run 2 of Note [Measuring a stage] (remat/measure/profile.py): the stage's backward on
     the real forward's graph, kept for the real backward, metered as one that
     frees its graph runs it (``_Releases``). Sets ``probe``'s bwd_time, grad_layout
     and input_grad_layout (a ``Probe``, remat/measure/record.py).
 
     Args:
-        act: the stage's output; ``x`` its input; ``side`` its side inputs needing
-            grad; ``params`` the leaves whose gradients it makes (``.grad``
-            buffers from ``pool``, or None); ``stop`` the nodes where its graph ends.
-        saved: what autograd saved in the forward, ``keys`` {storage: bytes} of
-            those the stage made (``saved_storages``); ``inst`` the forward's meter.
+        act: the stage's output; ``x`` its input.
+        graph: its ``StageGraph`` (remat/measure/record.py): where it ends, the
+            side inputs and leaves whose gradients it makes (their ``.grad``
+            buffers from ``pool``, or None), what it saved.
+        inst: the forward's meter.
         anchor: the stage's anchor (``instrumented_run``).
 
     Returns:
         (the backward's peak above its start, the bytes of the gradients of the
         output and of the input, which simulate counts apart from bwd_tmp).
     """
+    cuda, side, params = act.is_cuda, graph.side, graph.params
     # the meter is off between the two runs: what is made here is no stage's
     grad_out = torch.ones_like(act)
     probe.grad_layout = grad_out.stride()
@@ -54,7 +55,7 @@ def run_backward(call, act, x, side, params, stop, saved, keys, inst, probe, cud
             base_b = torch.cuda.memory_allocated()
         released = None
         if not cuda:
-            released = _Releases(act, stop, saved, keys, storage_key(act), inst, anchor)
+            released = _Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor)
             inst.open_window(released.held)
         ops_before = inst.op_seconds
         try:
@@ -219,7 +220,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             for t, old in originals:
                 t.copy_(old)
         with inst:
-            act = call.call(xin)
+            act = call.activation(xin)
         params = [p for p in stage_leaves(act, stop) if p is not xin and id(p) not in leaves]
         inputs = [xin] if xin.requires_grad else []
         if not act.requires_grad or not (inputs or params):

@@ -71,7 +71,7 @@ def _timed_step(call, x, cuda, rng0, state):
     stop = stop_nodes(call.args)
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
         with Timer(cuda) as tf:
-            out = call.call(xin)
+            out = call.activation(xin)
         tb = 0.0
         if out.requires_grad:
             params = [v for v in stage_leaves(out, stop) if v is not xin]

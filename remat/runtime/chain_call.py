@@ -9,7 +9,6 @@ import collections
 import threading
 import time
 import warnings
-import weakref
 
 import torch
 import torch.autograd.forward_ad as forward_ad

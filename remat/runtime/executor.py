@@ -141,7 +141,8 @@ class Run:
     # forward phase ------------------------------------------------------
 
     def new_anchor(self, call, keep_input, x):
-        """Register stage ``call.index`` as dropped by hooks; return (anchor, pack)."""
+        """Register stage ``call.index`` as dropped by hooks; return (its anchor, the
+        pack hook that hands autograd handles to it, a one-item list counting them)."""
         anchor = _Anchor(self, call.index)
         if keep_input:
             anchor.input = x.detach()

@@ -32,7 +32,7 @@ def run_again(call, x, grad, autocast):
     try:
         with _outside_vmap(), _outside_inference(), Replay(call, autocast):
             if grad:
-                return call.call(x)
+                return call.activation(x)
             leaf = None
             if call.input_requires_grad and not x.requires_grad:
                 # (as its forward had it: a stage may differentiate by it)
@@ -44,14 +44,14 @@ def run_again(call, x, grad, autocast):
                 try:
                     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                             lambda t: made.append(t) or len(made) - 1, made.__getitem__):
-                        out = call.call(x).detach()
+                        out = call.activation(x).detach()
                 finally:
                     made.clear()
                 if leaf is not None:
                     _let_go(leaf)
                 return out
             with torch.no_grad():
-                return call.call(x).detach()
+                return call.activation(x).detach()
     except (StageError, RecomputeMismatchError):
         raise
     except Exception as exc:

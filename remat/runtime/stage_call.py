@@ -80,7 +80,7 @@ class StageCall:
                     f"stage in the backward from the values its forward used, and those are gone. Pass "
                     f"the stage a copy (.clone()), or change the tensor after the backward")
 
-    def call(self, x):
+    def activation(self, x):
         """Run the stage again on activation ``x`` with its side inputs; return the activation out."""
         if self.pcache is None and not _parametrize._cache_enabled:
             return first(self.invoke(x))

@@ -86,8 +86,8 @@ class Costs:
             if name in TIME_FIELDS:
                 checked = tuple(_check_time(name, i, v) for i, v in enumerate(values))
             else:
-                least = least_bytes(name, self.out_bytes)
-                checked = tuple(_check_size(name, i, v, 0 if least is None else least[i])
+                leasts = least_bytes(name, self.out_bytes)
+                checked = tuple(_check_size(name, i, v, 0 if leasts is None else leasts[i])
                                 for i, v in enumerate(values))
             object.__setattr__(self, name, checked)
         object.__setattr__(self, "input_bytes", _check_size("input_bytes", None, self.input_bytes))

@@ -181,7 +181,7 @@ def test_encoder_output_side_input_stays_under_budget(fraction, leaf):
         peak, grads = step(budget, seed)
         _, want = step(None, seed, *plain)
         assert all(torch.equal(a, b) for a, b in zip(grads, want))
-        if seed:   # (the measuring call holds every stage's input: DESIGN.md section 2)
+        if seed:   # (the measuring call holds every stage's input: remat/measure/measuring.py, _keep_saved)
             assert peak <= budget
             assert peak <= remat.explain().schedule.peak
     assert costs.held_bytes >= src.numel() * 4

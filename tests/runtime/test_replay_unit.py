@@ -253,7 +253,7 @@ def test_replay_reruns_a_stage_bitwise(seed):
     call, first = _first_forward(stage, x, state=list(stage[1].buffers()))
     torch.rand(100)
     with Replay(call, capture_autocast()):
-        again = call.call(x)
+        again = call.activation(x)
     assert torch.equal(first, again)
 
 
@@ -267,7 +267,7 @@ def test_replay_leaves_state_and_rng_as_the_forward_left_them():
     versions = [b._version for b in stage[1].buffers()]
     rng = torch.get_rng_state()
     with Replay(call, capture_autocast()):
-        call.call(x)
+        call.activation(x)
     assert all(torch.equal(b, v) for b, v in zip(stage[1].buffers(), buffers))
     assert [b._version for b in stage[1].buffers()] == versions
     assert torch.equal(torch.get_rng_state(), rng)
@@ -284,12 +284,12 @@ def test_replay_starts_a_stage_reading_its_state_from_the_values_before_its_forw
     call, first = _first_forward(stage, x, state=[stage.avg], reads_state=True)
     after = stage.avg.clone()
     with Replay(call, capture_autocast()):
-        again = call.call(x)
+        again = call.activation(x)
     assert torch.equal(first, again)
     assert torch.equal(stage.avg, after)
     call.before = None
     with Replay(call, capture_autocast()):
-        stale = call.call(x)
+        stale = call.activation(x)
     assert not torch.equal(first, stale)
     assert torch.equal(stage.avg, after)
 
@@ -309,7 +309,7 @@ def test_replay_puts_the_forward_parameters_in_their_slots_for_its_length():
     replaced = stage.weight
     with Replay(call, capture_autocast()):
         assert stage.weight is old
-        again = call.call(x)
+        again = call.activation(x)
     assert torch.equal(first, again)
     assert stage.weight is replaced
 
@@ -342,7 +342,7 @@ def test_replay_reenters_the_autocast_state_of_the_forward():
     assert first.dtype == torch.bfloat16
     with Replay(call, capture_autocast()):
         assert torch.is_autocast_enabled("cpu")
-        again = call.call(x)
+        again = call.activation(x)
     assert torch.equal(first, again)
     assert not torch.is_autocast_enabled("cpu")
 

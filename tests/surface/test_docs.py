@@ -33,7 +33,7 @@ MODULES = sorted(info.name for info in pkgutil.walk_packages(remat.__path__, "re
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name, tmp_path, monkeypatch):
-    """A module's ``>>>`` examples give what they show (STYLE.md: an example for
+    """A module's ``>>>`` examples give what they show (the project's docstring style: an example for
     every public name)."""
     monkeypatch.chdir(tmp_path)
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS, report=False)
