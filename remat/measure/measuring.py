@@ -5,15 +5,15 @@ remat/measure/profile.py): the forward that counts, metered and backwarded
 their saved tensors for the call's own backward: the measuring part
 (``Measurer``) of a ``ChainCall`` (remat/runtime/chain_call.py). What it records
 of each stage is a ``StageRecord`` (remat/measure/record.py); later calls are
-checked against it by remat/runtime/stage_check.py.
+checked against it by remat/runtime/stage_call.py.
 
 Note [Saved tensors held elsewhere]
 -----------------------------------
 A stage may save a tensor for its backward and keep it some other way too:
 a hook collecting attention maps (transformers' ``output_attentions=True``),
 ``self.maps = att.detach()``. Dropped with the stage, it stays all the same,
-and a plan that counted it gone went over the budget by those bytes (18% on
-a 4-layer toy Llama at its minimum), without a word. Nothing holds a saved
+and a plan that counted it gone went over the budget by those bytes, without
+a word (figures: docs/how-it-works.md, "Measured while building remat"). Nothing holds a saved
 tensor's storage after the forward but autograd (here remat's hooks, one
 ``detach()`` each), what the stage returned (and a view's base) and the
 storage's own Python object, so a storage the stage made whose use count is
@@ -25,8 +25,8 @@ replaces the one held, or comes while the cache that held it is gone). So,
 silently, with what a cache holds that the stage made from parameters and
 buffers alone: autocast's casts of the weights and of a leaf input, kept to
 the end of the autocast region, and ``parametrize.cached()``'s weights (a
-stage dropped with its saved tensors went up to 2x over the budget under
-autocast before, as the plan counted those freed with it).
+plan that counted those freed with the stage's saved tensors went over the
+budget under autocast).
 """
 
 import dataclasses
@@ -38,8 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import Run, _Saved
 from ..runtime.replay import Replay, capture_rng, cuda_devices, restore_tensors
-from ..runtime.stage_call import first
-from ..runtime.stage_check import input_signature, module_dicts, module_structure
+from ..runtime.stage_call import first, input_signature, module_dicts, module_structure
 from ..runtime.tensor_slots import param_flags, state_plan
 from ..units import format_bytes
 from .costs_source import chain_costs, distributed, read_costs

@@ -68,8 +68,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..errors import input_modified
-from ..runtime.stage_call import first
-from ..runtime.stage_check import check_output
+from ..runtime.stage_call import check_output, first
 from .leaves import grad_side_inputs, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
 from .record import Probe, StageCosts, StageGraph

@@ -103,9 +103,9 @@ class StageRecord:
 
     ident: weakref.ref       # the stage's object (set by ``Recording.add``, which lets go of the dicts with it)
     name: str
-    in_sig: tuple            # its input's signature (stage_check.input_signature)
-    dicts: tuple             # its module's and submodules' __dict__ (stage_check.module_dicts)
-    structure: object        # what its module is made of (stage_check.module_structure)
+    in_sig: tuple            # its input's signature (stage_call.input_signature)
+    dicts: tuple             # its module's and submodules' __dict__ (stage_call.module_dicts)
+    structure: object        # what its module is made of (stage_call.module_structure)
     slots: tuple             # where its module's parameters and buffers live (tensor_slots.module_slots)
     grads: tuple             # dtype and requires_grad of those parameters (tensor_slots.param_flags)
     autocast: object         # the autocast state it ran in

@@ -9,8 +9,7 @@ during ``B(L)`` itself (remat/measure/profile.py). That holds where the caller l
 the chain's output go once it is used (a head that saved it has released it
 by ``B(L)``), not where a training loop keeps it in a variable through
 ``loss.backward()``: then a^L stays to the end of the backward, and a step
-went up to one output over the budget (38 of 60 random test chains kept as
-``y = net(x); loss = f(y); loss.backward()``; 26 before the give-back).
+goes up to one output over the budget (figures: docs/how-it-works.md, "Measured while building remat").
 
 So plans are solved as if the caller held a^L through the whole step (its
 bytes added to ``held_bytes``, and taken out of a-bar^L and of what B(L)
@@ -39,8 +38,8 @@ remat/measure/profile.py) and the third by weak references to the activations th
 stages returned, read as the chain ends (``caller_holds``: a list of hidden
 states, as transformers' ``output_hidden_states`` keeps, holds them all).
 Without it, a chain of stages that keep nothing of their input (dropout,
-scale) measured up to 20% under the predicted peak (79 of 100 random test
-chains within 10%).
+scale) runs well under its predicted peak, and plans are slower than the
+budget allows (figures: docs/how-it-works.md, "Measured while building remat").
 
 A loop could still keep an activation some other way (a view of it, a
 tensor on a custom Function's ctx). So each call that runs a plan takes a
@@ -76,7 +75,7 @@ __all__ = ["Recording"]
 def _stage_gone(record):
     """The callback of the weak reference to a stage's object. Its ``record`` holds
     that stage module's ``__dict__``, ``_parameters`` and ``_buffers`` (to check them
-    on later calls, remat/runtime/stage_check.py): a model deleted while its recording stayed
+    on later calls, remat/runtime/stage_call.py): a model deleted while its recording stayed
     cached kept its weights, up to ``CACHE_SIZE`` models' of them. No call can match
     a stage that is gone (its object is checked first), so it lets them go."""
     def gone(_ref):

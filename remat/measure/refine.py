@@ -6,10 +6,9 @@ The measuring call (Note [Measuring a stage], remat/measure/profile.py) times ea
 stage once, in a process that is not yet in its stride: its memory is laid
 out for the measuring runs, fresh pages fault on first touch, caches hold
 the other runs' data, and on CPU runs 1 and 2 go through the storage meter,
-which enters Python for every op. On ResNet-101's small stages on CPU the
-stages' backward in the first call, metered or not, came out 12-20% slower
-than in later steps, unevenly (the first stage of the backward up to four
-times), and the schedule's predicted time with it.
+which enters Python for every op. On small stages the first call's times,
+metered or not, come out slower than later steps', unevenly, and the
+schedule's predicted time with them (figures: docs/how-it-works.md, "Measured while building remat").
 
 The next calls run the schedule as every later one does, and ``StageTimes``
 stamps two of them (``SAMPLES``):
@@ -17,8 +16,8 @@ stamps two of them (``SAMPLES``):
 1. Forward phase: each stage's wall time, remat's own work around it included
    (a recording forward, with or without pack hooks, and the checks of Note
    [Chain keys] before it), the last stage's with the chain's end of call:
-   ``fwd_time``. The per-stage checks are tens of µs: on ResNet-101's small
-   stages on CPU, left out, they put the chain 4% above its prediction.
+   ``fwd_time``. The per-stage checks are tens of µs, which on small stages
+   left out put the chain above its prediction.
 2. Backward: a pre-hook on the node that made stage k's output notes when
    stage k's backward begins. On CPU the engine runs a graph on the calling
    thread, always the ready node made last first, so stage k's nodes run
@@ -32,19 +31,17 @@ stamps two of them (``SAMPLES``):
    with recording too, with remat's work around it (the replay, a pack hook
    per saved tensor, the determinism guard): ``fwd_time`` of such a stage is
    the mean of that run and its forward-phase run, so that a schedule that
-   runs the stage both ways is charged their sum. On ResNet-101's small
-   stages on CPU that work is about 150 us a recomputation, 15% of the
-   stage's forward.
+   runs the stage both ways is charged their sum. On small stages that work
+   is a fair share of the stage's forward.
 4. Recomputations without recording (``Fn``, ``Fck``, rebuilds) time a
    stage's forward without recording, replay included: ``fwd_nograd_time``
    of the stages recomputed so (the least of their runs); the others keep
    the measured one, but no more than their new ``fwd_time``: a forward
    without recording does the same work less the graph, while the measured
    run (run 3) was the stage's first without recording, cold, and twins
-   (remat/measure/measuring.py) copy the first one's. On ResNet-101 on CPU those
-   measured times summed 1.85x a steady no-grad forward, above the
-   recording forward's, and the solver would have recomputed with grad
-   mode on rather than without.
+   (remat/measure/twins.py) copy the first one's. Those measured times can
+   sum above the recording forward's, and the solver would then recompute
+   with grad mode on rather than without.
 
 At the end of the backward (an engine callback), if it went through every
 stage once, in chain order, and every interval is positive, the call's
@@ -53,9 +50,8 @@ lesser where one is 1.5x the other: ``combine``), replaces the measured
 times, the next call solves again, and a costs file the measuring call
 wrote is written again. One sample alone is a stage's wall time on
 whatever the machine did at that moment: on a shared CPU a stage preempted
-mid-run reads several times its time, and in one trial a single stamped
-call put a ResNet-101 store-all prediction 87% above the steady step (a
-second sample is seldom hit at the same stage). A call that gives no
+mid-run reads several times its time (a second sample is seldom hit at the
+same stage). A call that gives no
 sample (no backward, one that stops inside the chain) leaves the next one
 to try, up to ``ATTEMPTS`` calls; if only one sample came of them, it is
 used.
@@ -84,8 +80,8 @@ def combine(samples):
     """One stage's time from its samples: their mean, or the least where one is
     ``OUTLIER`` times another (the stage was preempted in that call). The least
     of every pair would be biased low: on sub-millisecond stages a run's jitter
-    is 10-20%, and the sum of the stages' minima predicted ResNet-101's store-all
-    chain 12% below its measured time."""
+    is large, and the sum of the stages' minima predicts a chain below its
+    measured time."""
     least = min(samples)
     if max(samples) > OUTLIER * least:
         return least

@@ -21,7 +21,7 @@ next two calls' own times then replace the shared ones (remat/measure/refine.py)
 
 import torch
 
-from ..runtime.stage_check import signature
+from ..runtime.stage_call import signature
 
 __all__ = ["Twin"]
 

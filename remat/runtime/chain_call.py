@@ -25,8 +25,7 @@ from ..measure.refine import StageTimes
 from .recompute import replaying
 from .replay import capture_autocast
 from .runner import Runner, site_text
-from .stage_call import StageCall
-from .stage_check import check_hooks_enabled, check_output, find_activation, handed_on, signature
+from .stage_call import StageCall, check_hooks_enabled, check_output, find_activation, handed_on, signature
 from .tensor_slots import module_slots, take
 
 __all__ = ["ChainCall", "CACHE_SIZE", "clear_cache"]

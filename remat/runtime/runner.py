@@ -17,11 +17,10 @@ nothing to replay (its tensors, state, RNG), and the checks that its module
 is still the one recorded (training flags, submodules, parameters) only keep
 the costs true. Made one by one between the stages' forwards, each reads a
 module's dicts and tensors that the stage before has pushed out of the CPU's
-caches: on ResNet-101's CPU chain they were 55 of the 90 µs remat spent per
-stage in a forward that stores everything. They run at the call's end
-instead, for all those stages in one pass (``_suspect_changed``), 26 µs a
-stage there, with nothing to replay set up: 32 µs a stage remain in the
-forward (benchmarks/README.md). A stage that fails there is a
+caches, and they were most of remat's own time in a forward that stores
+everything. They run at the call's end instead, for all those stages in one
+pass (``_suspect_changed``), where they cost about half as much, with
+nothing to replay set up (figures: docs/how-it-works.md, "Measured while building remat"). A stage that fails there is a
 suspect: from the next call on it is checked as it is called, as other stages
 are, and measured again if it has changed. It may not have: a wrapper may
 hold its module otherwise between its calls than during them (FSDP frees the
@@ -47,8 +46,7 @@ import torch
 from ..solver.schedule import Fall, Fck
 from .executor import Run
 from .replay import capture_rng, cuda_devices, snapshot
-from .stage_call import first
-from .stage_check import same_structure, signature_matches, trained_as
+from .stage_call import first, same_structure, signature_matches, trained_as
 from .tensor_slots import param_flags, resolve_state, take
 
 __all__ = ["Runner", "site_text"]

@@ -11,7 +11,6 @@ import torch.nn as nn
 from hypothesis import given, strategies as st
 
 import remat
-from remat.measure import measuring
 from remat.measure import twins as twins_module
 from remat.measure.measuring import Measurer
 from chains import IMG_KINDS, SEQ_KINDS, Net, make_input, run_blocks
@@ -293,7 +292,7 @@ def test_signature_check_agrees_with_the_signature():
     exactly what comparing ``input_signature``s says: activation alone (its fast
     path), passed by keyword, with tensor, tuple and Python side inputs, and with
     a submodule switched to eval."""
-    from remat.runtime.stage_check import input_signature, module_dicts, signature_matches
+    from remat.runtime.stage_call import input_signature, module_dicts, signature_matches
     from remat.runtime.stage_call import StageCall
 
     block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))

@@ -1,0 +1,115 @@
+"""The modules of remat a training step runs code in, in the order it first
+enters each, for a chain's first (measuring) call and for a later call; and
+how many lines of code the functions it runs there span.
+
+    python benchmarks/call_path.py [--json]
+
+The model is the GPT of remat/models/gpt.py (4 blocks, dropout on) at a
+budget between its minimum and storing everything, so that the later call
+recomputes. The later call is the sixth step, past the two that refine the
+times (remat/measure/refine.py). docs/how-it-works.md ("The life of a
+training step") names the modules this prints.
+
+The line counts bound how few modules any layout could have: the functions a
+call runs must live somewhere, so with no module over 400 lines a path
+passes through at least (lines of those functions) / 400 modules.
+"""
+
+import argparse
+import ast
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import remat  # noqa: E402
+from remat.models import GPT  # noqa: E402
+
+PACKAGE = os.path.join(ROOT, "remat") + os.sep
+MAX_LINES = 400
+
+
+def _spans(path, cache={}):
+    """{first line of each function: its last line} of a source file."""
+    if path not in cache:
+        tree = ast.parse(open(path).read())
+        cache[path] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+                cache[path][node.lineno] = (first, node.end_lineno)
+    return cache[path]
+
+
+def trace(step):
+    """Run ``step()``; return ([module paths in the order first entered], {path: set of lines of the
+    functions run there})."""
+    order, lines = [], {}
+
+    def profile(frame, event, _arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        path = code.co_filename
+        if not path.startswith(PACKAGE):
+            return
+        if path not in lines:
+            order.append(path)
+            lines[path] = set()
+        span = _spans(path).get(code.co_firstlineno)
+        if span is not None:
+            lines[path].update(range(span[0], span[1] + 1))
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return order, lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = GPT(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.1)
+    data = torch.randint(0, 64, (4, 16))
+
+    def step():
+        logits = model(data)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), data.flatten()).backward()
+
+    model.budget = 2**40
+    step()
+    costs = remat.explain().costs
+    remat.clear_cache()
+    low, high = remat.solver.solve.minimum_budget(costs), costs.held_bytes + sum(costs.saved_bytes) * 2
+    model.budget = (low + high) // 3
+    paths = {"first call": trace(step)}
+    for _ in range(4):
+        step()
+    paths["later call"] = trace(step)
+    assert remat.explain().schedule.recomputations() > 0, "the later call recomputes nothing"
+    out = {}
+    for name, (order, lines) in paths.items():
+        modules = [os.path.relpath(p, ROOT) for p in order]
+        code = sum(len(v) for v in lines.values())
+        out[name] = {"modules": modules, "function_lines": code, "at_least": math.ceil(code / MAX_LINES)}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    for name, row in out.items():
+        print(f"{name}: {len(row['modules'])} modules; the functions it runs span {row['function_lines']} lines "
+              f"(at least {row['at_least']} modules of at most {MAX_LINES} lines)")
+        for m in row["modules"]:
+            print(f"  {m}")
+
+
+if __name__ == "__main__":
+    main()
