@@ -5,6 +5,8 @@ between a chain's minimum and its store-all peak and the peak a step meters
 
 import copy
 import math
+import sys
+import weakref
 
 import torch
 import torch.nn as nn
@@ -267,3 +269,18 @@ def with_budget(net, fraction=0.0, algorithm="optimal"):
     out.budget = budget_for(measured_costs(net), algorithm, fraction)
     out.algorithm = algorithm
     return out
+
+
+def tracked_runs(monkeypatch):
+    """A weak set of every ``Run`` the chains make from now on (until ``monkeypatch`` undoes it)."""
+    from remat.runtime.executor import Run
+    made = weakref.WeakSet()
+
+    class Tracked(Run):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.add(self)
+
+    for part in ("remat.runtime.runner", "remat.measure.measuring"):   # (where the parts make their Runs)
+        monkeypatch.setattr(sys.modules[part], "Run", Tracked)
+    return made

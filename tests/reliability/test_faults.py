@@ -15,9 +15,8 @@ import torch.nn as nn
 from hypothesis import given, strategies as st
 
 import remat
-from chains import IMG_KINDS, SEQ_KINDS, make_stage
+from chains import IMG_KINDS, SEQ_KINDS, make_stage, tracked_runs
 from remat.runtime.recompute import replaying
-from remat.runtime.executor import Run
 from remat.solver.schedule import Fall, simulate
 from remat.solver.solve import minimum_budget, store_all
 
@@ -121,15 +120,7 @@ def one_thread():
 @pytest.fixture
 def runs(monkeypatch):
     """Every ``Run`` the chains make, weakly."""
-    made = weakref.WeakSet()
-
-    class Tracked(Run):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.add(self)
-
-    for part in ("remat.runtime.runner", "remat.measure.measuring"):   # (where the parts make their Runs)
-        monkeypatch.setattr(sys.modules[part], "Run", Tracked)
+    made = tracked_runs(monkeypatch)
     _made.clear()
     yield made
     _made.clear()

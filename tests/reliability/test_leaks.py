@@ -11,8 +11,9 @@ import torch.nn as nn
 
 import remat
 from remat.measure.meter import Instrument
-from remat.runtime.executor import Run
 from remat.solver.solve import minimum_budget
+
+from chains import tracked_runs
 
 _chain_module = sys.modules["remat.runtime.chain_call"]
 
@@ -56,15 +57,7 @@ def one_thread():
 @pytest.fixture
 def runs(monkeypatch):
     """Every ``Run`` the chains make, weakly."""
-    made = weakref.WeakSet()
-
-    class Tracked(Run):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.add(self)
-
-    for part in ("remat.runtime.runner", "remat.measure.measuring"):   # (where the parts make their Runs)
-        monkeypatch.setattr(sys.modules[part], "Run", Tracked)
+    made = tracked_runs(monkeypatch)
     return made
 
 
