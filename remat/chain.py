@@ -10,12 +10,12 @@ arguments (shape, dtype, device and requires_grad of every tensor, value of
 small Python values), the first stage module's training flag and the
 autocast state. A key seen before runs its schedule; a new budget re-solves
 from the cached costs; a new key measures. While running, each stage is
-checked against the recording (same stage object, input shape, side inputs
+checked against the chain's record (same stage object, input shape, side inputs
 by signature, training flags of its module and submodules, autocast state,
 parameters' dtypes and requires_grad; the module of a stage the plan records
 whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
 the chain takes another path, the rest of it is measured again and the
-recording replaced (a path changing from call to call is measured on every
+record replaced (a path changing from call to call is measured on every
 call: warned of, remat/runtime/runner.py ``_path_changed``). At most ``CACHE_SIZE``
 keys are kept (least recently used first out).
 """

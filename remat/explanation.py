@@ -14,7 +14,7 @@ class Explanation:
     ``costs`` are those the schedule was solved on; ``measured`` those the
     chain measured (or read), as its costs file holds them. They differ by
     the chain's output, counted in ``held_bytes`` while the code around the
-    chain may hold it through the backward (Note [The chain's output], remat/measure/recording.py)."""
+    chain may hold it through the backward (Note [The chain's output], remat/measure/chain_record.py)."""
 
     def __init__(self, costs, schedule, budget, names, measured=None):
         self.costs = costs

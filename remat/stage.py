@@ -46,7 +46,7 @@ class _StageForward:
     __slots__ = ("module", "inner")
 
     def __init__(self, module, inner=None):
-        # (weakly: the module's __dict__ holds this, and a chain's recording holds that
+        # (weakly: the module's __dict__ holds this, and a chain's record holds that
         # dict; a strong reference back kept a deleted model alive while it was cached)
         self.module = weakref.ref(module)
         self.inner = inner

@@ -1,2 +1,2 @@
 """The measuring half: a chain's first call, stage by stage, under the storage
-meter (or the CUDA allocator), and the ``Recording`` of what it learned."""
+meter (or the CUDA allocator), and the ``ChainRecord`` of what it learned."""

@@ -51,7 +51,7 @@ def chain_costs(stages, input_bytes, held_bytes, path, given):
             ``out_bytes`` and ``saved_seen`` when the costs are given).
         input_bytes: the chain input's bytes.
         held_bytes: what the chain holds through the step beside its activations
-            (``Recording.held_bytes``).
+            (``ChainRecord.held_bytes``).
     """
     if given is not None:
         _check_given(given, stages, input_bytes, held_bytes, path)

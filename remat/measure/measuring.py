@@ -46,7 +46,7 @@ from .leaves import GradPool, Upstream, shared_grad_transients, side_grads
 from .meter import Instrument, storage_key
 from .profile import instrumented_run, observed_forward
 from .record import StageRecord
-from .recording import Recording
+from .chain_record import ChainRecord
 from .refine import ATTEMPTS
 from .stage_backward import backward_again
 from .twins import Twin
@@ -72,20 +72,20 @@ class _Measured:
 
 class Measurer:
     """The measuring part of a chain call: each stage measured as it is called,
-    into a new ``Recording``.
+    into a new ``ChainRecord``.
 
     Args:
         budget: the call's budget in bytes; ``autocast`` the state it opened in.
-        recording: the recording of the stages already run on a plan, when a
+        chain_record: the record of the stages already run on a plan, when a
             call left its recorded path (``Runner.diverge``); else None.
         run: that call's ``Run``; else None (a new one).
     """
 
-    def __init__(self, budget, autocast, recording=None, run=None):
+    def __init__(self, budget, autocast, chain_record=None, run=None):
         self.budget, self.autocast = budget, autocast
-        self.new = recording if recording is not None else Recording()
+        self.new = chain_record if chain_record is not None else ChainRecord()
         self.run = run if run is not None else Run(None, autocast)
-        self.diverged = len(self.new.stages) + 1 if recording is not None else 0
+        self.diverged = len(self.new.stages) + 1 if chain_record is not None else 0
         self.given = None        # costs read from a file
         self.costs_path = None   # the costs file this call reads or writes
         self.rng_start = None    # the RNG state as the call began (put back if it fails)
@@ -254,7 +254,7 @@ class Measurer:
         call.rng = rng0 if probe.uses_rng else None
 
     def _record(self, call, ident, x, probe, rng0, held):
-        """Append the stage's ``StageRecord`` to the recording."""
+        """Append the stage's ``StageRecord`` to the chain's record."""
         if call.index == 1:
             self.new.input_bytes = x.untyped_storage().nbytes()
         dicts = module_dicts(ident)
@@ -341,7 +341,7 @@ class Measurer:
 
     def finish(self, last):
         """The end of the measuring call, whose last stage was ``last``: the
-        recording's costs (on failure, the call undone)."""
+        chain's record and its costs (on failure, the call undone)."""
         new = self.new
         try:
             try:
@@ -380,9 +380,9 @@ def _bitwise_equal(a, b):
                             b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-def _held_first(recording, held, kind, k, nbytes):
+def _held_first(chain_record, held, kind, k, nbytes):
     """Count ``nbytes`` of ``kind`` as held through the step for stage ``k`` (its
-    ``held``); True if no stage of ``recording`` held any of that kind before
+    ``held``); True if no stage of ``chain_record`` held any of that kind before
     (the measuring call says so once)."""
     held[(kind, k)] = nbytes
-    return not any(isinstance(key, tuple) and key[0] == kind for s in recording.stages for key in s.held)
+    return not any(isinstance(key, tuple) and key[0] == kind for s in chain_record.stages for key in s.held)

@@ -1,7 +1,7 @@
 """The typed records of a measuring call: what one stage costs
 (``StageCosts``), what measuring its forward and backward showed besides
 (``Probe``), and everything a later call needs of that stage (``StageRecord``).
-A ``Recording`` (remat/measure/recording.py) holds one ``StageRecord`` per
+A ``ChainRecord`` (remat/measure/chain_record.py) holds one ``StageRecord`` per
 stage; the costs file is written from their ``StageCosts`` and read back into
 them (remat/measure/costs_source.py).
 """
@@ -24,7 +24,7 @@ class StageCosts:
     """One stage's costs as a measuring call saw them (``remat.Costs``' per-stage
     fields, Note [Accounting] in remat/solver/schedule.py), and what decides the
     forward phase's drops (Note [What the forward phase drops],
-    remat/measure/recording.py). None: not known (costs read from a file measure
+    remat/measure/chain_record.py). None: not known (costs read from a file measure
     only ``out_bytes``; a stage's backward not measured)."""
 
     out_bytes: int
@@ -101,7 +101,7 @@ class StageRecord:
     checked against (Note [Chain keys], remat/chain.py), what a recomputation
     replays (Note [Replaying a stage], remat/runtime/replay.py) and its costs."""
 
-    ident: weakref.ref       # the stage's object (set by ``Recording.add``, which lets go of the dicts with it)
+    ident: weakref.ref       # the stage's object (set by ``ChainRecord.add``, which lets go of the dicts with it)
     name: str
     in_sig: tuple            # its input's signature (stage_call.input_signature)
     dicts: tuple             # its module's and submodules' __dict__ (stage_call.module_dicts)
@@ -117,12 +117,12 @@ class StageRecord:
     grad_replay: bool        # recomputed with grad mode on (Note [Replaying a stage] 4)
     costs: StageCosts        # None if its activation is not a tensor
     held: dict               # {key: bytes} held through the step because of it (Upstream.held_grads, ...)
-    quiet: tuple = None      # ``Recording.quiet``'s answer, once asked
+    quiet: tuple = None      # ``ChainRecord.quiet``'s answer, once asked
 
     def forget_module(self):
-        """The stage's object is gone: let go of its module's dicts (``Recording.add``)."""
+        """The stage's object is gone: let go of its module's dicts (``ChainRecord.add``)."""
         self.dicts, self.structure, self.slots = (), None, NO_SLOTS
 
     def again(self, costs):
-        """A copy for a recording made again from this one, with ``costs``."""
+        """A copy for a chain's record made again from this one, with ``costs``."""
         return dataclasses.replace(self, costs=costs, quiet=None)

@@ -91,8 +91,8 @@ def combine(samples):
 class StageTimes:
     """The stamps of Note [Timing the second call] for one call of a chain."""
 
-    def __init__(self, recording):
-        self.recording = weakref.ref(recording)
+    def __init__(self, chain_record):
+        self.chain_record = weakref.ref(chain_record)
         self.forward = {}     # stage -> seconds of its forward-phase run
         self.nograd = {}      # stage -> least seconds of a recomputation without recording
         self.recording_runs = {}   # stage -> seconds of its recomputation that records
@@ -154,12 +154,12 @@ class StageTimes:
 
     def _finish(self):
         self.done = True
-        recording = self.recording()
+        chain_record = self.chain_record()
         backward = self.backward()
-        if recording is not None and backward is not None:
+        if chain_record is not None and backward is not None:
             forward = {k: (t + self.recording_runs[k]) / 2 if k in self.recording_runs else t
                        for k, t in self.forward.items()}
-            recording.timed(forward, backward, self.nograd)
+            chain_record.timed(forward, backward, self.nograd)
 
     def backward(self):
         """Each stage's backward seconds, or None if the backward did not go

@@ -1,7 +1,7 @@
 """One call of a chain (the user's forward, from the ``with remat.chain`` to its
 end): its stage calls checked and handed to its measuring part (``Measurer``,
 remat/measure/measuring.py) or its running part (``Runner``,
-remat/runtime/runner.py), and the recordings of the chains, per key (Note
+remat/runtime/runner.py), and the records of the chains, per key (Note
 [Chain keys], remat/chain.py), in a bounded cache.
 """
 
@@ -31,7 +31,7 @@ from .tensor_slots import module_slots, take
 __all__ = ["ChainCall", "CACHE_SIZE", "clear_cache"]
 
 CACHE_SIZE = 64
-_cache = collections.OrderedDict()   # chain key -> Recording, least recently used first
+_cache = collections.OrderedDict()   # chain key -> ChainRecord, least recently used first
 _cache_lock = threading.Lock()
 
 
@@ -90,7 +90,7 @@ def _dual(x, args, kwargs):
 class ChainCall:
     """One open chain on one thread (one call of the user's forward): the stage
     calls checked as they come and handed to its part, a ``Measurer`` or a
-    ``Runner``; a call that leaves its recorded path hands the runner's recording
+    ``Runner``; a call that leaves its recorded path hands the runner's record
     so far to a new measurer (``Runner.diverge``)."""
 
     def __init__(self, spec, site):
@@ -262,7 +262,7 @@ class ChainCall:
         new.watch_output(self.prev)
         try:
             # (this call's own backward may yet show its output let go: Note [The
-            # chain's output], remat/measure/recording.py; only a budget under the measured
+            # chain's output], remat/measure/chain_record.py; only a budget under the measured
             # costs' minimum fails now)
             plan = new.plan(self.budget, self.spec.algorithm, self.spec.slots)
         except Exception as exc:
@@ -295,13 +295,13 @@ def _take_slots(call, ident):
             f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
 
 
-def _remember(key, recording):
-    """Cache ``recording`` under ``key``; recordings of models that are gone go first."""
+def _remember(key, chain_record):
+    """Cache ``chain_record`` under ``key``; records of models that are gone go first."""
     with _cache_lock:
-        _cache[key] = recording
+        _cache[key] = chain_record
         _cache.move_to_end(key)
         if len(_cache) > CACHE_SIZE:
-            # recordings of models that are gone can never match again: they go first
+            # records of models that are gone can never match again: they go first
             for old in [k for k, e in _cache.items() if e.ident(1) is None]:
                 del _cache[old]
         while len(_cache) > CACHE_SIZE:

@@ -1,7 +1,7 @@
 """A recorded chain's later calls, stage by stage: each stage checked against
-the recording (Note [Chain keys], remat/chain.py) and run in its forward-phase
+the chain's record (Note [Chain keys], remat/chain.py) and run in its forward-phase
 mode of the plan (``Fall`` records whole; ``Fck`` and ``Fn`` run under the pack
-hooks of remat/runtime/executor.py, keeping their input or not), and the recording's
+hooks of remat/runtime/executor.py, keeping their input or not), and the record's
 update at the end of the call: the running part (``Runner``) of a
 ``ChainCall`` (remat/runtime/chain_call.py), which hands a later call to this
 part, as it hands a first call to the measuring part (``Measurer``,
@@ -25,8 +25,8 @@ suspect: from the next call on it is checked as it is called, as other stages
 are, and measured again if it has changed. It may not have: a wrapper may
 hold its module otherwise between its calls than during them (FSDP frees the
 unsharded parameters after a forward). This call, run as recorded, is exact
-all the same, its peak off by the change, and the recording learns nothing
-from it of what the forward phase let go and kept (``Recording.ran``): a
+all the same, its peak off by the change, and the record learns nothing
+from it of what the forward phase let go and kept (``ChainRecord.ran``): a
 stage unfrozen since keeps its input, which would read as the code around
 the chain keeping it. Checked as it is called still: the stage's identity
 and its input's signature, which decide what stage this is, and the version
@@ -67,11 +67,11 @@ def site_text(site):
 
 
 class Runner:
-    """The running part of a chain call: the plan of its recording, stage by stage.
+    """The running part of a chain call: the plan of its record, stage by stage.
 
     Args:
         key: the chain's key (Note [Chain keys]); ``site`` its site.
-        entry: the ``Recording`` of that key.
+        entry: the ``ChainRecord`` of that key.
         plan: the ``Plan`` solved from it for this call's budget.
         autocast: the autocast state the chain opened in.
     """
@@ -81,7 +81,7 @@ class Runner:
         self.run = Run(plan, autocast)
         self.dropped = []     # (i, weak reference to a^i's storage) the plan lets go
         self.acts = []        # (i, weak reference to a^i's storage, a^1's node for stage 1), each stage
-        self.stale = False    # a stage saved other tensors than the recording says
+        self.stale = False    # a stage saved other tensors than the record says
         self.unchecked = []   # stages whose module is checked at the end (Note [Stages recorded whole])
 
     def matches(self, k, ident, x, call):
@@ -110,18 +110,18 @@ class Runner:
             call.slots, call.tensors, call.flags = record.slots, tensors, record.grads
         return True
 
-    def _suspect_changed(self, recording):
-        """Note [Stages recorded whole]: add to ``recording.suspects`` the stages of
+    def _suspect_changed(self, chain_record):
+        """Note [Stages recorded whole]: add to ``chain_record.suspects`` the stages of
         this call left unchecked whose module is no longer as recorded; True if any."""
         found = False
         for k in self.unchecked:
             if _same_module(self.entry.stages[k - 1]) is False:
-                recording.suspects.add(k)
+                chain_record.suspects.add(k)
                 found = True
         return found
 
     def diverge(self, k):
-        """The chain left the recorded path at stage k: return the recording of the
+        """The chain left the recorded path at stage k: return the record of the
         stages before it, for the measuring part to measure the rest with this
         call's ``run`` (Note [Chain keys])."""
         new = self.entry.again(k - 1)
@@ -140,7 +140,7 @@ class Runner:
         if n == PATH_CHANGES and self.site not in _warned_paths:
             _warned_paths.add(self.site)
             warnings.warn(
-                f"remat: the chain at {site_text(self.site)} took another path of stages than its recording on "
+                f"remat: the chain at {site_text(self.site)} took another path of stages than its record on "
                 f"{PATH_CHANGES} calls in a row (stages skipped, added or reordered from call to call, as "
                 f"LayerDrop does); each such call measures the rest of the chain again, keeping every "
                 f"stage's input, over the budget. remat keeps the budget on a path it has measured and "
@@ -167,7 +167,7 @@ class Runner:
         quantisation observer switched on since): the next call measures again, and
         this call's recomputations of the stage put them back as its forward left
         them (their writes undone, as those of the measured state are). ``buffers``
-        are those the stage did not write when measured (``Recording.quiet``)."""
+        are those the stage did not write when measured (``ChainRecord.quiet``)."""
         state = call.state
         new = [b for b, v in zip(buffers, versions)
                if b is not None and b._version != v and not any(b is t for t in state)]
@@ -243,9 +243,9 @@ class Runner:
 
     def finish(self, k, act, source):
         """The end of the call, whose last stage was k and returned ``act`` (a^0's
-        storage ``source``): the recording learns what the call let go and kept;
+        storage ``source``): the record learns what the call let go and kept;
         True if the chain stopped short of its recorded stages or a stage saved
-        other tensors than recorded (the caller forgets the recording)."""
+        other tensors than recorded (the caller forgets the record)."""
         if k != len(self.entry.stages):
             self.run.ops = None
             self._path_changed()

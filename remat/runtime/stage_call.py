@@ -193,7 +193,7 @@ def module_dicts(ident):
 
 
 def input_signature(x, call, dicts):
-    """What each stage of a recording is checked against on later calls: input
+    """What each stage of a chain's record is checked against on later calls: input
     shape and dtype, the training flags of its module and submodules (a stage, or
     a BatchNorm inside it, switched to eval or back is measured again), and its
     side inputs by ``signature`` (an encoder output of another length, another

@@ -5,7 +5,7 @@ and putting the forward's back in their places for a recomputation (Note
 A stage's ``slots`` are the (dict, name) pairs of its module and submodules
 (``_parameters``, ``_buffers``, ``__dict__``); each call takes the tensors
 found there as it runs the stage (``take``), the checks of Note [Chain keys]
-(remat/chain.py) compare them with the recording's, and a recomputation puts
+(remat/chain.py) compare them with those of the chain's record, and a recomputation puts
 them back where they were replaced since (``ForwardTensors``).
 """
 

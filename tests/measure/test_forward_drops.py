@@ -1,4 +1,4 @@
-"""What the forward phase lets go (remat/measure/recording.py Note [What the forward phase
+"""What the forward phase lets go (remat/measure/chain_record.py Note [What the forward phase
 drops]): a^i of a stage whose successor's recording keeps no part of it, unless
 the code around the chain holds it."""
 

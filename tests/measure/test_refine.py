@@ -212,7 +212,7 @@ def test_times_stay_measured_without_a_whole_backward(tmp_path):
 
 def test_stamped_times_hold_remat_own_work(monkeypatch):
     """A stamped forward time covers remat's work for the stage as well as the
-    stage (the checks against the recording before it), and the last stage's the
+    stage (the checks against the chain's record before it), and the last stage's the
     chain's end of call: simulate charges nothing else, and on small stages that
     work is a few percent of a step (Note [Timing the second call], 1)."""
     import remat.runtime.runner as running

@@ -187,7 +187,7 @@ def test_fault_in_recomputation(runs, exc, measured, algorithm):
     equal plain PyTorch's (whose faulty step ran its forward only)."""
     plain, net = _pair(algorithm=algorithm)
     if measured:
-        # two calls: the first one's backward may change the plan (remat/measure/recording.py
+        # two calls: the first one's backward may change the plan (remat/measure/chain_record.py
         # Note [The chain's output]); the second shows the one the next call runs
         for seed in (1, 5):
             _assert_equal(_step(plain, seed), _step(net, seed))
@@ -301,7 +301,7 @@ def test_random_chain_budget_and_fault(chain, fraction, algorithm):
         try:
             _, loss = _loss(net, 2)
             # this call's schedule (the first call's backward may have changed the
-            # plan: remat/measure/recording.py Note [The chain's output])
+            # plan: remat/measure/chain_record.py Note [The chain's output])
             recomputed = fault == "recompute" and remat.explain().schedule.forward_modes()[where] is not Fall
             loss.backward()
             raised = None

@@ -103,14 +103,14 @@ def test_thousand_steps_hold_constant_memory(runs):
     assert len(set(counts[1:])) == 1, f"Python tensor counts grow: {counts}"
     assert cache == [1] * len(cache)
     # (the measuring call's plan goes when its backward shows the chain's output let
-    # go: remat/measure/recording.py Note [The chain's output]; step 1 solves the one kept)
+    # go: remat/measure/chain_record.py Note [The chain's output]; step 1 solves the one kept)
     assert plans[1:] == [1] * (len(plans) - 1)
     assert alive == [0] * len(alive), f"Run objects alive: {alive}"
 
 
 def test_cache_is_bounded_and_evicted_entries_are_freed():
-    """More input shapes than CACHE_SIZE keep at most CACHE_SIZE recordings, and an evicted
-    recording (and the model it measured, once dropped) is freed."""
+    """More input shapes than CACHE_SIZE keep at most CACHE_SIZE records, and an evicted
+    record (and the model it measured, once dropped) is freed."""
     remat.clear_cache()
     torch.manual_seed(0)
     model = Model(n=2, d=4, budget=2**30)
@@ -121,7 +121,7 @@ def test_cache_is_bounded_and_evicted_entries_are_freed():
             first = weakref.ref(next(iter(_chain_module._cache.values())))
     assert len(_chain_module._cache) == _chain_module.CACHE_SIZE
     gc.collect()
-    assert first() is None, "the least recently used recording is still alive"
+    assert first() is None, "the least recently used record is still alive"
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -129,8 +129,8 @@ def test_cache_is_bounded_and_evicted_entries_are_freed():
     remat.clear_cache()
 
 
-def test_recordings_of_dropped_models_are_evicted_first():
-    """When the cache is full, recordings of models that are gone (they can never match
+def test_records_of_dropped_models_are_evicted_first():
+    """When the cache is full, records of models that are gone (they can never match
     again) go before the least recently used live ones."""
     remat.clear_cache()
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def test_recordings_of_dropped_models_are_evicted_first():
     fresh(torch.randn(2, 4, requires_grad=True)).sum().backward()   # the cache overflows
     alive = [e for e in _chain_module._cache.values() if e.ident(1) is not None]
     assert {id(e.ident(1)) for e in alive} == {id(keep.blocks[0]), id(fresh.blocks[0])}, \
-        "a live model's recording was evicted before those of dropped models"
+        "a live model's record was evicted before those of dropped models"
     assert len(_chain_module._cache) <= _chain_module.CACHE_SIZE
     remat.clear_cache()
 
@@ -157,9 +157,9 @@ class _Chained(nn.Sequential):
 
 
 @pytest.mark.parametrize("marking", ["method", "instance", "wrap"])
-def test_deleted_models_weights_are_freed_while_their_recording_is_cached(marking):
+def test_deleted_models_weights_are_freed_while_their_record_is_cached(marking):
     """A model deleted after training frees its parameters at once (two garbage
-    collections), though its chain's recording is still cached: the recording held
+    collections), though its chain's record is still cached: the record held
     each stage module's dicts, and with them its weights (a stage marked in place
     held the module too, from its __dict__), until evicted or the cache cleared."""
     remat.clear_cache()

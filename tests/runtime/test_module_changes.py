@@ -1,4 +1,4 @@
-"""A stage module changed between calls of a chain, in ways the recording cannot
+"""A stage module changed between calls of a chain, in ways the chain's record cannot
 show by its key: it starts drawing random numbers, a submodule is replaced, a
 buffer is registered, parameters are pruned to another shape. Each call after
 the change is plain PyTorch's, at a budget that recomputes. Also a chain whose
@@ -168,7 +168,7 @@ def test_a_path_changing_from_call_to_call_is_warned_of():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             step((None, 3)[i % 2])
-    with pytest.warns(RuntimeWarning, match=rf"took another path of stages than its recording on {PATH_CHANGES} "
+    with pytest.warns(RuntimeWarning, match=rf"took another path of stages than its record on {PATH_CHANGES} "
                                             r"calls in a row .*LayerDrop"):
         step((None, 3)[(PATH_CHANGES - 1) % 2])
 

@@ -190,7 +190,7 @@ class _Switch(PosBlock):
 def test_stage_taking_another_path_than_measured():
     """A stage that saves other tensors than when measured (a global flag set since)
     runs this call checked against its own forward, and the next call measures the
-    chain again (its saved tensors were handed back by position, from a recording of
+    chain again (its saved tensors were handed back by position, from the chain's record of
     the other path: a raw engine error or a false RecomputeMismatchError before)."""
     ref, net = _flag_pair(_Switch, "quant")
     first = None

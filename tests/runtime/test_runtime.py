@@ -48,7 +48,7 @@ def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
 def test_measured_peak_stays_under_budget(chain, fraction, hold):
     """The storage meter's peak of a real training step never exceeds the budget,
     whether the loop keeps the chain's output through the backward or not
-    (remat/measure/recording.py Note [The chain's output]), and is within 10% of
+    (remat/measure/chain_record.py Note [The chain's output]), and is within 10% of
     simulate's: what the forward phase lets go (Costs.fwd_drop) and what the
     chain holds through the step (Costs.held_bytes) are counted apart from the
     activations. The output a loop keeps is counted in held_bytes from the
@@ -243,7 +243,7 @@ def test_explain_after_a_budget_error_shows_that_budget():
 
 def test_chain_output_held_through_backward_is_counted():
     """Plans count the chain's output as held until a backward shows it let go; a loop
-    that holds it once keeps it counted (remat/measure/recording.py Note [The chain's output])."""
+    that holds it once keeps it counted (remat/measure/chain_record.py Note [The chain's output])."""
     torch.manual_seed(0)
     net = Net(["linear", "scale", "linear"])
     net.budget = 2**40

@@ -216,11 +216,11 @@ class _Cross(nn.Module):
 
 
 def test_later_stage_side_input_and_submodule_flags_are_checked():
-    """A recording holds for a later call only if every stage gets like side inputs
+    """A chain's record holds for a later call only if every stage gets like side inputs
     (an encoder output of another length reaches the cross-attention stages, not the
     first one, which alone is in the chain's key) and its submodules have the same
     training flags (a BatchNorm inside a stage frozen with .eval()): otherwise the
-    rest of the chain is measured again. Reusing the other recording raised a false
+    rest of the chain is measured again. Reusing the other record raised a false
     RecomputeMismatchError, or ran over the budget on the other shape's costs."""
     torch.manual_seed(0)
     base = nn.ModuleList([_SelfAttn(8)] + [_Cross(8) for _ in range(3)])

@@ -59,7 +59,7 @@ def test_class_method_stage():
 
 
 def test_builtin_stage():
-    """A builtin cannot be weakly referenced (a chain's recording keys its stages so):
+    """A builtin cannot be weakly referenced (a chain's record keys its stages so):
     remat.stage wraps it in a function."""
     _grads_equal(remat.stage(torch.Tensor.exp))
     _grads_equal(remat.stage(torch.tanh))
@@ -154,8 +154,8 @@ def test_empty_sequential_measures_nothing():
 
 
 def test_forward_taken_from_a_marked_module_that_is_gone_says_so():
-    """A marked module's instance forward holds the module weakly (so that a cached
-    recording, which holds the module's __dict__, does not keep it alive): called
+    """A marked module's instance forward holds the module weakly (so that the chain's cached
+    record, which holds the module's __dict__, does not keep it alive): called
     after the module is gone, it says so instead of failing somewhere inside."""
     import gc
 

@@ -1,4 +1,4 @@
-"""What the measuring call of a chain learned (``Recording``) and the plans
+"""What the measuring call of a chain learned (``ChainRecord``) and the plans
 solved from it (shown to a person by ``explain()``, remat/explanation.py).
 
 Note [The chain's output]
@@ -70,12 +70,12 @@ from ..solver.solve import solve
 from .record import StageCosts
 from ..units import format_bytes
 
-__all__ = ["Recording"]
+__all__ = ["ChainRecord"]
 
 def _stage_gone(record):
     """The callback of the weak reference to a stage's object. Its ``record`` holds
     that stage module's ``__dict__``, ``_parameters`` and ``_buffers`` (to check them
-    on later calls, remat/runtime/stage_call.py): a model deleted while its recording stayed
+    on later calls, remat/runtime/stage_call.py): a model deleted while its record stayed
     cached kept its weights, up to ``CACHE_SIZE`` models' of them. No call can match
     a stage that is gone (its object is checked first), so it lets them go."""
     def gone(_ref):
@@ -98,7 +98,7 @@ def _ranges(stages):
     return what + " " + ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
 
 
-class Recording:
+class ChainRecord:
     """What the measuring call of one key learned, and the plans solved from it."""
 
     def __init__(self):
@@ -132,10 +132,10 @@ class Recording:
         return self.stages[k - 1].ident()
 
     def again(self, count):
-        """A recording of this one's first ``count`` stages, for a call that left the
+        """A record of this one's first ``count`` stages, for a call that left the
         recorded path after them (Note [Chain keys]): their costs as the costs
         tell (``StageCosts.of``), the rest to be measured."""
-        new = Recording()
+        new = ChainRecord()
         for i, s in enumerate(self.stages[:count]):
             new.add(s.again(StageCosts.of(self.costs, i)), s.ident())
         new.input_bytes = self.input_bytes
@@ -355,7 +355,7 @@ class Recording:
                     raise BudgetError(
                         f"{exc}. That counts the chain's output ({format_bytes(self.costs.out_bytes[-1])}) "
                         f"as held through the backward: the code around the chain kept it "
-                        f"(remat/measure/recording.py Note [The chain's output])") from None
+                        f"(remat/measure/chain_record.py Note [The chain's output])") from None
                 schedule = None
             if schedule is None:
                 # no backward has told yet whether the code around the chain lets a^L go:
@@ -389,4 +389,4 @@ def _least(costs, algorithm, slots):
 
 
 # weak references Dynamo would trace into their referents (remat/dynamo.py)
-DYNAMO_SKIPS.extend([Recording.ran, Recording.caller_holds])
+DYNAMO_SKIPS.extend([ChainRecord.ran, ChainRecord.caller_holds])
