@@ -1,5 +1,8 @@
 """``remat.chain``: stage calls inside it form a chain that is measured once,
-solved for the budget and then run on the schedule (docs/how-it-works.md, "The life of a chain").
+solved for the budget and then run on the schedule (docs/how-it-works.md, "The
+life of a chain"). Here too: budgets, as a user writes them (an int of bytes,
+"1.5GiB", "auto") and what they mean in bytes on a device; and what remat
+knows about a chain after a call (``remat.explain()``, ``remat.chain.last``).
 
 Note [Chain keys]
 -----------------
@@ -26,14 +29,134 @@ import sys
 import threading
 from typing import NamedTuple
 
-from .budget import parse_budget
-from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache
-from .dynamo import skip_for_dynamo
-from .errors import StageError
-from .explanation import LatestExplanation, explain
-from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
+import torch
 
-__all__ = ["chain", "ChainHints", "explain", "CACHE_SIZE", "clear_cache"]
+from .dynamo import skip_for_dynamo
+from .errors import BudgetError, StageError
+from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache
+from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
+from .units import format_bytes, parse_bytes
+
+__all__ = ["chain", "ChainHints", "Explanation", "explain", "CACHE_SIZE", "clear_cache", "parse_budget",
+           "resolve_budget", "AUTO_MARGIN"]
+
+# "auto" keeps this fraction of the free memory for everything that is not
+# chain activations (parameters, gradients, optimizer state, the allocator).
+AUTO_MARGIN = 0.10
+
+
+def parse_budget(budget):
+    """Check a budget as written: returns an int of bytes or the string "auto".
+
+    Raises:
+        BudgetError: not an int, a size string or "auto", or not positive.
+    """
+    if isinstance(budget, str):
+        if budget.strip().lower() == "auto":
+            return "auto"
+        try:
+            value = parse_bytes(budget)
+        except ValueError as exc:
+            raise BudgetError(f"remat: budget {budget!r}: {exc}") from None
+    elif isinstance(budget, bool) or not isinstance(budget, int):
+        if isinstance(budget, float):
+            raise BudgetError(
+                f"remat: budget {budget!r} is a float; give an int of bytes or a string with a unit, e.g. '1.5GiB'"
+            )
+        raise BudgetError(
+            f"remat: budget must be an int of bytes, a string such as '900MB' or '1.5GiB', or 'auto'; "
+            f"got {type(budget).__name__} {budget!r}"
+        )
+    else:
+        value = budget
+    if value <= 0:
+        raise BudgetError(f"remat: budget must be positive, got {budget!r}; give the activation memory to allow")
+    if value >= 2**62:
+        raise BudgetError(f"remat: budget {budget!r} is beyond any device; check the unit")
+    return value
+
+
+def free_memory(device):
+    """Bytes free on ``device`` now (CUDA: the driver's count; CPU: available RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def resolve_budget(budget, device):
+    """Bytes for a parsed budget; "auto" is the free memory of ``device`` less AUTO_MARGIN."""
+    if budget != "auto":
+        return budget
+    return max(1, int(free_memory(device) * (1 - AUTO_MARGIN)))
+
+
+_last = [None]   # the Explanation of the latest chain call
+
+
+class Explanation:
+    """What remat knows about one chain: costs, budget, schedule.
+
+    ``costs`` are those the schedule was solved on; ``measured`` those the
+    chain measured (or read), as its costs file holds them. They differ by
+    the chain's output, counted in ``held_bytes`` while the code around the
+    chain may hold it through the backward (Note [The chain's output], remat/measure/chain_record.py)."""
+
+    def __init__(self, costs, schedule, budget, names, measured=None):
+        self.costs = costs
+        self.schedule = schedule
+        self.budget = budget
+        self.names = names
+        self.measured = costs if measured is None else measured
+
+    def table(self):
+        """Per-stage costs and the op each stage gets in the forward phase."""
+        modes = self.schedule.forward_modes() if self.schedule is not None else []
+        lines = self.costs.table().splitlines()
+        out = [lines[0] + "  forward   name"]
+        for line in lines[1:]:
+            first = line.split()[0]
+            if not first.isdigit():   # the input's and the held bytes' lines
+                out.append(line)
+                continue
+            i = int(first) - 1
+            mode = modes[i].__name__ if i < len(modes) else "-"
+            out.append(f"{line}  {mode:<8}  {self.names[i] if i < len(self.names) else ''}")
+        return "\n".join(out)
+
+    def __str__(self):
+        head = f"remat chain of {self.costs.length} stages, budget {format_bytes(self.budget)}"
+        if self.schedule is None:
+            return head + "\n" + self.table()
+        return f"{head}\n{self.schedule.summary()}\n{self.table()}\nschedule:\n{self.schedule}"
+
+
+def explain():
+    """The ``Explanation`` of the latest chain call, or None before any.
+
+    Example:
+        >>> import remat
+        >>> remat.explain() is None or hasattr(remat.explain(), "schedule")
+        True
+    """
+    return _last[0]
+
+
+def publish(explanation):
+    """Make ``explanation`` the latest chain call's."""
+    _last[0] = explanation
+
+
+class LatestExplanation:
+    """``remat.chain.last``: the ``Explanation`` of the latest chain call, read on
+    the class or an instance (as ``explain()``)."""
+
+    def __get__(self, obj, owner=None):
+        return _last[0]
+
 
 _local = threading.local()
 
@@ -41,6 +164,22 @@ _local = threading.local()
 def active():
     """The chain being recorded or run on this thread, or None."""
     return getattr(_local, "active", None)
+
+
+_checked = set()   # (algorithm, slots) pairs found valid: a model opens a chain every forward
+
+
+def _check_settings(algorithm, slots):
+    """Raise unless ``algorithm`` and ``slots`` are what the solver takes (once per pair)."""
+    key = (algorithm, slots) if type(algorithm) is str and type(slots) is int else None
+    if key is not None and key in _checked:
+        return
+    _parse_algorithm(algorithm, 1)
+    check_slots(slots)
+    if key is not None:
+        if len(_checked) > 64:
+            _checked.clear()
+        _checked.add(key)
 
 
 class ChainHints(NamedTuple):
@@ -90,6 +229,15 @@ class chain:
 
     last = LatestExplanation()   # (read on the class: remat.chain.last)
 
+    def bytes_on(self, device):
+        """This chain's budget in bytes on ``device`` ("auto": its free memory less ``AUTO_MARGIN``)."""
+        return resolve_budget(self.budget, device)
+
+    @staticmethod
+    def explained(costs, schedule, budget, names, measured):
+        """Make what a call of a chain knows (``Explanation``'s arguments) what ``explain()`` shows."""
+        publish(Explanation(costs, schedule, budget, names, measured))
+
     def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, hints=None):
         self.settings = (budget, algorithm, slots, costs)   # as given
         self.hints = hints if hints is not None else ChainHints()
@@ -97,8 +245,7 @@ class chain:
         if costs is not None and not isinstance(costs, (str, os.PathLike)):
             raise TypeError(f"remat: costs must be a path to a JSON file, got {type(costs).__name__}")
         self.costs_path = costs
-        _parse_algorithm(algorithm, 1)
-        check_slots(slots)
+        _check_settings(algorithm, slots)
         self.algorithm = algorithm
         self.slots = slots
         self._site = None

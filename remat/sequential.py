@@ -34,8 +34,7 @@ import collections
 import torch
 from torch import nn
 
-from .budget import parse_budget, resolve_budget
-from .chain import ChainHints, chain, explain
+from .chain import ChainHints, chain, explain, parse_budget, resolve_budget
 from .errors import RematError
 from .runtime.replay import capture_rng, cuda_devices
 from .solver.solve import DEFAULT_SLOTS, solve as _solve

@@ -1,5 +1,5 @@
 """What the measuring call of a chain learned (``ChainRecord``) and the plans
-solved from it (shown to a person by ``explain()``, remat/explanation.py).
+solved from it (shown to a person by ``explain()``, remat/chain.py).
 
 Note [The chain's output]
 -------------------------

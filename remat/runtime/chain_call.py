@@ -16,9 +16,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
-from ..budget import resolve_budget
 from ..errors import RematError, StageError, not_handed_on
-from ..explanation import Explanation, publish
 from ..measure.costs_source import write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes
@@ -222,7 +220,7 @@ class ChainCall:
                     del _cache[self.key]
                 else:
                     _cache.move_to_end(self.key)
-        self.budget = resolve_budget(self.spec.budget, x.device)
+        self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None:
             self.part = Measurer.first(self.spec, self.budget, autocast, x)
             return
@@ -234,7 +232,7 @@ class ChainCall:
         try:
             plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
-            publish(Explanation(entry.costs, None, self.budget, entry.names, entry.costs))
+            self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs)
             raise
         self.part = Runner(self.key, self.site, entry, plan, autocast)
         if entry.attempts > 0:
@@ -268,9 +266,9 @@ class ChainCall:
         except Exception as exc:
             measurer.undo()
             if isinstance(exc, RematError):
-                publish(Explanation(new.costs, None, self.budget, new.names, new.costs))
+                self.spec.explained(new.costs, None, self.budget, new.names, new.costs)
             raise
-        publish(Explanation(plan.costs, plan.schedule, self.budget, new.names, new.costs))
+        self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs)
 
     def _finish_run(self):
         runner = self.part
@@ -279,7 +277,7 @@ class ChainCall:
             with _cache_lock:
                 _cache.pop(self.key, None)
         plan = runner.plan
-        publish(Explanation(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs))
+        self.spec.explained(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
 

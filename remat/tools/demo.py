@@ -12,9 +12,8 @@ import math
 
 import torch
 
-from ..budget import parse_budget, resolve_budget
+from ..chain import explain, parse_budget, resolve_budget
 from ..errors import BudgetError
-from ..explanation import explain
 from ..solver.schedule import simulate
 from ..solver.solve import minimum_budget, store_all
 from .trials import Clock, gpt_spec, measure_all, measure_costs, run_step

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 from ..chain import chain
 from ..solver.costs import Costs
 from ..measure.meter import Instrument
-from ..explanation import explain
+from ..chain import explain
 from ..measure.refine import SAMPLES
 
 __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "job", "measure_all", "measure_costs",

@@ -144,7 +144,7 @@ def test_first_chain_in_a_process_is_measured_warm():
 
 def test_auto_budget_is_free_cuda_memory_less_the_margin():
     """budget="auto" on a CUDA chain is the device's free memory less remat's margin."""
-    from remat.budget import AUTO_MARGIN
+    from remat.chain import AUTO_MARGIN
 
     torch.manual_seed(0)
     net = Net(["mlp", "attn", "mlp"]).to(CUDA)

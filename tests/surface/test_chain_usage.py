@@ -30,7 +30,7 @@ def test_malformed_budget_is_rejected_at_once(budget):
                                            ("4096", 4096), (123, 123), ("2e3", 2000)])
 def test_budget_units(text, expected):
     """Budgets with units parse to bytes."""
-    from remat.budget import parse_budget
+    from remat.chain import parse_budget
 
     assert parse_budget(text) == expected
 
