@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from .dynamo import skip_for_dynamo
+from .dynamo import DYNAMO_SKIPS
 from .errors import BudgetError, StageError
 from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
@@ -159,6 +159,18 @@ class LatestExplanation:
 
 
 _local = threading.local()
+_skips_done = [False]
+
+
+def _skip_for_dynamo():
+    """Mark ``DYNAMO_SKIPS`` for Dynamo to skip, once, if Dynamo is loaded (Note
+    [Compiling a model around a chain], remat/dynamo.py)."""
+    if _skips_done[0] or "torch._dynamo" not in sys.modules:
+        return
+    _skips_done[0] = True
+    from torch._dynamo.decorators import skip
+    for fn in DYNAMO_SKIPS:
+        skip(fn)
 
 
 def active():
@@ -251,7 +263,7 @@ class chain:
         self._site = None
 
     def __enter__(self):
-        skip_for_dynamo()
+        _skip_for_dynamo()
         current = active()
         if current is not None:
             where = (f"inside stage {current.k} of the open chain, whose inner stages "

@@ -30,25 +30,13 @@ without end (RecursionError, torch 2.13). So did the checks a chain makes as
 it ends (remat/measure/chain_record.py, ``ChainRecord.ran``), another way: traced, the weak
 references they read came back as their referents. Functions in
 ``DYNAMO_SKIPS`` are marked for Dynamo to skip when a chain first opens with
-Dynamo loaded.
+Dynamo loaded (``remat.chain``).
 """
 
-import sys
 
 import torch
 
-__all__ = ["STANCES", "DYNAMO_SKIPS", "skip_for_dynamo"]
+__all__ = ["STANCES", "DYNAMO_SKIPS"]
 
 STANCES = hasattr(torch.compiler, "set_stance")   # (torch >= 2.6)
 DYNAMO_SKIPS = []
-_skips_done = [False]
-
-
-def skip_for_dynamo():
-    """Mark ``DYNAMO_SKIPS`` for Dynamo to skip, once, if Dynamo is loaded."""
-    if _skips_done[0] or "torch._dynamo" not in sys.modules:
-        return
-    _skips_done[0] = True
-    from torch._dynamo.decorators import skip
-    for fn in DYNAMO_SKIPS:
-        skip(fn)

@@ -60,10 +60,8 @@ import weakref
 import torch
 
 from ..solver.costs import Costs
-from .costs_source import distributed, write_costs
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import BudgetError, CostsError
-from .refine import SAMPLES, combine
 from ..runtime.executor import _releasing
 from ..solver.plan import Plan
 from ..solver.solve import solve
@@ -96,6 +94,20 @@ def _ranges(stages):
     out.append(run)
     what = "output of stage" if len(stages) == 1 else "outputs of stages"
     return what + " " + ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
+
+
+def distributed():
+    """True under an initialised process group of more than one rank."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def write_costs(costs, path):
+    """Save measured costs to ``path`` (a CostsError says why it could not)."""
+    try:
+        costs.save(path)
+    except OSError as exc:
+        raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
 
 
 class ChainRecord:
@@ -234,47 +246,15 @@ class ChainRecord:
         self.output_held = held
         self.plans = {}   # (plans made before either knew nothing of it)
 
-    def timed(self, forward, backward, nograd):
-        """A call after the measuring one was stamped (Note [Timing the second call],
-        remat/measure/refine.py): ``forward`` and ``nograd`` map stages to seconds,
-        ``backward`` lists them. With ``SAMPLES`` such calls, or none left to try,
-        the times replace the measured ones."""
-        costs = self.costs
-        n = costs.length if costs is not None else -1
-        if len(backward) != n or sorted(forward) != list(range(1, n + 1)):
-            return
-        self.samples.append(([forward[k] for k in range(1, n + 1)], list(backward), dict(nograd)))
-        if len(self.samples) >= SAMPLES or self.attempts == 0:
-            self.refine()
-
-    def refine(self):
-        """The samples' times, stage by stage (``combine``), replace the measured
-        ones; plans are solved again and the costs file this process measured for
-        is written again."""
-        samples, self.samples = self.samples, []
-        self.attempts = 0
-        if not samples:
-            return
-        n = self.costs.length
-        nograd = {}
-        for _, _, times in samples:
-            for k, t in times.items():
-                nograd.setdefault(k, []).append(t)
-        nograd = {k: combine(ts) for k, ts in nograd.items()}
-        data = self.costs.to_dict()
-        data["fwd_time"] = [combine([f[i] for f, _, _ in samples]) for i in range(n)]
-        data["bwd_time"] = [combine([b[i] for _, b, _ in samples]) for i in range(n)]
-        # (4 of the Note: a forward without recording does no more than one with it)
-        data["fwd_nograd_time"] = [
-            nograd.get(k, data["fwd_time"][k - 1] if self.stages[k - 1].grad_replay else min(t, data["fwd_time"][k - 1]))
-            for k, t in enumerate(data["fwd_nograd_time"], 1)]
-        self.costs = Costs.from_dict(data)
-        self.plans = {}
+    def save(self):
+        """Write the costs to the file this process measured for, if any; one that
+        cannot be written now is left to the next call (``unsaved``), which writes
+        it or says why it cannot."""
         if self.costs_file is not None:
             try:
                 write_costs(self.costs, self.costs_file)
             except CostsError:
-                self.unsaved = True   # the next call writes it, or says why it cannot
+                self.unsaved = True
 
     def drops_input(self, k, whole):
         """Whether the plan counts a^(k-1) as gone once stage k (``Fall``) has run
@@ -326,11 +306,7 @@ class ChainRecord:
             f"go: it may have gone over the budget by up to {format_bytes(over)}. remat counts them as "
             f"held through the step from now on; let them go inside the loop to have that memory back",
             RuntimeWarning, stacklevel=4)
-        if self.costs_file is not None:
-            try:
-                write_costs(self.costs, self.costs_file)
-            except CostsError:
-                self.unsaved = True
+        self.save()
 
     def held_bytes(self):
         """Bytes of the gradients of leaves used by several stages (or by a stage

@@ -10,15 +10,10 @@ import torch
 from ..solver.costs import Costs
 from ..errors import CostsError, RematError
 from ..units import format_bytes
+from .chain_record import distributed, write_costs
 from .record import COST_FIELDS
 
-__all__ = ["chain_costs", "read_costs", "write_costs"]
-
-
-def distributed():
-    """True under an initialised process group of more than one rank."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+__all__ = ["chain_costs", "distributed", "read_costs", "write_costs"]
 
 
 def read_costs(path):
@@ -83,14 +78,6 @@ def forward_drops(stages):
             drop[i] = stages[i].out_bytes
     whole = [d if stages[i].out_freed else 0 for i, d in enumerate(drop)]
     return drop, whole
-
-
-def write_costs(costs, path):
-    """Save measured costs to ``path`` (a CostsError says why it could not)."""
-    try:
-        costs.save(path)
-    except OSError as exc:
-        raise CostsError(f"remat: cannot write the measured costs to {path}: {exc}") from None
 
 
 def _check_given(costs, stages, input_bytes, held_bytes, path):

@@ -5,7 +5,8 @@ stage] 2 in remat/measure/profile.py)."""
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "grad_side_inputs", "shared_grad_transients", "side_grads", "stage_leaves", "stop_nodes", "walk"]
+__all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "grad_side_inputs", "shared_grad_transients", "side_grads",
+           "stage_leaves", "stop_nodes", "walk"]
 
 
 def stop_nodes(tensors):

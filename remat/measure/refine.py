@@ -67,9 +67,10 @@ import weakref
 
 import torch
 
+from ..solver.costs import Costs
 from .leaves import stop_nodes, walk
 
-__all__ = ["ATTEMPTS", "SAMPLES", "StageTimes", "combine"]
+__all__ = ["ATTEMPTS", "SAMPLES", "StageTimes", "combine", "refine", "take_sample"]
 
 SAMPLES = 2    # stamped calls whose times are combined, stage by stage
 ATTEMPTS = 4   # calls after the measuring one that may be stamped
@@ -159,7 +160,7 @@ class StageTimes:
         if chain_record is not None and backward is not None:
             forward = {k: (t + self.recording_runs[k]) / 2 if k in self.recording_runs else t
                        for k, t in self.forward.items()}
-            chain_record.timed(forward, backward, self.nograd)
+            take_sample(chain_record, forward, backward, self.nograd)
 
     def backward(self):
         """Each stage's backward seconds, or None if the backward did not go
@@ -177,3 +178,43 @@ class StageTimes:
                 return None
             times.append(seconds)
         return times
+
+
+def take_sample(chain_record, forward, backward, nograd):
+    """A call after the measuring one of ``chain_record`` was stamped (Note [Timing
+    the second call]): ``forward`` and ``nograd`` map stages to seconds,
+    ``backward`` lists them. With ``SAMPLES`` such calls, or none left to try,
+    the times replace the measured ones."""
+    costs = chain_record.costs
+    n = costs.length if costs is not None else -1
+    if len(backward) != n or sorted(forward) != list(range(1, n + 1)):
+        return
+    chain_record.samples.append(([forward[k] for k in range(1, n + 1)], list(backward), dict(nograd)))
+    if len(chain_record.samples) >= SAMPLES or chain_record.attempts == 0:
+        refine(chain_record)
+
+def refine(chain_record):
+    """The samples' times of ``chain_record``, stage by stage (``combine``), replace
+    the measured ones; plans are solved again and the costs file this process
+    measured for is written again."""
+    samples, chain_record.samples = chain_record.samples, []
+    chain_record.attempts = 0
+    if not samples:
+        return
+    n = chain_record.costs.length
+    nograd = {}
+    for _, _, times in samples:
+        for k, t in times.items():
+            nograd.setdefault(k, []).append(t)
+    nograd = {k: combine(ts) for k, ts in nograd.items()}
+    data = chain_record.costs.to_dict()
+    data["fwd_time"] = [combine([f[i] for f, _, _ in samples]) for i in range(n)]
+    data["bwd_time"] = [combine([b[i] for _, b, _ in samples]) for i in range(n)]
+    # (4 of the Note: a forward without recording does no more than one with it)
+    fwd = data["fwd_time"]
+    data["fwd_nograd_time"] = [
+        nograd.get(k, fwd[k - 1] if chain_record.stages[k - 1].grad_replay else min(t, fwd[k - 1]))
+        for k, t in enumerate(data["fwd_nograd_time"], 1)]
+    chain_record.costs = Costs.from_dict(data)
+    chain_record.plans = {}
+    chain_record.save()

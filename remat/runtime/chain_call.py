@@ -17,9 +17,9 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from ..errors import RematError, StageError, not_handed_on
-from ..measure.costs_source import write_costs
+from ..measure.chain_record import write_costs
 from ..measure.measuring import Measurer
-from ..measure.refine import StageTimes
+from ..measure.refine import StageTimes, refine
 from .recompute import replaying
 from .replay import capture_autocast
 from .runner import Runner, site_text
@@ -225,7 +225,7 @@ class ChainCall:
             self.part = Measurer.first(self.spec, self.budget, autocast, x)
             return
         if entry.samples and entry.attempts == 0:
-            entry.refine()   # the last call that could be stamped was not (no whole backward)
+            refine(entry)   # the last call that could be stamped was not (no whole backward)
         if entry.unsaved:
             entry.unsaved = False
             write_costs(entry.costs, entry.costs_file)

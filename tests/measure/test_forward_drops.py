@@ -107,7 +107,8 @@ def test_loop_keeping_aliases_is_caught_by_the_first_run():
     said = " ".join(str(w.message) for w in seen)
     assert "kept the outputs of stages 1-4 after the next stage had run" in said
     assert "kept the outputs of stages 5-6 through its backward" in said
-    entry = next(e for e in importlib.import_module("remat.runtime.chain_call")._cache.values() if e.ident(1) is net.stages[0])
+    cache = importlib.import_module("remat.runtime.chain_call")._cache
+    entry = next(e for e in cache.values() if e.ident(1) is net.stages[0])
     now = entry.costs
     assert not any(now.fwd_drop) and now.held_bytes == measured.held_bytes + sum(costs.out_bytes[:-1])
     net.budget = budget_for(entry.planning_costs(), "optimal", 0.3)
