@@ -4,12 +4,13 @@ solved from it (shown to a person by ``explain()``, remat/chain.py).
 Note [The chain's output]
 -------------------------
 The cost model lets a^L go at ``B(L)`` with a-bar^L, and where the last
-stage's backward does not read a^L, ``bwd_tmp[L]`` gives its bytes back
-during ``B(L)`` itself (remat/measure/profile.py). That holds where the caller lets
-the chain's output go once it is used (a head that saved it has released it
-by ``B(L)``), not where a training loop keeps it in a variable through
+stage's backward does not read a^L, ``bwd_tmp[L]`` gives its bytes back during
+``B(L)`` itself (remat/measure/profile.py). That holds where the caller lets
+the chain's output go once it is used (a head that saved it has released it by
+``B(L)``), not where a training loop keeps it in a variable through
 ``loss.backward()``: then a^L stays to the end of the backward, and a step
-goes up to one output over the budget (figures: docs/how-it-works.md, "Measured while building remat").
+goes up to one output over the budget (figures: docs/how-it-works.md,
+"Measured while building remat").
 
 So plans are solved as if the caller held a^L through the whole step (its
 bytes added to ``held_bytes``, and taken out of a-bar^L and of what B(L)
@@ -27,19 +28,20 @@ rank must solve the same plan).
 
 Note [What the forward phase drops]
 -----------------------------------
-In the forward phase a stage run as ``Fall`` runs with no hooks, so its
-input a^(i-1) lives on only if something keeps it: its own recording (it
-saved its input, or returned a view of it), the previous stage's backward
-(a-bar^(i-1) holds a^(i-1) only if B(i-1) reads it), or the code around the
-chain. ``Costs.fwd_drop`` counts a^(i-1) as gone once stage i has run where
-none does (remat/solver/schedule.py Note [Accounting] 6): the measuring call sees
-the first two in the stages' saved tensors (``input_kept``, ``out_freed``,
-remat/measure/profile.py) and the third by weak references to the activations the
-stages returned, read as the chain ends (``caller_holds``: a list of hidden
-states, as transformers' ``output_hidden_states`` keeps, holds them all).
-Without it, a chain of stages that keep nothing of their input (dropout,
+In the forward phase a stage run as ``Fall`` runs with no hooks, so its input
+a^(i-1) lives on only if something keeps it: its own recording (it saved its
+input, or returned a view of it), the previous stage's backward (a-bar^(i-1)
+holds a^(i-1) only if B(i-1) reads it), or the code around the chain.
+``Costs.fwd_drop`` counts a^(i-1) as gone once stage i has run where none does
+(remat/solver/schedule.py Note [Accounting] 6): the measuring call sees the
+first two in the stages' saved tensors (``input_kept``, ``out_freed``,
+remat/measure/profile.py) and the third by weak references to the activations
+the stages returned, read as the chain ends (``caller_holds``: a list of
+hidden states, as transformers' ``output_hidden_states`` keeps, holds them
+all). Without it, a chain of stages that keep nothing of their input (dropout,
 scale) runs well under its predicted peak, and plans are slower than the
-budget allows (figures: docs/how-it-works.md, "Measured while building remat").
+budget allows (figures: docs/how-it-works.md, "Measured while building
+remat").
 
 A loop could still keep an activation some other way (a view of it, a
 tensor on a custom Function's ctx). So each call that runs a plan takes a

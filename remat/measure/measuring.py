@@ -9,24 +9,24 @@ checked against it by remat/runtime/stage_call.py.
 
 Note [Saved tensors held elsewhere]
 -----------------------------------
-A stage may save a tensor for its backward and keep it some other way too:
-a hook collecting attention maps (transformers' ``output_attentions=True``),
+A stage may save a tensor for its backward and keep it some other way too: a
+hook collecting attention maps (transformers' ``output_attentions=True``),
 ``self.maps = att.detach()``. Dropped with the stage, it stays all the same,
-and a plan that counted it gone went over the budget by those bytes, without
-a word (figures: docs/how-it-works.md, "Measured while building remat"). Nothing holds a saved
-tensor's storage after the forward but autograd (here remat's hooks, one
-``detach()`` each), what the stage returned (and a view's base) and the
-storage's own Python object, so a storage the stage made whose use count is
-above that is held elsewhere (``Instrument.held_elsewhere``): it counts as
+and a plan that counted it gone went over the budget by those bytes, without a
+word (figures: docs/how-it-works.md, "Measured while building remat"). Nothing
+holds a saved tensor's storage after the forward but autograd (here remat's
+hooks, one ``detach()`` each), what the stage returned (and a view's base) and
+the storage's own Python object, so a storage the stage made whose use count
+is above that is held elsewhere (``Instrument.held_elsewhere``): it counts as
 held through the step, like what a stage keeps outside autograd, and the
 measuring call warns; its bytes leave a-bar^i (where the stage runs ``Fall``,
 the one copy is the held one; where it is recomputed, the copy made then
 replaces the one held, or comes while the cache that held it is gone). So,
 silently, with what a cache holds that the stage made from parameters and
 buffers alone: autocast's casts of the weights and of a leaf input, kept to
-the end of the autocast region, and ``parametrize.cached()``'s weights (a
-plan that counted those freed with the stage's saved tensors went over the
-budget under autocast).
+the end of the autocast region, and ``parametrize.cached()``'s weights (a plan
+that counted those freed with the stage's saved tensors went over the budget
+under autocast).
 """
 
 import dataclasses

@@ -80,11 +80,9 @@ class Probe:
     grad_layout: tuple = None     # strides of its output's gradient in run 2
     input_grad_layout: tuple = None   # strides of the gradient its backward handed its input
 
-    # what a twin (Note [Twin stages], remat/measure/measuring.py) takes of run 2
-    RUN2 = ("bwd_time", "bwd_tmp", "grad_layout", "input_grad_layout")
-
     def run2(self):
-        """The results of run 2 a twin takes, as a dict."""
+        """The results of run 2 a twin (Note [Twin stages], remat/measure/twins.py)
+        takes, as a dict."""
         c = self.costs
         return {"bwd_time": c.bwd_time, "bwd_tmp": c.bwd_tmp, "grad_layout": self.grad_layout,
                 "input_grad_layout": self.input_grad_layout}

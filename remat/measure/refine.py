@@ -2,13 +2,14 @@
 
 Note [Timing the second call]
 -----------------------------
-The measuring call (Note [Measuring a stage], remat/measure/profile.py) times each
-stage once, in a process that is not yet in its stride: its memory is laid
-out for the measuring runs, fresh pages fault on first touch, caches hold
+The measuring call (Note [Measuring a stage], remat/measure/profile.py) times
+each stage once, in a process that is not yet in its stride: its memory is
+laid out for the measuring runs, fresh pages fault on first touch, caches hold
 the other runs' data, and on CPU runs 1 and 2 go through the storage meter,
 which enters Python for every op. On small stages the first call's times,
 metered or not, come out slower than later steps', unevenly, and the
-schedule's predicted time with them (figures: docs/how-it-works.md, "Measured while building remat").
+schedule's predicted time with them (figures: docs/how-it-works.md, "Measured
+while building remat").
 
 The next calls run the schedule as every later one does, and ``StageTimes``
 stamps two of them (``SAMPLES``):

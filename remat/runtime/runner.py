@@ -13,29 +13,29 @@ A stage the plan runs as ``Fall`` in the forward phase is run once, with no
 hooks, and never again: autograd keeps what it saves, and no recomputation
 goes through it (one that must rebuild a later stage starts from a held input
 above it: the stage after a whole one keeps its input). So its call needs
-nothing to replay (its tensors, state, RNG), and the checks that its module
-is still the one recorded (training flags, submodules, parameters) only keep
-the costs true. Made one by one between the stages' forwards, each reads a
+nothing to replay (its tensors, state, RNG), and the checks that its module is
+still the one recorded (training flags, submodules, parameters) only keep the
+costs true. Made one by one between the stages' forwards, each reads a
 module's dicts and tensors that the stage before has pushed out of the CPU's
 caches, and they were most of remat's own time in a forward that stores
 everything. They run at the call's end instead, for all those stages in one
-pass (``_suspect_changed``), where they cost about half as much, with
-nothing to replay set up (figures: docs/how-it-works.md, "Measured while building remat"). A stage that fails there is a
-suspect: from the next call on it is checked as it is called, as other stages
-are, and measured again if it has changed. It may not have: a wrapper may
-hold its module otherwise between its calls than during them (FSDP frees the
-unsharded parameters after a forward). This call, run as recorded, is exact
-all the same, its peak off by the change, and the record learns nothing
-from it of what the forward phase let go and kept (``ChainRecord.ran``): a
-stage unfrozen since keeps its input, which would read as the code around
-the chain keeping it. Checked as it is called still: the stage's identity
-and its input's signature, which decide what stage this is, and the version
-counters of the buffers it did not write when measured (few, if any): a
-stage that starts writing one (an observer switched on) makes the next call
-measure again (``_new_writes``), before a budget that recomputes it can
-replay it from the buffer's value after its forward. A module changed
-inside the chain only around its own stage's call, and put back before the
-chain ends, is not seen (docs/limitations.md).
+pass (``_suspect_changed``), where they cost about half as much, with nothing
+to replay set up (figures: docs/how-it-works.md, "Measured while building
+remat"). A stage that fails there is a suspect: from the next call on it is
+checked as it is called, as other stages are, and measured again if it has
+changed. It may not have: a wrapper may hold its module otherwise between its
+calls than during them (FSDP frees the unsharded parameters after a forward).
+This call, run as recorded, is exact all the same, its peak off by the change,
+and the record learns nothing from it of what the forward phase let go and
+kept (``ChainRecord.ran``): a stage unfrozen since keeps its input, which
+would read as the code around the chain keeping it. Checked as it is called
+still: the stage's identity and its input's signature, which decide what stage
+this is, and the version counters of the buffers it did not write when
+measured (few, if any): a stage that starts writing one (an observer switched
+on) makes the next call measure again (``_new_writes``), before a budget that
+recomputes it can replay it from the buffer's value after its forward. A
+module changed inside the chain only around its own stage's call, and put back
+before the chain ends, is not seen (docs/limitations.md).
 """
 
 import warnings

@@ -45,13 +45,7 @@ class Model(nn.Module):
         return x
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add contention (and seconds) here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # (tests/reliability/conftest.py)
 
 
 @pytest.fixture
