@@ -6,7 +6,8 @@ how many lines of code the functions it runs there span.
 
 The model is the GPT of remat/models/gpt.py (4 blocks, dropout on) at a
 budget between its minimum and storing everything, so that the later call
-recomputes. The later call is the sixth step, past the two that refine the
+recomputes. remat/models/ is left out of the count: it is the model, the
+code a user would have written. The later call is the sixth step, past the two that refine the
 times (remat/measure/refine.py). docs/how-it-works.md ("The life of a
 training step") names the modules this prints.
 
@@ -31,6 +32,7 @@ import remat  # noqa: E402
 from remat.models import GPT  # noqa: E402
 
 PACKAGE = os.path.join(ROOT, "remat") + os.sep
+MODELS = os.path.join(PACKAGE, "models") + os.sep
 MAX_LINES = 400
 
 
@@ -56,7 +58,7 @@ def trace(step):
             return
         code = frame.f_code
         path = code.co_filename
-        if not path.startswith(PACKAGE):
+        if not path.startswith(PACKAGE) or path.startswith(MODELS):
             return
         if path not in lines:
             order.append(path)

@@ -27,7 +27,7 @@ torch.compile of a model whose forward opens a chain: Dynamo breaks its graph
 at the chain and runs the rest frame by frame, and compiling the frame of a
 stage method's binding (``_StageFunction.__get__``, remat/stage.py) recursed
 without end (RecursionError, torch 2.13). So did the checks a chain makes as
-it ends (remat/measure/chain_record.py, ``ChainRecord.ran``), another way: traced, the weak
+it ends (remat/runtime/runner.py, ``watch_caller``), another way: traced, the weak
 references they read came back as their referents. Functions in
 ``DYNAMO_SKIPS`` are marked for Dynamo to skip when a chain first opens with
 Dynamo loaded (``remat.chain``).

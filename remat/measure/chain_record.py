@@ -15,7 +15,7 @@ goes up to one output over the budget (figures: docs/how-it-works.md,
 So plans are solved as if the caller held a^L through the whole step (its
 bytes added to ``held_bytes``, and taken out of a-bar^L and of what B(L)
 gives back where measured: ``planning_costs``), until a call shows
-otherwise: each call puts a pre-hook on the node that made a^L which has
+otherwise: each call (``watch_output``, remat/runtime/runner.py) puts a pre-hook on the node that made a^L which has
 the engine ask, at the end of that backward, whether a^L's storage is still
 alive (a weak reference: PyTorch keeps a storage's Python object as long as
 the storage). Not as ``B(L)`` starts: a last stage whose backward reads its
@@ -44,7 +44,8 @@ budget allows (figures: docs/how-it-works.md, "Measured while building
 remat").
 
 A loop could still keep an activation some other way (a view of it, a
-tensor on a custom Function's ctx). So each call that runs a plan takes a
+tensor on a custom Function's ctx). So each call that runs a plan
+(``watch_caller``, remat/runtime/runner.py) takes a
 weak reference to the storage of each a^(i-1) the plan lets go (after a
 ``Fall`` that drops it, or an ``Fn``) and reads it as the chain ends, but
 for storages remat's own checkpoints hold (an identity stage hands on its
@@ -59,14 +60,9 @@ torch.distributed, where every rank must keep rank 0's costs.
 import warnings
 import weakref
 
-import torch
-
 from ..solver.costs import Costs
 from ..dynamo import DYNAMO_SKIPS
-from ..errors import BudgetError, CostsError
-from ..runtime.executor import _releasing
-from ..solver.plan import Plan
-from ..solver.solve import solve
+from ..errors import CostsError
 from .record import StageCosts
 from ..units import format_bytes
 
@@ -98,12 +94,6 @@ def _ranges(stages):
     return what + " " + ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
 
 
-def distributed():
-    """True under an initialised process group of more than one rank."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def write_costs(costs, path):
     """Save measured costs to ``path`` (a CostsError says why it could not)."""
     try:
@@ -117,6 +107,7 @@ class ChainRecord:
 
     def __init__(self):
         self.stages = []      # a StageRecord per stage (remat/measure/record.py)
+        self.names = []       # their names, stage 1 first
         self.caller = set()   # stages whose output the code around the chain holds (Note [What the ...])
         self.input_bytes = 0
         self.costs = None
@@ -135,11 +126,7 @@ class ChainRecord:
         (``_stage_gone``)."""
         record.ident = weakref.ref(ident, _stage_gone(weakref.ref(record)))
         self.stages.append(record)
-
-    @property
-    def names(self):
-        """The stages' names, stage 1 first."""
-        return [s.name for s in self.stages]
+        self.names.append(record.name)
 
     def ident(self, k):
         """Stage k's object, or None if it is gone."""
@@ -154,18 +141,6 @@ class ChainRecord:
             new.add(s.again(StageCosts.of(self.costs, i)), s.ident())
         new.input_bytes = self.input_bytes
         return new
-
-    def quiet(self, k):
-        """The indices, among stage k's slots (``slots``), of the buffers it did not
-        write in place when measured: those a later call watches for new writes
-        (remat/runtime/runner.py, ``_new_writes``); its state's are written every call."""
-        record = self.stages[k - 1]
-        quiet = record.quiet
-        if quiet is None:
-            slots, n, _ = record.slots
-            written = {p for p in record.state if type(p) is int}
-            quiet = record.quiet = tuple(i for i in range(n, len(slots)) if i not in written)
-        return quiet
 
     def planning_costs(self):
         """The costs plans are solved on: the measured ones, with a^L held through the
@@ -186,68 +161,6 @@ class ChainRecord:
             cached = self._held_costs = (self.costs, Costs.from_dict(data))
         return cached[1]
 
-    def ran(self, act, dropped, acts, ours, source=None):
-        """A call ran the plan to its end with ``act`` its a^L; ``dropped`` and ``acts``
-        are (i, weak reference to a^i's storage) of the a^i its forward phase let go
-        and of every stage (``acts`` with the node that made a^1 for stage 1): check
-        them as the chain ends and as the backward ends (Note [What the forward phase
-        drops]). ``ours`` are the storages remat itself holds (checkpoints, which
-        stages returning their input as it is share); ``source`` is a^0's, counted in
-        the costs already (a first stage returning a view of its input shares it)."""
-        first = acts[0][2] if acts and acts[0][0] == 1 else None
-        last = act.untyped_storage() if isinstance(act, torch.Tensor) else None
-        # (a last stage returning a view of its input shares a^(L-1)'s storage with a^L)
-        self.watch_output(act, [(i, ref) for i, ref, _ in acts[:-1] if (st := ref()) is not last and st is not source],
-                          first)
-        ours = [*ours, source]
-        kept = [i for i, ref in dropped if (st := ref()) is not None and not any(st is o for o in ours)]
-        if kept and not distributed():
-            self.caller_kept(kept)
-
-    def watch_output(self, act, inner=(), first=None):
-        """Have ``act``, a^L of this call, tell at the end of its backward whether it is
-        still held, and ``inner``, (i, weak reference to the storage of a^i), which of
-        them are, if that backward went through every stage (it ran ``first``, the node
-        that made a^1) and let go of its graph (Note [What the forward phase drops])."""
-        if not isinstance(act, torch.Tensor) or act.grad_fn is None or distributed():
-            return
-        storage = None if self.output_held else weakref.ref(act.untyped_storage())
-        if first is None:
-            inner = ()
-        if storage is None and not inner:
-            return
-        entry = weakref.ref(self)
-        queued = [False]
-        reached = [False]
-
-        def seen():
-            e = entry()
-            if e is None:
-                return
-            if storage is not None:
-                e.output_seen(storage() is not None)
-            alive = [i for i, ref in inner if ref() is not None]
-            if alive and reached[0] and _releasing():
-                e.caller_kept(alive, "through its backward")
-
-        if inner:
-            first.register_prehook(lambda _grads: reached.__setitem__(0, True))
-
-        def started(_grads):
-            if not queued[0]:
-                queued[0] = True
-                torch.autograd.Variable._execution_engine.queue_callback(seen)
-
-        act.grad_fn.register_prehook(started)
-
-    def output_seen(self, held):
-        """A call's a^L was (``held``) or was not alive at the end of its backward."""
-        was = self.output_held
-        if was or was is held:
-            return
-        self.output_held = held
-        self.plans = {}   # (plans made before either knew nothing of it)
-
     def save(self):
         """Write the costs to the file this process measured for, if any; one that
         cannot be written now is left to the next call (``unsaved``), which writes
@@ -257,12 +170,6 @@ class ChainRecord:
                 write_costs(self.costs, self.costs_file)
             except CostsError:
                 self.unsaved = True
-
-    def drops_input(self, k, whole):
-        """Whether the plan counts a^(k-1) as gone once stage k (``Fall``) has run
-        (``whole``: a^(k-1) is inside a-bar^(k-1)); Note [What the forward phase drops]."""
-        c = self.costs
-        return (c.fwd_drop_whole if whole else c.fwd_drop)[k - 2] > 0
 
     def caller_holds(self, outs, last):
         """The measuring call's chain ends at stage ``last``; ``outs`` maps stages to
@@ -319,52 +226,5 @@ class ChainRecord:
             held.update(stage.held)
         return sum(held.values())
 
-    def plan(self, budget, algorithm, slots):
-        key = (budget, algorithm, slots)
-        plan = self.plans.get(key)
-        if plan is None:
-            costs = self.planning_costs()
-            try:
-                schedule = solve(costs, budget, algorithm, slots)
-            except BudgetError as exc:
-                if costs is self.costs:
-                    raise
-                if self.output_held:
-                    raise BudgetError(
-                        f"{exc}. That counts the chain's output ({format_bytes(self.costs.out_bytes[-1])}) "
-                        f"as held through the backward: the code around the chain kept it "
-                        f"(remat/measure/chain_record.py Note [The chain's output])") from None
-                schedule = None
-            if schedule is None:
-                # no backward has told yet whether the code around the chain lets a^L go:
-                # as the measuring call does, plan on the costs as measured and let this
-                # call's backward tell (the minimum a first call's error names must run:
-                # retrying with it is what that error asks)
-                costs = self.costs
-                failed = None
-                try:
-                    schedule = solve(costs, budget, algorithm, slots)
-                except BudgetError as exc:
-                    failed = str(exc)
-                if failed is not None:   # (raised here: no "during handling" chain)
-                    held = _least(self.planning_costs(), algorithm, slots)
-                    note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
-                            f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
-                    raise BudgetError(failed + note)
-            plan = Plan.of(schedule, costs)
-            if len(self.plans) > 16:
-                self.plans.clear()
-            self.plans[key] = plan
-        return plan
-
-
-def _least(costs, algorithm, slots):
-    """The least budget of the optimal algorithm for ``costs`` (None for the others,
-    whose errors say their own)."""
-    from ..solver.solve import minimum_budget
-
-    return minimum_budget(costs) if algorithm == "optimal" else None
-
-
 # weak references Dynamo would trace into their referents (remat/dynamo.py)
-DYNAMO_SKIPS.extend([ChainRecord.ran, ChainRecord.caller_holds])
+DYNAMO_SKIPS.append(ChainRecord.caller_holds)

@@ -10,7 +10,8 @@ import torch
 from ..solver.costs import Costs
 from ..errors import CostsError, RematError
 from ..units import format_bytes
-from .chain_record import distributed, write_costs
+from ..runtime.executor import distributed
+from .chain_record import write_costs
 from .record import COST_FIELDS
 
 __all__ = ["chain_costs", "distributed", "read_costs", "write_costs"]

@@ -37,9 +37,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import Run, _Saved
-from ..runtime.replay import Replay, capture_rng, cuda_devices, restore_tensors
+from ..runtime.recompute import Replay, state_plan
+from ..runtime.replay import capture_rng, cuda_devices, param_flags, restore_tensors
 from ..runtime.stage_call import first, input_signature, module_dicts, module_structure
-from ..runtime.tensor_slots import param_flags, state_plan
 from ..units import format_bytes
 from .costs_source import chain_costs, distributed, read_costs
 from .leaves import GradPool, Upstream, shared_grad_transients, side_grads

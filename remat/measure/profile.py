@@ -30,7 +30,7 @@ this order:
    writes in place is put back.
 3. A timed forward without recording, from the RNG and in-place state the
    stage started from (put back after), replayed as the runtime replays a
-   recomputation (``Replay``, remat/runtime/replay.py, whose per-call work is then in the time):
+   recomputation (``Replay``, remat/runtime/recompute.py, whose per-call work is then in the time):
    fwd_nograd_time. Its output is compared, bit for bit, with the real
    forward's (Note [Replaying a stage] 4 in remat/runtime/replay.py).
 4. Only when the next stage's backward (run 2 of that stage) hands its

@@ -11,7 +11,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..runtime.tensor_slots import NO_SLOTS
+from ..runtime.recompute import NO_SLOTS
 
 __all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord"]
 
@@ -104,8 +104,8 @@ class StageRecord:
     in_sig: tuple            # its input's signature (stage_call.input_signature)
     dicts: tuple             # its module's and submodules' __dict__ (stage_call.module_dicts)
     structure: object        # what its module is made of (stage_call.module_structure)
-    slots: tuple             # where its module's parameters and buffers live (tensor_slots.module_slots)
-    grads: tuple             # dtype and requires_grad of those parameters (tensor_slots.param_flags)
+    slots: tuple             # where its module's parameters and buffers live (recompute.module_slots)
+    grads: tuple             # dtype and requires_grad of those parameters (replay.param_flags)
     autocast: object         # the autocast state it ran in
     meta: tuple              # (shape, dtype, device) of each tensor autograd saved
     state: tuple             # the tensors it writes in place, as slot indices or weak references

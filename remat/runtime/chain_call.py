@@ -16,15 +16,17 @@ from torch.nn.modules import module as nn_module
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
-from ..errors import RematError, StageError, not_handed_on
+from ..errors import BudgetError, RematError, StageError, not_handed_on
 from ..measure.chain_record import write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
-from .recompute import replaying
+from ..solver.plan import Plan
+from ..solver.solve import minimum_budget, solve
+from ..units import format_bytes
+from .recompute import module_slots, replaying, take
 from .replay import capture_autocast
-from .runner import Runner, site_text
+from .runner import Runner, site_text, watch_output
 from .stage_call import StageCall, check_hooks_enabled, check_output, find_activation, handed_on, signature
-from .tensor_slots import module_slots, take
 
 __all__ = ["ChainCall", "CACHE_SIZE", "clear_cache"]
 
@@ -215,7 +217,7 @@ class ChainCall:
         with _cache_lock:
             entry = _cache.get(self.key)
             if entry is not None:
-                if entry.ident(1) is not ident:
+                if entry.stages[0].ident() is not ident:
                     entry = None
                     del _cache[self.key]
                 else:
@@ -230,7 +232,7 @@ class ChainCall:
             entry.unsaved = False
             write_costs(entry.costs, entry.costs_file)
         try:
-            plan = entry.plan(self.budget, self.spec.algorithm, self.spec.slots)
+            plan = plan_for(entry, self.budget, self.spec.algorithm, self.spec.slots)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
             self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs)
             raise
@@ -257,12 +259,12 @@ class ChainCall:
         finally:
             self.in_stage = False
         _remember(self.key, new)
-        new.watch_output(self.prev)
+        watch_output(new, self.prev)
         try:
             # (this call's own backward may yet show its output let go: Note [The
             # chain's output], remat/measure/chain_record.py; only a budget under the measured
             # costs' minimum fails now)
-            plan = new.plan(self.budget, self.spec.algorithm, self.spec.slots)
+            plan = plan_for(new, self.budget, self.spec.algorithm, self.spec.slots)
         except Exception as exc:
             measurer.undo()
             if isinstance(exc, RematError):
@@ -304,3 +306,51 @@ def _remember(key, chain_record):
                 del _cache[old]
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
+
+
+def plan_for(entry, budget, algorithm, slots):
+    """The plan for ``budget`` (bytes), solved from the chain record ``entry``'s
+    planning costs and kept (``entry.plans``); a ``BudgetError`` where none fits,
+    naming the least budget (Note [The chain's output], remat/measure/chain_record.py)."""
+    key = (budget, algorithm, slots)
+    plan = entry.plans.get(key)
+    if plan is None:
+        costs = entry.planning_costs()
+        try:
+            schedule = solve(costs, budget, algorithm, slots)
+        except BudgetError as exc:
+            if costs is entry.costs:
+                raise
+            if entry.output_held:
+                raise BudgetError(
+                    f"{exc}. That counts the chain's output ({format_bytes(entry.costs.out_bytes[-1])}) "
+                    f"as held through the backward: the code around the chain kept it "
+                    f"(remat/measure/chain_record.py Note [The chain's output])") from None
+            schedule = None
+        if schedule is None:
+            # no backward has told yet whether the code around the chain lets a^L go:
+            # as the measuring call does, plan on the costs as measured and let this
+            # call's backward tell (the minimum a first call's error names must run:
+            # retrying with it is what that error asks)
+            costs = entry.costs
+            failed = None
+            try:
+                schedule = solve(costs, budget, algorithm, slots)
+            except BudgetError as exc:
+                failed = str(exc)
+            if failed is not None:   # (raised here: no "during handling" chain)
+                held = _least(entry.planning_costs(), algorithm, slots)
+                note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
+                        f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
+                raise BudgetError(failed + note)
+        plan = Plan.of(schedule, costs)
+        if len(entry.plans) > 16:
+            entry.plans.clear()
+        entry.plans[key] = plan
+    return plan
+
+
+def _least(costs, algorithm, slots):
+    """The least budget of the optimal algorithm for ``costs`` (None for the others,
+    whose errors say their own)."""
+    return minimum_budget(costs) if algorithm == "optimal" else None

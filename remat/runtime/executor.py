@@ -47,7 +47,7 @@ from ..errors import StageError
 from ..solver.schedule import B, Fall, Fn
 from .recompute import record_again, run_again
 
-__all__ = ["Run", "RELEASES"]
+__all__ = ["Run", "RELEASES", "distributed"]
 
 # Whether the engine says if the graph it runs is kept (torch >= 2.5, which remat
 # requires); without that, recomputed tensors would stay until their stage's backward ends.
@@ -74,6 +74,12 @@ class _Saved:
     def __init__(self, anchor, index):
         self.anchor = anchor
         self.index = index
+
+
+def distributed():
+    """True under an initialised process group of more than one rank."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _releasing():

@@ -1,5 +1,7 @@
 """State a recomputation must replay exactly: RNG streams, autocast, and
-tensors a stage updates in place (BatchNorm running statistics).
+tensors a stage updates in place (BatchNorm running statistics), captured as
+a stage runs; ``Replay`` (remat/runtime/recompute.py) puts it back around a
+recomputation.
 
 Note [Replaying a stage]
 ------------------------
@@ -85,10 +87,9 @@ import functools
 import torch
 
 from ..errors import RecomputeMismatchError, StageError
-from .tensor_slots import ForwardTensors, param_flags
 
-__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "Replay",
-           "check_saved"]
+__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "copy_all",
+           "param_flags", "check_saved"]
 
 
 class RngState:
@@ -242,7 +243,7 @@ class _Restored:
     def __exit__(self, *exc):
         if self.values is not None:
             with torch.no_grad():
-                _copy_all(self.tensors, self.values)
+                copy_all(self.tensors, self.values)
             _set_versions(self.tensors, self.versions)
         return False
 
@@ -283,60 +284,13 @@ def _copy_each(targets, sources):
 
 # one call for all of a stage's buffers (a BatchNorm stage has three per norm):
 # a recomputation of a small stage pays this on every step
-_copy_all = getattr(torch, "_foreach_copy_", None) or _copy_each
+copy_all = getattr(torch, "_foreach_copy_", None) or _copy_each
 
 
-class Replay:
-    """Context: the RNG streams, autocast state and in-place state of one stage's
-    call (a ``StageCall``) for a run of it again (the Note, 1-3)."""
-
-    __slots__ = ("call", "autocast", "_tensors", "_rng", "_cast", "_state")
-
-    def __init__(self, call, autocast):
-        self.call = call
-        self.autocast = call.autocast if call.autocast is not None else autocast
-        self._tensors = self._rng = self._cast = self._state = None
-
-    def __enter__(self):
-        call = self.call
-        try:
-            if call.tensors is not None:   # first: it may raise before anything changed
-                self._tensors = ForwardTensors(call).__enter__()
-            if call.rng is not None:
-                self._rng = call.rng.enter()
-            if self.autocast is not None and not self.autocast.current():
-                cast = self.autocast.context()
-                cast.__enter__()
-                self._cast = cast
-            if call.state:
-                self._state = _Restored(call.state).__enter__()
-                if call.before is not None:   # Note 3: start from the values the first forward found
-                    pairs = [(t, b) for t, b in zip(call.state, call.before) if b is not None]
-                    if pairs:
-                        with torch.no_grad():
-                            _copy_all([t for t, _ in pairs], [b for _, b in pairs])
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        # in the reverse order of ``__enter__``, each undone even if one before raises
-        try:
-            if self._state is not None:
-                self._state.__exit__(None, None, None)
-        finally:
-            try:
-                if self._cast is not None:
-                    self._cast.__exit__(None, None, None)
-            finally:
-                try:
-                    if self._rng is not None:
-                        RngState.leave(self._rng)
-                finally:
-                    if self._tensors is not None:
-                        self._tensors.__exit__(None, None, None)
-        return False
+def param_flags(tensors, n):
+    """dtype, requires_grad and shape of each of the first ``n`` of ``tensors``
+    (the parameters), a list."""
+    return [None if t is None else (t.dtype, t.requires_grad, t.shape) for t in tensors[:n]]
 
 
 def check_saved(call, saved):

@@ -27,7 +27,7 @@ changed. It may not have: a wrapper may hold its module otherwise between its
 calls than during them (FSDP frees the unsharded parameters after a forward).
 This call, run as recorded, is exact all the same, its peak off by the change,
 and the record learns nothing from it of what the forward phase let go and
-kept (``ChainRecord.ran``): a stage unfrozen since keeps its input, which
+kept (``watch_caller``): a stage unfrozen since keeps its input, which
 would read as the code around the chain keeping it. Checked as it is called
 still: the stage's identity and its input's signature, which decide what stage
 this is, and the version counters of the buffers it did not write when
@@ -43,13 +43,14 @@ import weakref
 
 import torch
 
+from ..dynamo import DYNAMO_SKIPS
 from ..solver.schedule import Fall, Fck
-from .executor import Run
-from .replay import capture_rng, cuda_devices, snapshot
+from .executor import Run, _releasing, distributed
+from .recompute import resolve_state, take
+from .replay import capture_rng, cuda_devices, param_flags, snapshot
 from .stage_call import first, same_structure, signature_matches, trained_as
-from .tensor_slots import param_flags, resolve_state, take
 
-__all__ = ["Runner", "site_text"]
+__all__ = ["Runner", "watch_output", "site_text"]
 
 _warned_writes = set()   # names of stages warned of by ``_new_writes``
 _warned_paths = set()    # chain sites warned of by ``_path_changed``
@@ -149,7 +150,7 @@ class Runner:
     def stage(self, call, ident, x):
         """Run stage ``call`` on ``x`` as the plan says; return what it returned."""
         entry, tensors = self.entry, call.tensors
-        quiet = entry.quiet(call.index)
+        quiet = _quiet(entry.stages[call.index - 1])
         if not quiet:
             return self._run_mode(call, x)
         if tensors is not None:
@@ -195,7 +196,7 @@ class Runner:
         record = entry.stages[k - 1]
         if mode is Fall:   # (run once, never again: nothing to replay)
             run.add_whole(call)
-            if k > 1 and entry.drops_input(k, run.whole[k - 1]):
+            if k > 1 and _drops_input(entry.costs, k, run.whole[k - 1]):
                 self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
             out = call.invoke(x)
             _pin_if_cut(run, out)
@@ -254,7 +255,7 @@ class Runner:
             return True
         _path_changes.pop(self.key, None)
         if not self._suspect_changed(self.entry):
-            self.entry.ran(act, self.dropped, self.acts, self.run.held_storages(), source)
+            watch_caller(self.entry, act, self.dropped, self.acts, self.run.held_storages(), source)
         return False
 
 
@@ -278,3 +279,87 @@ def _pin_if_cut(run, out):
     act = first(out)
     if isinstance(act, torch.Tensor) and not act.requires_grad:
         run.pin()
+
+
+# what the code around the chain holds (Note [The chain's output] and Note [What
+# the forward phase drops], remat/measure/chain_record.py) ------------------------
+
+def _quiet(record):
+    """The indices, among a stage's slots (its ``record``'s), of the buffers it did not
+    write in place when measured: those a later call watches for new writes
+    (``Runner._new_writes``); its state's are written every call."""
+    quiet = record.quiet
+    if quiet is None:
+        slots, n, _ = record.slots
+        written = {p for p in record.state if type(p) is int}
+        quiet = record.quiet = tuple(i for i in range(n, len(slots)) if i not in written)
+    return quiet
+
+
+def _drops_input(costs, k, whole):
+    """Whether the plan counts a^(k-1) as gone once stage k (``Fall``) has run
+    (``whole``: a^(k-1) is inside a-bar^(k-1)); Note [What the forward phase drops]."""
+    return (costs.fwd_drop_whole if whole else costs.fwd_drop)[k - 2] > 0
+
+
+def watch_caller(entry, act, dropped, acts, ours, source=None):
+    """A call of the chain recorded as ``entry`` (a ``ChainRecord``) ran the plan to
+    its end with ``act`` its a^L; ``dropped`` and ``acts`` are (i, weak reference to
+    a^i's storage) of the a^i its forward phase let go and of every stage (``acts``
+    with the node that made a^1 for stage 1): check them as the chain ends and as
+    the backward ends. ``ours`` are the storages remat itself holds (checkpoints,
+    which stages returning their input as it is share); ``source`` is a^0's, counted
+    in the costs already (a first stage returning a view of its input shares it)."""
+    first = acts[0][2] if acts and acts[0][0] == 1 else None
+    last = act.untyped_storage() if isinstance(act, torch.Tensor) else None
+    # (a last stage returning a view of its input shares a^(L-1)'s storage with a^L)
+    watch_output(entry, act, [(i, ref) for i, ref, _ in acts[:-1] if (st := ref()) is not last and st is not source],
+                 first)
+    ours = [*ours, source]
+    kept = [i for i, ref in dropped if (st := ref()) is not None and not any(st is o for o in ours)]
+    if kept and not distributed():
+        entry.caller_kept(kept)
+
+
+def watch_output(entry, act, inner=(), first=None):
+    """Have ``act``, a^L of a call of the chain recorded as ``entry``, tell at the end
+    of its backward whether it is still held, and ``inner``, (i, weak reference to
+    the storage of a^i), which of them are, if that backward went through every
+    stage (it ran ``first``, the node that made a^1) and let go of its graph."""
+    if not isinstance(act, torch.Tensor) or act.grad_fn is None or distributed():
+        return
+    storage = None if entry.output_held else weakref.ref(act.untyped_storage())
+    if first is None:
+        inner = ()
+    if storage is None and not inner:
+        return
+    entry = weakref.ref(entry)
+    queued = [False]
+    reached = [False]
+
+    def seen():
+        e = entry()
+        if e is None:
+            return
+        if storage is not None:
+            held, was = storage() is not None, e.output_held
+            if not was and was is not held:
+                e.output_held = held
+                e.plans = {}   # (plans made before either knew nothing of it)
+        alive = [i for i, ref in inner if ref() is not None]
+        if alive and reached[0] and _releasing():
+            e.caller_kept(alive, "through its backward")
+
+    if inner:
+        first.register_prehook(lambda _grads: reached.__setitem__(0, True))
+
+    def started(_grads):
+        if not queued[0]:
+            queued[0] = True
+            torch.autograd.Variable._execution_engine.queue_callback(seen)
+
+    act.grad_fn.register_prehook(started)
+
+
+# weak references Dynamo would trace into their referents (remat/dynamo.py)
+DYNAMO_SKIPS.append(watch_caller)

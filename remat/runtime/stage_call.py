@@ -27,8 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..dynamo import STANCES
 from ..errors import StageError, input_modified
-from .recompute import hooks_disabled
-from .tensor_slots import NO_SLOTS
+from .recompute import NO_SLOTS, hooks_disabled
 
 __all__ = ["StageCall", "check_hooks_enabled", "check_output", "find_activation", "first", "handed_on",
            "input_signature", "module_dicts", "module_structure", "same_structure", "signature", "signature_matches",
@@ -67,7 +66,7 @@ class StageCall:
         self.versions = None    # the parameters' version counters after its forward
         self.side = ()          # (tensor, version after its forward) of each tensor side input
         self.autocast = None    # the autocast state it ran in (Note [Replaying a stage] 2)
-        self.flags = None       # its parameters' dtype and requires_grad as it ran (tensor_slots.param_flags)
+        self.flags = None       # its parameters' dtype and requires_grad as it ran (replay.param_flags)
         self.count = None       # how many tensors its forward saved, where ``meta`` (recorded) is not it
         # the parametrization cache as its forward found it (Note [Replaying a stage] 6)
         self.pcache = dict(_parametrize._cache) if _parametrize._cache_enabled else None

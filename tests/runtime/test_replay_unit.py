@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 from remat.errors import StageError
-from remat.runtime.replay import Replay, capture_autocast, capture_rng, restore_tensors, snapshot
+from remat.runtime.recompute import Replay
+from remat.runtime.replay import capture_autocast, capture_rng, restore_tensors, snapshot
 from remat.runtime.stage_call import StageCall
-from remat.runtime.tensor_slots import module_slots, take
+from remat.runtime.recompute import module_slots, take
 
 SEEDS = st.integers(0, 2**32 - 1)
 

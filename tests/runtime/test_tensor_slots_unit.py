@@ -1,4 +1,4 @@
-"""Unit tests of remat/runtime/tensor_slots.py (Note [Replaying a stage] 5): where a
+"""Unit tests of remat/runtime/recompute.py (a stage's slots) (Note [Replaying a stage] 5): where a
 stage module's parameters, buffers and tensor attributes live (``module_slots``),
 what is in those places now (``take``), the parameters' flags (``param_flags``),
 and finding a stage's in-place state again on later calls (``state_plan``,
@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 from hypothesis import given, strategies as st
 
-from remat.runtime.tensor_slots import NO_SLOTS, module_slots, param_flags, resolve_state, state_plan, take
+from remat.runtime.recompute import NO_SLOTS, module_slots, resolve_state, state_plan, take
+from remat.runtime.replay import param_flags
 
 LAYERS = {
     "linear": lambda: nn.Linear(3, 3),
