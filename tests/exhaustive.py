@@ -46,6 +46,8 @@ def best_schedule(costs, budget, persistent):
             moves.append((Loss, 0.0, (False, nf, n, alone, whole, None, gone)))
         stages = [nf] if forward and nf <= n else ([] if forward else range(1, grad + 1))
         for i in stages:
+            if costs.tail and i == n and not forward:
+                continue   # (the tail runs once: Fall(n) in the forward phase)
             have_in = (alone >> (i - 1)) & 1 or (whole >> (i - 1)) & 1
             have_out = (alone >> i) & 1 or (whole >> i) & 1
             if not have_in or have_out:
@@ -56,7 +58,7 @@ def best_schedule(costs, budget, persistent):
                 if forward and i > 1 and (fdw[i - 1] if (whole >> (i - 1)) & 1 else fd[i - 1]):
                     g2 |= 1 << (i - 1)
                 moves.append((Fall(i), tf[i - 1], (forward, nf2, grad, alone, whole | (1 << i), "all", g2)))
-            if mem + x[i] + ft[i - 1] <= budget:
+            if mem + x[i] + ft[i - 1] <= budget and not (costs.tail and i == n):
                 t = tf[i - 1] if forward else tn[i - 1]
                 moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i), gone)))
                 if not persistent or prev == ("f", i - 1):

@@ -54,6 +54,17 @@ class Costs:
             (of a leaf used by two stages, that of the later use waits for the
             earlier's, to be summed), tensors stages keep outside autograd's
             saved tensors, activations the code around the chain keeps.
+        tail: the last stage is the chain's tail, not one of its stages: the
+            code that runs after the chain's last stage until the backward
+            reaches it (the model's head and the loss, rotor's loss stage),
+            which runs once, as the caller runs it: recorded (``Fall``) in the
+            forward phase and backwarded right after ``Loss``, never
+            recomputed (its ``fwd_nograd_time`` is not used). Its
+            ``saved_bytes`` is what it holds when its backward starts, and
+            ``held_bytes`` counts what the caller keeps of it through the rest
+            of the backward (``with_tail``).
+        tail_kept: of ``held_bytes``, the bytes of the tail's the caller keeps
+            (0 without a tail).
 
     Raises:
         CostsError: a list has the wrong length, a size is not a
@@ -77,6 +88,8 @@ class Costs:
     fwd_drop: tuple = None
     fwd_drop_whole: tuple = None
     held_bytes: int = 0
+    tail: bool = False
+    tail_kept: int = 0
 
     def __post_init__(self):
         length = None
@@ -95,11 +108,70 @@ class Costs:
         object.__setattr__(self, "fwd_drop", _drops("fwd_drop", self.fwd_drop, length, self.out_bytes))
         object.__setattr__(self, "fwd_drop_whole",
                            _drops("fwd_drop_whole", self.fwd_drop_whole, length, self.fwd_drop))
+        if not isinstance(self.tail, bool):
+            raise CostsError(f"remat: Costs.tail must be True or False, got {self.tail!r}")
+        if self.tail and length < 2:
+            raise CostsError("remat: Costs.tail is True but there is no stage before the tail; "
+                             "a chain with a tail has at least two entries per list (its stages, then the tail)")
+        kept = _check_size("tail_kept", None, self.tail_kept)
+        if kept > self.held_bytes or (kept and not self.tail):
+            raise CostsError(f"remat: Costs.tail_kept is {kept}; it is part of held_bytes ({self.held_bytes}), "
+                             f"and 0 without a tail")
+        object.__setattr__(self, "tail_kept", kept)
 
     @property
     def length(self):
-        """Number of stages L."""
+        """Number of stages L, the tail included (the solver's chain)."""
         return len(self.fwd_time)
+
+    @property
+    def stages(self):
+        """Number of the chain's own stages: ``length`` less the tail."""
+        return len(self.fwd_time) - self.tail
+
+    def with_tail(self, fwd_time, bwd_time, out_bytes, saved_bytes, fwd_tmp, bwd_tmp, kept=0):
+        """These costs with the chain's tail appended as the last stage (``tail``):
+        the code after the chain's last stage, which runs once (docs/how-it-works.md,
+        "The tail"). Sizes as a stage's: ``saved_bytes`` what the tail holds as its
+        backward starts (its own output, the loss, included), ``fwd_tmp`` its
+        forward's peak above its output, ``bwd_tmp`` its backward's above what it
+        starts from and the gradient it makes (down to ``-out_bytes``); ``kept``
+        the bytes of it the caller holds through the rest of the backward (logits
+        a training loop keeps), added to ``held_bytes``."""
+        if self.tail:
+            raise CostsError("remat: these costs have a tail already")
+        data = self.to_dict()
+        for name, value in (("fwd_time", fwd_time), ("fwd_nograd_time", fwd_time), ("bwd_time", bwd_time),
+                            ("out_bytes", out_bytes), ("saved_bytes", max(saved_bytes, out_bytes)),
+                            ("fwd_tmp", fwd_tmp), ("bwd_tmp", bwd_tmp), ("fwd_drop", 0), ("fwd_drop_whole", 0)):
+            data[name] = [*data[name], value]
+        data["held_bytes"] += kept
+        data["tail"] = True
+        data["tail_kept"] = kept
+        return Costs.from_dict(data)
+
+    def without_tail(self):
+        """The chain's own costs: these less the tail (and what it keeps), or
+        these if they have none."""
+        if not self.tail:
+            return self
+        return self._tail_parts()[0]
+
+    def tail_costs(self):
+        """The tail as a dict (``with_tail``'s arguments), or None without one."""
+        return self._tail_parts()[1] if self.tail else None
+
+    def _tail_parts(self):
+        data = self.to_dict()
+        tail = {name: data[name].pop() for name in ("fwd_time", "bwd_time", "out_bytes", "saved_bytes",
+                                                       "fwd_tmp", "bwd_tmp")}
+        for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole"):
+            data[name].pop()
+        tail["kept"] = self.tail_kept
+        data["held_bytes"] -= tail["kept"]
+        data["tail"] = False
+        data["tail_kept"] = 0
+        return Costs.from_dict(data), tail
 
     def sizes(self):
         """Return x[0..L]: the input size followed by each stage's output size."""
@@ -177,9 +249,12 @@ class Costs:
         rows.append(f"{'input':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.input_bytes):>11}")
         if self.held_bytes:
             rows.append(f"{'held':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.held_bytes):>11}")
+        if self.tail_kept:
+            rows.append(f"{'kept':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.tail_kept):>11}"
+                        f"  (of held: the tail's, kept through the backward)")
         for i in range(self.length):
             rows.append(
-                f"{i + 1:>5} {self.fwd_time[i] * 1e3:9.3f} {self.fwd_nograd_time[i] * 1e3:9.3f} "
+                f"{'tail' if self.tail and i == self.length - 1 else i + 1:>5} {self.fwd_time[i] * 1e3:9.3f} {self.fwd_nograd_time[i] * 1e3:9.3f} "
                 f"{self.bwd_time[i] * 1e3:9.3f} {format_bytes(self.out_bytes[i]):>11} "
                 f"{format_bytes(self.saved_bytes[i]):>11} {format_bytes(self.fwd_tmp[i]):>11} "
                 f"{format_bytes(self.bwd_tmp[i]):>11}"

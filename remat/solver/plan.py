@@ -18,7 +18,8 @@ class Plan:
         costs: the costs it was solved on (what ``explain()`` shows).
         modes: ``modes[k]`` is the op class stage k runs with in the forward
             phase (``Fn``, ``Fck`` or ``Fall``); ``modes[0]`` is None.
-        backward: the ops after ``Loss``.
+        backward: the ops after ``Loss``. Ops on the chain's tail
+            (``Costs.tail``) are left out of both: the caller runs it.
         fall_at: stage -> index in ``backward`` of the ``Fall`` that rebuilds it.
     """
 
@@ -32,6 +33,8 @@ class Plan:
     def of(cls, schedule, costs):
         """The plan of ``schedule`` solved on ``costs``."""
         ops = schedule.ops
+        if costs.tail:
+            ops = tuple(op for op in ops if op.stage != costs.length)
         split = ops.index(Loss)
         backward = ops[split + 1:]
         return cls(schedule, costs, (None, *(type(op) for op in ops[:split])), backward,

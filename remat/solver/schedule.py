@@ -29,7 +29,13 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    less what was dropped, ``B(i)`` of s[i] less it, and ``B(i)``'s peak adds
    it back (bwd_tmp[i] gives back a^i's bytes where B(i) does not read it,
    and they are already gone).
-7. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
+7. The tail (``Costs.tail``: stage L is the code after the chain, its head
+   and loss) runs once, as the caller runs it: ``Fall(L)`` in the forward
+   phase and ``B(L)``, nothing else; what the caller keeps of it through the
+   backward is in held_bytes from the start (it is held before the tail runs
+   only where the forward phase's peak is under the tail's, which is the
+   usual case: the tail's own peak holds it too).
+8. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
    phase (it records the graph: docs/how-it-works.md, "The schedule") and
    fwd_nograd_time afterwards; ``B`` costs bwd_time.
 
@@ -195,6 +201,7 @@ def simulate(costs, schedule, trace=None):
     ops = schedule.ops if isinstance(schedule, Schedule) else tuple(schedule)
     run = _Run(costs)
     n = run.n
+    tail = n if costs.tail else None
     for pos, op in enumerate(ops):
         code = getattr(op, "code", None)
         if code is None:
@@ -205,6 +212,9 @@ def simulate(costs, schedule, trace=None):
         else:
             if not isinstance(i, int) or not 1 <= i <= n:
                 _bad(pos, op, f"stage {i} is outside 1..{n}")
+            if i == tail and code != 3 and (code != 2 or not run.forward):
+                _bad(pos, op, f"stage {i} is the chain's tail (the code after it), which runs once: "
+                              f"Fall({i}) in the forward phase, then B({i})")
             if code == 3:
                 run.backward(pos, op, i)
             else:

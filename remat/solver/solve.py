@@ -83,6 +83,7 @@ def discretise(costs, slot):
         out_bytes=[up(v) for v in costs.out_bytes], saved_bytes=[up(v) for v in costs.saved_bytes],
         fwd_tmp=[up(v) for v in costs.fwd_tmp], bwd_tmp=[up(v) for v in costs.bwd_tmp],
         input_bytes=up(costs.input_bytes), held_bytes=up(costs.held_bytes),
+        tail=costs.tail, tail_kept=up(costs.tail_kept),
         # what is let go rounds down: held less dropped stays at least the bytes
         fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
     )
@@ -98,10 +99,15 @@ def store_all(n):
     return tuple(Fall(i) for i in range(1, n + 1)) + (Loss,) + tuple(B(i) for i in range(n, 0, -1))
 
 
-def periodic(n, k):
+def periodic(n, k, tail=False):
     """What checkpoint_sequential does with segments of ``k`` stages: keep each
     segment's input, recompute the segment before its backward; the last
-    segment is recorded."""
+    segment is recorded. With ``tail``, stage n is the chain's tail, recorded
+    after the last segment (the segments cut stages 1..n-1)."""
+    if tail:
+        ops = list(periodic(n - 1, k))
+        at = ops.index(Loss)
+        return tuple(ops[:at] + [Fall(n), Loss, B(n)] + ops[at + 1:])
     if k >= n:
         return store_all(n)
     starts = list(range(1, n + 1, k))
@@ -120,7 +126,9 @@ def periodic(n, k):
 
 
 def min_memory(n):
-    """Keep only stage inputs: checkpoint every stage (what remat's measuring call runs)."""
+    """Keep only stage inputs: checkpoint every stage but the last, which is
+    recorded; with a tail (the last stage, ``Costs.tail``), every stage of the
+    chain is checkpointed, as per-block checkpointing does."""
     ops = [Fck(i) for i in range(1, n)] + [Fall(n), Loss, B(n)]
     for i in range(n - 1, 0, -1):
         ops += [Fall(i), B(i)]
@@ -200,10 +208,10 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
 def _solve_fixed(costs, budget, algorithm, name, k):
     """The schedule of an algorithm that does not look at the costs (all but
     'optimal'); a ``BudgetError`` if it does not fit."""
-    n = costs.length
+    n, tail = costs.length, costs.tail
     ops = {"store_all": lambda: store_all(n), "min_memory": lambda: min_memory(n),
-           "sqrt": lambda: periodic(n, max(1, round(math.sqrt(n)))),
-           "periodic": lambda: periodic(n, k)}[name]()
+           "sqrt": lambda: periodic(n, max(1, round(math.sqrt(costs.stages))), tail),
+           "periodic": lambda: periodic(n, k, tail)}[name]()
     sim = simulate(costs, ops)
     if sim.peak > budget:
         raise BudgetError(
@@ -273,7 +281,7 @@ def _at_least_periodic(costs, budget, ops, sim):
     fits exactly, as checkpoint_sequential's do at their own measured peak;
     the periodic family (all of it up to 64 stages, else segment lengths near
     the usual choices) costs a few simulations."""
-    n = costs.length
+    n = costs.stages
     lengths = range(1, n + 1) if n <= 64 else sorted(
         {1, 2, 3, 4, 6, 8, n // 2, n // 4, n // 8} | {max(1, round(math.sqrt(n))) + d for d in (-2, -1, 0, 1, 2)})
     best = best_periodic(costs, budget, lengths)
@@ -285,13 +293,14 @@ def _at_least_periodic(costs, budget, ops, sim):
 def best_periodic(costs, budget, lengths=None):
     """The fastest periodic schedule (``periodic(k)``, checkpoint_sequential's) that
     fits ``budget`` in bytes, over segment lengths ``lengths`` (all by default), as
-    (k, ops, Simulation); None if none fits."""
-    n = costs.length
+    (k, ops, Simulation); None if none fits. Segments cut the chain's own stages
+    (its tail, if the costs have one, is recorded after them)."""
+    n = costs.stages
     best = None
     for k in (range(1, n + 1) if lengths is None else lengths):
         if not 1 <= k <= n:
             continue
-        ops = periodic(n, k)
+        ops = periodic(costs.length, k, costs.tail)
         sim = simulate(costs, ops)
         if sim.peak <= budget and (best is None or sim.time < best[2].time):
             best = (k, ops, sim)
@@ -331,16 +340,20 @@ def time_bound(costs, budget):
     # rooms[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
     # held from the forward phase; rooms[n]: what Loss leaves for all of them
     rooms = [room - (s[i] + x[i + 1] + x[i] + bt[i]) for i in range(n)] + [room]
-    if min(rooms) < 0:
-        return math.inf
     gains = [min(tf[i], tn[i]) for i in range(n)]
     weights = [max(s[i] - (costs.fwd_drop_whole[i] if i < n - 1 else 0), 0) for i in range(n)]
+    chain = range(n)
+    if costs.tail:   # (it runs once, recorded: held at Loss, never run again)
+        rooms[n] -= weights[n - 1]
+        chain = range(n - 1)
+    if min(rooms) < 0:
+        return math.inf
     saved = 0.0
-    for i in sorted(range(n), key=lambda i: -gains[i] / weights[i] if weights[i] > 0 else -math.inf):
+    for i in sorted(chain, key=lambda i: -gains[i] / weights[i] if weights[i] > 0 else -math.inf):
         share = min(weights[i], min(rooms[i + 1:]))   # (B of every later stage, and Loss)
         if share <= 0 and weights[i] > 0:
             continue
         saved += gains[i] * (share / weights[i] if weights[i] > 0 else 1.0)
         for j in range(i + 1, n + 1):
             rooms[j] -= share
-    return math.fsum(tf) + math.fsum(costs.bwd_time) + max(math.fsum(gains) - saved, 0.0)
+    return math.fsum(tf) + math.fsum(costs.bwd_time) + max(math.fsum(gains[i] for i in chain) - saved, 0.0)

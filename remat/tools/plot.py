@@ -76,8 +76,8 @@ def tradeoff(costs, path, points=40, title=None):
         s = solve(costs, max(budget, low))
         opt.append((_mib(s.peak), s.time * 1e3))
     per = []
-    for k in range(1, n + 1):
-        sim = simulate(costs, periodic(n, k))
+    for k in range(1, costs.stages + 1):
+        sim = simulate(costs, periodic(n, k, costs.tail))
         per.append((_mib(sim.peak), sim.time * 1e3, k))
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
     ax.step([p for p, _ in opt], [t for _, t in opt], where="post", label="remat optimal", color="#31a354")
@@ -85,7 +85,7 @@ def tradeoff(costs, path, points=40, title=None):
                color="#3182bd", zorder=3, s=14)
     ax.set_xlabel("peak activation memory (MiB)")
     ax.set_ylabel("predicted step time (ms)")
-    ax.set_title(title or f"time against memory, {n} stages")
+    ax.set_title(title or f"time against memory, {costs.stages} stages")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
