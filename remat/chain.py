@@ -100,17 +100,28 @@ _last = [None]   # the Explanation of the latest chain call
 class Explanation:
     """What remat knows about one chain: costs, budget, schedule.
 
-    ``costs`` are those the schedule was solved on; ``measured`` those the
-    chain measured (or read), as its costs file holds them. They differ by
-    the chain's output, counted in ``held_bytes`` while the code around the
-    chain may hold it through the backward (Note [The chain's output], remat/measure/chain_record.py)."""
+    ``costs`` are those the schedule was solved on, the chain's tail (the head
+    and loss after its last stage) their last stage (``Costs.tail``);
+    ``measured`` those the chain measured (or read), as its costs file holds
+    them. They differ by the tail and by the chain's output, counted in
+    ``held_bytes`` while the code around the chain may hold it through the
+    backward (Note [The chain's output], remat/measure/chain_record.py).
+    ``tail`` is what the measuring call saw of the tail (``TailSeen``, Note
+    [The chain's tail] in remat/measure/tail.py), or None; ``predicted_peak``
+    the schedule's whole-step peak in bytes (None without a schedule)."""
 
-    def __init__(self, costs, schedule, budget, names, measured=None):
+    def __init__(self, costs, schedule, budget, names, measured=None, tail=None):
         self.costs = costs
         self.schedule = schedule
         self.budget = budget
         self.names = names
         self.measured = costs if measured is None else measured
+        self.tail = tail
+
+    @property
+    def predicted_peak(self):
+        """The schedule's predicted whole-step peak in bytes, or None."""
+        return self.schedule.peak if self.schedule is not None else None
 
     def table(self):
         """Per-stage costs and the op each stage gets in the forward phase."""
@@ -119,6 +130,9 @@ class Explanation:
         out = [lines[0] + "  forward   name"]
         for line in lines[1:]:
             first = line.split()[0]
+            if first == "tail":   # (Note [The chain's tail], remat/measure/tail.py)
+                out.append(f"{line}  {'Fall':<8}  (after the last stage: head, loss)")
+                continue
             if not first.isdigit():   # the input's and the held bytes' lines
                 out.append(line)
                 continue
@@ -128,7 +142,9 @@ class Explanation:
         return "\n".join(out)
 
     def __str__(self):
-        head = f"remat chain of {self.costs.length} stages, budget {format_bytes(self.budget)}"
+        head = f"remat chain of {self.costs.stages} stages, budget {format_bytes(self.budget)}"
+        if self.tail is not None:
+            head += f"\n{self.tail}"
         if self.schedule is None:
             return head + "\n" + self.table()
         return f"{head}\n{self.schedule.summary()}\n{self.table()}\nschedule:\n{self.schedule}"
@@ -246,9 +262,9 @@ class chain:
         return resolve_budget(self.budget, device)
 
     @staticmethod
-    def explained(costs, schedule, budget, names, measured):
+    def explained(costs, schedule, budget, names, measured, tail=None):
         """Make what a call of a chain knows (``Explanation``'s arguments) what ``explain()`` shows."""
-        publish(Explanation(costs, schedule, budget, names, measured))
+        publish(Explanation(costs, schedule, budget, names, measured, tail))
 
     def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, hints=None):
         self.settings = (budget, algorithm, slots, costs)   # as given
@@ -288,6 +304,8 @@ class chain:
         _local.active = None
         if exc_type is None:
             current.finish()
+        else:
+            current.abort()
         return False
 
     def __call__(self, fn):

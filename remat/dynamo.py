@@ -34,9 +34,35 @@ Dynamo loaded (``remat.chain``).
 """
 
 
+import os
+import sys
+
 import torch
 
-__all__ = ["STANCES", "DYNAMO_SKIPS"]
+__all__ = ["STANCES", "DYNAMO_SKIPS", "in_compiled_frame"]
 
 STANCES = hasattr(torch.compiler, "set_stance")   # (torch >= 2.6)
 DYNAMO_SKIPS = []
+
+
+def in_compiled_frame():
+    """True while a frame Dynamo compiles or runs is on the stack (a compiled model
+    whose graph broke at a chain, a compiled stage module handing its call to
+    the chain): what follows may run compiled. Seen by Dynamo's frame callback,
+    or, in the frames it skips (remat's), by its wrapper or a resumed frame on
+    the stack."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    get = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None)
+    if get is not None and get() not in (None, False):
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_EVAL_FRAME) or code.co_name.startswith("torch_dynamo_resume_in_"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")

@@ -241,7 +241,7 @@ class Sequential(nn.Sequential):
         Example:
             >>> import torch, remat
             >>> seq = remat.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), budget="1MiB")
-            >>> seq.measure(torch.randn(4, 8)).length
+            >>> seq.measure(torch.randn(4, 8)).stages
             2
         """
         x = sample.detach().requires_grad_(sample.requires_grad) if isinstance(sample, torch.Tensor) else sample
@@ -286,7 +286,7 @@ class Sequential(nn.Sequential):
             >>> import torch, remat
             >>> seq = remat.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
             >>> _ = seq.measure(torch.randn(4, 8))
-            >>> seq.solve("1MiB").length
+            >>> seq.solve("1MiB").stages
             3
         """
         if self._explanation is None:

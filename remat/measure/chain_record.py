@@ -57,6 +57,7 @@ call may have gone over the budget by that much. Not under
 torch.distributed, where every rank must keep rank 0's costs.
 """
 
+import dataclasses
 import warnings
 import weakref
 
@@ -64,6 +65,7 @@ from ..solver.costs import Costs
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import CostsError
 from .record import StageCosts
+from .tail import TailSeen
 from ..units import format_bytes
 
 __all__ = ["ChainRecord"]
@@ -117,7 +119,8 @@ class ChainRecord:
         self.costs_file = None   # the costs file this process measured for (or None)
         self.unsaved = False     # refined costs not yet written to it
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
-        self._held_costs = None  # (costs, the same with a^L held) for planning_costs
+        self._held_costs = {}    # a^L counted held or not -> ((costs, tail, that), the planning costs)
+        self.tail = None         # what the measuring call saw of the chain's tail (remat/measure/tail.py)
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
 
     def add(self, record, ident):
@@ -142,24 +145,45 @@ class ChainRecord:
         new.input_bytes = self.input_bytes
         return new
 
-    def planning_costs(self):
-        """The costs plans are solved on: the measured ones, with a^L held through the
-        step unless calls showed it gone by B(L) (Note [The chain's output])."""
-        if self.output_held is False or self.costs is None:
-            return self.costs
-        cached = self._held_costs
-        if cached is None or cached[0] is not self.costs:
-            data = self.costs.to_dict()
-            out = data["out_bytes"][-1]
-            data["held_bytes"] += out
-            last = self.stages[-1].costs if self.stages else None
-            freed = last.out_freed if last is not None else None
-            if freed is not None:
-                # counted there, a^L is not also in a-bar^L, nor given back at B(L)
-                data["saved_bytes"][-1] -= out
-                data["bwd_tmp"][-1] += freed
-            cached = self._held_costs = (self.costs, Costs.from_dict(data))
+    def counts_output(self):
+        """Whether plans count a^L as held through the step (Note [The chain's output])."""
+        return self.output_held is not False
+
+    def planning_costs(self, output=None):
+        """The costs plans are solved on: the measured ones with the chain's tail
+        (Note [The chain's tail], remat/measure/tail.py), and with a^L held through the
+        step unless calls showed it gone by B(L) (Note [The chain's output]), or
+        (``output`` False) as measured."""
+        if self.costs is None:
+            return None
+        held = self.counts_output() if output is None else output
+        key = (self.costs, self.tail, held)
+        cached = self._held_costs.get(held)
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            costs = self._output_held() if held else self.costs
+            tail = self.tail if self.tail is not None else TailSeen()
+            cached = self._held_costs[held] = (key, costs.with_tail(**tail.costs()))
         return cached[1]
+
+    def _output_held(self):
+        """The measured costs with a^L held through the step (Note [The chain's output])."""
+        data = self.costs.to_dict()
+        out = data["out_bytes"][-1]
+        data["held_bytes"] += out
+        last = self.stages[-1].costs if self.stages else None
+        freed = last.out_freed if last is not None else None
+        if freed is not None:
+            # counted there, a^L is not also in a-bar^L, nor given back at B(L)
+            data["saved_bytes"][-1] -= out
+            data["bwd_tmp"][-1] += freed
+        return Costs.from_dict(data)
+
+    def tail_seen(self, seen):
+        """A backward showed what the code after the chain keeps of its tail (``seen.kept``):
+        plans made before counted all of it."""
+        if seen is self.tail:
+            self.tail = dataclasses.replace(seen)   # (a new object: the planning costs' key)
+            self.plans = {}
 
     def save(self):
         """Write the costs to the file this process measured for, if any; one that

@@ -120,8 +120,9 @@ class Instrument(TorchDispatchMode):
     def _should_skip_dynamo(cls):
         return False
 
-    def __init__(self, exclude=(), sources=(), protect=None):
+    def __init__(self, exclude=(), sources=(), protect=None, writes=True):
         super().__init__()
+        self._writes = writes   # note (and clone) the older tensors ops write in place
         # a tensor no op may write: raises ``InputWritten`` before such an op runs
         self._protect = storage_key(protect) if protect is not None else None
         self.live = 0
@@ -269,7 +270,7 @@ class Instrument(TorchDispatchMode):
 
     def _note_write(self, t):
         key = storage_key(t)
-        if key not in self.created and key not in self.mutated and key not in self._exclude:
+        if self._writes and key not in self.created and key not in self.mutated and key not in self._exclude:
             self.mutated[key] = (t, t.detach().clone())
         return key
 

@@ -16,10 +16,12 @@ from torch.nn.modules import module as nn_module
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
+from ..dynamo import in_compiled_frame
 from ..errors import BudgetError, RematError, StageError, not_handed_on
 from ..measure.chain_record import write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
+from ..measure.tail import TailMeter
 from ..solver.plan import Plan
 from ..solver.solve import minimum_budget, solve
 from ..units import format_bytes
@@ -110,6 +112,8 @@ class ChainCall:
         self.source = None      # a^0's storage
         self.skipped = None     # a stage called under no_grad after stage 1
         self.seen = {}          # id of each stage's object -> the first stage it was
+        self.tail = None        # a measuring call's TailMeter (remat/measure/tail.py)
+        self.compiled = in_compiled_frame()   # opened in a frame Dynamo runs: no TailMeter
 
     @property
     def measuring(self):
@@ -124,6 +128,8 @@ class ChainCall:
         self.called = True
         if self.in_stage or replaying():
             return fn(*args, **kwargs)
+        if self.tail is not None:
+            self.tail.close()   # (the code since the last stage was not the tail)
         if not torch.is_grad_enabled():
             if self.k:
                 self.skipped = name   # (named if a stage follows, which cannot take its output)
@@ -174,7 +180,12 @@ class ChainCall:
         self.prev_version = act._version
         self.prev_name = name
         self.prev_ident = ident
-        clock = self.part.run.clock if not self.measuring else None
+        if self.measuring:   # (what runs until the next stage, or the block's end: the tail)
+            if self.tail is None:
+                self.tail = TailMeter()
+            self.tail.open(self.compiled)
+            return out
+        clock = self.part.run.clock
         if clock is not None:
             clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))])
         return out
@@ -234,7 +245,7 @@ class ChainCall:
         try:
             plan = plan_for(entry, self.budget, self.spec.algorithm, self.spec.slots)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
-            self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs)
+            self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs, entry.tail)
             raise
         self.part = Runner(self.key, self.site, entry, plan, autocast)
         if entry.attempts > 0:
@@ -253,11 +264,13 @@ class ChainCall:
             self._finish_run()
             return
         measurer = self.part
+        tail = self.tail.seen(self.prev, lambda seen: new.tail_seen(seen))
         self.in_stage = True   # stages inside the stage measured again run plainly
         try:
             new = measurer.finish(self.k)
         finally:
             self.in_stage = False
+        new.tail = tail
         _remember(self.key, new)
         watch_output(new, self.prev)
         try:
@@ -268,9 +281,14 @@ class ChainCall:
         except Exception as exc:
             measurer.undo()
             if isinstance(exc, RematError):
-                self.spec.explained(new.costs, None, self.budget, new.names, new.costs)
+                self.spec.explained(new.costs, None, self.budget, new.names, new.costs, tail)
             raise
-        self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs)
+        self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, tail)
+
+    def abort(self):
+        """The chain's ``with`` block ended with an exception."""
+        if self.tail is not None:
+            self.tail.close()
 
     def _finish_run(self):
         runner = self.part
@@ -279,7 +297,8 @@ class ChainCall:
             with _cache_lock:
                 _cache.pop(self.key, None)
         plan = runner.plan
-        self.spec.explained(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs)
+        self.spec.explained(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs,
+                            runner.entry.tail)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
 
@@ -319,7 +338,7 @@ def plan_for(entry, budget, algorithm, slots):
         try:
             schedule = solve(costs, budget, algorithm, slots)
         except BudgetError as exc:
-            if costs is entry.costs:
+            if not entry.counts_output():
                 raise
             if entry.output_held:
                 raise BudgetError(
@@ -332,7 +351,7 @@ def plan_for(entry, budget, algorithm, slots):
             # as the measuring call does, plan on the costs as measured and let this
             # call's backward tell (the minimum a first call's error names must run:
             # retrying with it is what that error asks)
-            costs = entry.costs
+            costs = entry.planning_costs(output=False)
             failed = None
             try:
                 schedule = solve(costs, budget, algorithm, slots)

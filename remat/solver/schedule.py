@@ -130,6 +130,7 @@ class Schedule:
         algorithm: the algorithm that made it.
         budget: the budget in bytes it was made for (None if none).
         slot_bytes: the memory unit the solver worked in (None if exact).
+        tail: the last stage is the chain's tail (solved on costs with ``Costs.tail``).
     """
 
     ops: tuple
@@ -138,11 +139,17 @@ class Schedule:
     algorithm: str = "custom"
     budget: int = None
     slot_bytes: int = None
+    tail: bool = False
 
     @property
     def length(self):
-        """Number of stages."""
+        """Number of stages, the tail included (as in ``Costs.length``)."""
         return sum(1 for op in self.ops if isinstance(op, B))
+
+    @property
+    def stages(self):
+        """Number of the chain's own stages: ``length`` less the tail (``Costs.tail``)."""
+        return self.length - self.tail
 
     def forward_modes(self):
         """The op of each stage in the forward phase, stage 1 first."""

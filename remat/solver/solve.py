@@ -219,7 +219,7 @@ def _solve_fixed(costs, budget, algorithm, name, k):
             f"{format_bytes(budget)}; raise the budget or use algorithm='optimal' "
             f"(this chain's minimum is {format_bytes(minimum_budget(costs))})"
         )
-    return Schedule(ops, sim.time, sim.peak, algorithm, budget, None)
+    return Schedule(ops, sim.time, sim.peak, algorithm, budget, None, costs.tail)
 
 
 def _solve_optimal(costs, budget, slots):
@@ -228,7 +228,7 @@ def _solve_optimal(costs, budget, slots):
     n = costs.length
     full = simulate(costs, store_all(n))
     if full.peak <= budget:
-        return Schedule(store_all(n), full.time, full.peak, "optimal", budget, None)
+        return Schedule(store_all(n), full.time, full.peak, "optimal", budget, None, costs.tail)
     from . import binding as _c_solver
 
     # the C solver plans the activations: what is held through the step comes off the budget
@@ -247,7 +247,7 @@ def _solve_optimal(costs, budget, slots):
     sim = simulate(costs, ops)
     _check_fits(sim, budget)
     ops, sim = _at_least_periodic(costs, budget, ops, sim)
-    return Schedule(ops, sim.time, sim.peak, "optimal", budget, slot)
+    return Schedule(ops, sim.time, sim.peak, "optimal", budget, slot, costs.tail)
 
 
 def _solver_ops(costs, room, slots):

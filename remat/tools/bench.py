@@ -110,7 +110,9 @@ def _label_runs(methods, tags, results, schedules, run_costs):
     remat, its schedule's predicted time on ``run_costs``."""
     for method, r, s in zip(methods, results, schedules):
         if method[0] == "remat":
-            r["predicted_seconds_run_costs"] = simulate(run_costs, s).time
+            # (solved with the chain's tail, which the run's costs leave out: a tail of nothing)
+            costs = run_costs.with_tail(0.0, 0.0, 0, 0, 0, 0) if s.tail and not run_costs.tail else run_costs
+            r["predicted_seconds_run_costs"] = simulate(costs, s).time
     for method, tag, r in zip(methods, tags, results):
         r["method"] = method[0] if method[0] != "checkpoint_sequential" else f"checkpoint_sequential({method[1]})"
         if method[0] == "checkpoint_sequential":

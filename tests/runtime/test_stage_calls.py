@@ -179,7 +179,7 @@ def test_activation_by_keyword_into_kwargs_only_stage():
         for s in mods:
             h = s(mask=mask, hidden=h)
     h.sum().backward()
-    assert remat.explain().costs.length == 3
+    assert remat.explain().costs.stages == 3
 
 
 def test_nested_tuple_item_needing_grad_is_refused():

@@ -45,7 +45,7 @@ def test_chain_inside_torch_func_transforms_runs_plainly():
     assert torch.equal(got, vmap(lambda xx: f(xx, False))(x))
     assert torch.equal(grad(lambda xx: f(xx, True))(x), grad(lambda xx: f(xx, False))(x))
     f(x, True).backward()   # an ordinary call afterwards measures and runs the chain
-    assert remat.explain().costs.length == 3
+    assert remat.explain().costs.stages == 3
 
 
 def test_chain_on_forward_ad_dual_tensors_runs_plainly():

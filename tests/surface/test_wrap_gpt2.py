@@ -73,7 +73,7 @@ def test_gpt2_matches_pytorch(gpt2_setup, attn, algorithm, fraction):
     remat.wrap(model, model.transformer.h, budget=budget, algorithm=algorithm)
     assert_same(ref, train_gpt2(model))
     assert remat.explain().schedule.peak <= budget
-    assert remat.explain().costs.length == 4
+    assert remat.explain().costs.stages == 4
 
 
 @needs_transformers
