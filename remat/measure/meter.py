@@ -123,6 +123,7 @@ class Instrument(TorchDispatchMode):
     def __init__(self, exclude=(), sources=(), protect=None, writes=True):
         super().__init__()
         self._writes = writes   # note (and clone) the older tensors ops write in place
+        self.made = None        # a list: weak references to the tensors ops return are added to it
         # a tensor no op may write: raises ``InputWritten`` before such an op runs
         self._protect = storage_key(protect) if protect is not None else None
         self.live = 0
@@ -229,6 +230,8 @@ class Instrument(TorchDispatchMode):
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         self.op_seconds += time.perf_counter() - t0
+        if self.made is not None:
+            self.made.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if isinstance(out, torch.Tensor):
             self._note_outputs((out,), inputs)
             if func is _TO_COPY and args[0].is_leaf and args[0].requires_grad and out.layout == torch.strided:

@@ -20,14 +20,27 @@ The measuring call meters the tail (``TailMeter``):
    writes) runs until the next stage is called or the block ends: the last
    of these windows is the tail's forward inside the block, its peak and
    the storages alive as the block ends.
-2. Its backward runs in the engine before any of remat's hooks: it is taken
-   to start from what was alive as the block ended and to add a gradient of
-   the largest of those storages (a loss's gradient of the logits, made
-   while the logits and what the loss saved are alive).
+2. Its backward: the nodes of the graph the window made (reached from the
+   tensors its ops returned that are alive as the block ends, the loss and
+   the logits, down to the chain's output) get hooks that run the same
+   meter while each runs, and count the gradients handed to them (made by
+   code after the block). So the meter's peak covers the tail's forward and
+   backward, but what runs between those nodes (the engine adding up
+   gradients) and code after the block.
 3. As ``B(L)`` starts (a pre-hook on the node that made a^L), the storages
-   the tail made that are still alive are what the code after the block
-   keeps through the backward (``kept``). Until a backward has shown it, all
-   that was alive as the block ended counts as kept.
+   the tail made that are still alive, but the gradient it hands the chain,
+   are what the code after the block keeps through the backward (``kept``).
+   Until a backward has shown them, the tail counts as its forward's peak,
+   kept by no one: the least it can need. The measuring call's plan, made
+   as its block ends, is for a later call: it is solved again once the
+   call's backward has run (and ``explain()`` shows that plan), and a budget
+   it does not fit could not hold the tail's forward.
+4. The chain's output a^L is under the meter from the window's start: the
+   chain's end counts it (in a-bar^L, or on its own as the tail's input),
+   but a head that copies it (a linear layer on a transposed activation)
+   and saves the copy lets it go before its peak, and the chain's end is
+   then that much lower. The meter's figures less a^L's bytes (as it
+   starts) are the tail's; a^L alive as ``B(L)`` starts is not kept.
 
 Code after the block is not metered (nothing of remat runs there), nor is a
 window opened where Dynamo runs the frame (what follows may run compiled).
@@ -39,11 +52,13 @@ and what was not seen, ``remat.explain().tail`` says.
 """
 
 import dataclasses
+import time
 
 import torch
 
 from ..dynamo import in_compiled_frame
-from .meter import Instrument
+from .leaves import stop_nodes, walk
+from .meter import Instrument, storage_key
 
 __all__ = ["TailMeter", "TailSeen"]
 
@@ -56,37 +71,46 @@ class TailSeen:
         metered: whether the tail inside the block was metered (else ``why``).
         peak: bytes its forward inside the block reached above the chain's end.
         alive: bytes of what it made that were alive as the block ended.
-        largest: the largest of those storages.
         kept: bytes of them still alive as the chain's backward began (None
             before a backward has shown it).
-        seconds: time inside its ops.
+        backward_peak: the peak above the chain's end through the tail's
+            forward and backward, as that backward showed it (None before).
+        seconds: time inside its forward's ops; ``backward_seconds`` its
+            backward's nodes' (None before a backward).
         why: why it was not metered ("" if it was).
     """
 
     metered: bool = False
     peak: int = 0
     alive: int = 0
-    largest: int = 0
     kept: int = None
+    backward_peak: int = None
     seconds: float = 0.0
+    backward_seconds: float = None
     why: str = ""
 
     def costs(self):
-        """The tail as ``Costs.with_tail``'s arguments: its forward's peak or the
-        level its backward starts from with a gradient of its largest tensor,
-        less what the caller keeps, which held_bytes counts."""
-        peak = max(self.peak, self.alive + self.largest)
-        kept = self.alive if self.kept is None else self.kept
-        return {"fwd_time": self.seconds, "bwd_time": 2 * self.seconds, "out_bytes": 0, "saved_bytes": 0,
+        """The tail as ``Costs.with_tail``'s arguments: its peak, less what the caller
+        keeps, which held_bytes counts. Until a backward has shown them, its
+        forward's peak and nothing kept: the least it can need (the plan a
+        measuring call makes then is for a later call, solved again once its
+        backward has run; one it cannot make, the budget cannot hold)."""
+        peak = self.peak if self.backward_peak is None else max(self.peak, self.backward_peak)
+        kept = 0 if self.kept is None else self.kept
+        back = 2 * self.seconds if self.backward_seconds is None else self.backward_seconds
+        return {"fwd_time": self.seconds, "bwd_time": back, "out_bytes": 0, "saved_bytes": 0,
                 "fwd_tmp": max(0, peak - kept), "bwd_tmp": 0, "kept": kept}
 
     def __str__(self):
         if not self.metered:
             return f"tail not metered: {self.why}"
-        kept = "not yet seen" if self.kept is None else _mib(self.kept)
-        return (f"tail (after the last stage, inside the chain's block): peak {_mib(self.peak)} above the chain's "
-                f"end, {_mib(self.alive)} alive as the block ended (largest {_mib(self.largest)}), "
-                f"kept through the backward {kept}")
+        if self.kept is None:
+            seen = "its backward not yet seen"
+        else:
+            seen = (f"{_mib(self.backward_peak)} with its backward, {_mib(self.kept)} kept through the "
+                    f"chain's backward")
+        return (f"tail (after the last stage, inside the chain's block): peak {_mib(self.peak)} above the "
+                f"chain's end, {_mib(self.alive)} alive as the block ended; {seen}")
 
 
 def _mib(n):
@@ -99,16 +123,19 @@ class TailMeter:
 
     def __init__(self):
         self.meter = None
-        self.why = "the chain's block ended at its last stage"
+        self.why = "nothing ran after the last stage inside the chain's block"
 
-    def open(self, compiled=False):
-        """A stage returned: meter what runs until the next stage or the block's end
-        (not where the chain opened in a frame Dynamo runs: ``compiled``)."""
+    def open(self, act, compiled=False):
+        """A stage returned ``act``: meter what runs until the next stage or the block's
+        end (not where the chain opened in a frame Dynamo runs: ``compiled``), and
+        ``act`` from now on (Note [The chain's tail] 4)."""
         self.close()
         if compiled or in_compiled_frame():
             self.why = "the code after the last stage runs in a frame torch.compile compiled"
             return
         self.meter = Instrument(writes=False)
+        self.meter.made = []
+        self.meter.count(act)
         self.meter.__enter__()
 
     def close(self):
@@ -118,29 +145,88 @@ class TailMeter:
         if meter is not None:
             meter.__exit__(None, None, None)
 
-    def seen(self, act, on_kept):
-        """The block ended after the last stage returned ``act`` (a^L): what the last
-        window saw (``TailSeen``); ``on_kept(seen)`` is called as ``B(L)`` starts,
-        with ``seen.kept`` then set (Note [The chain's tail] 3)."""
+    def seen(self, act, outputs, on_kept):
+        """The block ended after the last stage returned ``act`` (a^L; ``outputs`` are
+        the activations every stage returned): what the last window saw
+        (``TailSeen``); its backward is metered (Note [The chain's tail] 2), and
+        ``on_kept(seen)`` is called as ``B(L)`` starts, the backward's figures set."""
         meter, self.meter = self.meter, None
         if meter is None:
             return TailSeen(why=self.why)
         meter.__exit__(None, None, None)
-        sizes = list(meter.created.values())
-        seen = TailSeen(True, meter.peak, meter.live, max(sizes, default=0), None, meter.op_seconds)
+        made, meter.made = meter.made, None
+        if not made:
+            return TailSeen(why="nothing ran after the last stage inside the chain's block (code after the "
+                                "block is not seen: have the head and loss inside it to count them)")
+        out = _Output(meter, act)
+        seen = TailSeen(True, meter.peak - out.bytes, meter.live - out.alive(), None, None, meter.op_seconds)
         node = act.grad_fn if isinstance(act, torch.Tensor) else None
-        if node is None or not meter.live:
-            seen.kept = meter.live
+        roots = {t.grad_fn for ref in made if (t := ref()) is not None and t.grad_fn is not None}
+        if node is None or not roots:
+            seen.kept, seen.backward_peak, seen.backward_seconds = seen.alive, seen.peak, 0.0
             return seen
-        done = [False]
-
-        def begin(_grads):
-            # (the hook holds the meter, whose weak references count the tail's storages
-            # as they go, while the graph lives: a backward that never comes lets it go)
-            if not done[0]:
-                done[0] = True
-                seen.kept = meter.live
-                on_kept(seen)
-
-        node.register_prehook(begin)
+        _Backward(meter, out, seen, on_kept).hook(walk(roots, stop_nodes(outputs)), node)
         return seen
+
+
+class _Output:
+    """a^L under the tail's meter, counted from the window's start (Note [The chain's
+    tail] 4): the meter's figures, less ``bytes``, are the tail's above the chain's end."""
+
+    def __init__(self, meter, act):
+        self.meter = meter
+        self.key = storage_key(act)
+        self.bytes = meter.created.get(self.key, 0)
+
+    def alive(self):
+        """a^L's bytes if it is still alive (the meter lets go of a storage as it dies)."""
+        return self.meter.created.get(self.key, 0)
+
+
+class _Backward:
+    """The tail's backward under the meter, node by node, to ``B(L)``'s start
+    (Note [The chain's tail] 2-3). The hooks hold it, and it the meter, while
+    the graph lives: a backward that never comes lets them go."""
+
+    def __init__(self, meter, out, seen, on_kept):
+        self.meter, self.out, self.seen, self.on_kept = meter, out, seen, on_kept
+        self.done = False
+        self.t0 = None
+        self.seconds = 0.0
+
+    def hook(self, nodes, last):
+        for node in nodes:
+            node.register_prehook(self.enter)
+            node.register_hook(self.leave)
+        last.register_prehook(self.begin)
+
+    def enter(self, grads):
+        if self.done:
+            return
+        for g in grads:
+            if isinstance(g, torch.Tensor):
+                self.meter.count(g)   # (made by code after the block, which is not metered)
+        self.meter.__enter__()
+        self.t0 = time.perf_counter()
+
+    def leave(self, _grad_inputs, _grad_outputs):
+        if self.t0 is None:
+            return
+        self.meter.__exit__(None, None, None)
+        self.seconds += time.perf_counter() - self.t0
+        self.t0 = None
+
+    def begin(self, grads):
+        """``B(L)`` starts: the tail's backward is over. What it made that is alive
+        but the gradient it hands the chain (which ``Loss`` counts) is kept."""
+        if self.done:
+            return
+        self.done = True
+        meter, seen = self.meter, self.seen
+        handed = sum(meter.created.get(storage_key(g), 0) for g in grads if isinstance(g, torch.Tensor))
+        out = self.out
+        # (at least 0: a full-suite run once gave a negative kept, which Costs refuses;
+        # not reproduced since)
+        seen.kept = max(0, meter.live - handed - out.alive())
+        seen.backward_peak, seen.backward_seconds = max(0, meter.peak - out.bytes), self.seconds
+        self.on_kept(seen)

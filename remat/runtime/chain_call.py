@@ -183,7 +183,7 @@ class ChainCall:
         if self.measuring:   # (what runs until the next stage, or the block's end: the tail)
             if self.tail is None:
                 self.tail = TailMeter()
-            self.tail.open(self.compiled)
+            self.tail.open(act, self.compiled)
             return out
         clock = self.part.run.clock
         if clock is not None:
@@ -264,13 +264,17 @@ class ChainCall:
             self._finish_run()
             return
         measurer = self.part
-        tail = self.tail.seen(self.prev, lambda seen: new.tail_seen(seen))
+        # (what the tail's backward hooks hold: no activation, so not self, whose prev is a^L)
+        record, published, spec, budget = [None], [None], self.spec, self.budget
+        tail = self.tail.seen(self.prev, [ref() for ref in measurer.outs.values()],
+                              lambda seen: _tail_seen(record[0], spec, budget, published, seen))
         self.in_stage = True   # stages inside the stage measured again run plainly
         try:
             new = measurer.finish(self.k)
         finally:
             self.in_stage = False
         new.tail = tail
+        record[0] = new
         _remember(self.key, new)
         watch_output(new, self.prev)
         try:
@@ -284,6 +288,7 @@ class ChainCall:
                 self.spec.explained(new.costs, None, self.budget, new.names, new.costs, tail)
             raise
         self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, tail)
+        published[0] = self.spec.last
 
     def abort(self):
         """The chain's ``with`` block ended with an exception."""
@@ -301,6 +306,24 @@ class ChainCall:
                             runner.entry.tail)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
+
+
+def _tail_seen(new, spec, budget, published, seen):
+    """A measuring call's backward reached its chain (``spec``): the chain's record
+    ``new`` learns what the tail's backward needed and what the caller keeps (Note
+    [The chain's tail], remat/measure/tail.py); ``explain()``, if it still shows
+    that call (``published[0]``), shows the plan the next call will run (its
+    error, that call raises)."""
+    if new is None:
+        return
+    new.tail_seen(seen)
+    if published[0] is None or spec.last is not published[0]:
+        return
+    try:
+        plan = plan_for(new, budget, spec.algorithm, spec.slots)
+    except RematError:
+        return
+    spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new.tail)
 
 
 def _take_slots(call, ident):

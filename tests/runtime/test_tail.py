@@ -1,0 +1,160 @@
+"""The chain's tail (remat/measure/tail.py, Note [The chain's tail]): the head and
+the loss after the last stage count in the budget, which bounds the whole step."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import example, given, strategies as st
+
+import remat
+from remat.measure.meter import Instrument
+from chains import SEQ_KINDS, Net, budget_for, make_input
+
+
+class HeadNet(Net):
+    """``Net`` with a head (a linear layer to ``vocab`` classes) and a cross-entropy
+    loss inside the chain's block, as ``remat.wrap`` runs a model's forward; returns
+    (loss, logits) where ``keep``, as a model output that holds its logits."""
+
+    def __init__(self, kinds, vocab, keep):
+        super().__init__(kinds)
+        self.head = nn.Linear(self.d, vocab) if vocab else None
+        self.keep = keep
+
+    def forward(self, x, mask, target=None):
+        if self.budget is None:
+            return self._rest(super().forward(x, mask), target)
+        with remat.chain(budget=self.budget, algorithm=self.algorithm):
+            for s in self.stages:
+                x = s(x, mask)
+            return self._rest(x, target)
+
+    def _rest(self, y, target):
+        if self.head is None:
+            return y.square().mean(), None
+        logits = self.head(y)
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        return loss, (logits if self.keep else None)
+
+
+def step(net, seed, metered=False):
+    """One training step over resident gradients; (loss, input gradient, parameter
+    gradients, whole-step peak: the storages the step made, and the chain's input,
+    which the budget counts)."""
+    x, mask = make_input(net, seed=seed)
+    target = torch.randint(0, net.head.out_features if net.head is not None else 1, x.shape[:2],
+                           generator=torch.Generator().manual_seed(seed))
+    for p in net.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.zero_()
+    with Instrument(writes=False) as inst:
+        torch.manual_seed(seed)
+        loss, logits = net(x, mask, target)
+        loss.backward()
+        del logits
+    grads = [p.grad.clone() for p in net.parameters()]
+    return loss.detach(), x.grad, grads, inst.peak + x.untyped_storage().nbytes()
+
+
+@given(st.lists(st.sampled_from(SEQ_KINDS), min_size=1, max_size=8), st.sampled_from([0, 8, 24, 80]),
+       st.booleans(), st.floats(0, 1))
+# a head ten times a stage's output, kept: the plan checkpoints the last stage
+@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0)
+@example(["relu", "dropout"], 0, False, 0.0)
+def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction):
+    """Random chains with a head and loss inside the chain's block (none, or of 1 to 10
+    times a stage's output bytes), the logits kept or not, at random budgets: once
+    the first call's backward has shown the tail, every step's whole-step peak is
+    under the budget and within 10% of explain().predicted_peak, and losses and
+    gradients are plain PyTorch's bitwise."""
+    torch.manual_seed(0)
+    base = HeadNet(kinds, vocab, keep)
+    ref = copy.deepcopy(base)
+    net = copy.deepcopy(base)
+    net.budget = 2**40
+    step(net, 0)   # measuring, and its backward shows the tail
+    costs = remat.explain().costs
+    assert costs.tail and costs.stages == len(kinds)
+    net.budget = budget_for(costs, "optimal", fraction)
+    for seed in range(1, 4):
+        want, got = step(ref, seed), step(net, seed)
+        for a, b in zip(want[:3], got[:3]):
+            for u, v in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+                assert torch.equal(u, v), seed
+        peak, predicted = got[3], remat.explain().predicted_peak
+        assert peak <= net.budget, (seed, peak, net.budget, predicted)
+        assert peak >= 0.9 * predicted, (seed, peak, predicted)
+
+
+def test_a_large_head_checkpoints_the_last_stage_and_explain_says_what_it_saw():
+    """A head whose logits dwarf the stages' activations: explain() names the tail and
+    what it saw (its backward, the logits kept), and at the least budget the plan
+    does not record the last stage in the forward phase, and the step stays under it."""
+    torch.manual_seed(0)
+    net = HeadNet(["mlp"] * 6, 200, True)
+    net.budget = 2**40
+    step(net, 0)
+    explanation = remat.explain()
+    seen = explanation.tail
+    logits = 4 * 6 * 200 * 4
+    assert seen.metered and seen.kept >= logits and seen.backward_peak >= 3 * logits
+    assert "tail (after the last stage" in str(explanation) and "kept through" in str(explanation)
+    net.budget = remat.solver.solve.minimum_budget(explanation.costs)
+    peaks = [step(net, seed)[3] for seed in range(1, 3)]
+    assert remat.explain().schedule.forward_modes()[5] is not remat.Fall
+    assert max(peaks) <= net.budget
+
+
+def test_a_tail_outside_the_block_is_a_tail_of_nothing():
+    """A chain whose block ends at its last stage: the tail is not metered, explain()
+    says why, and the plan is still free to checkpoint the last stage."""
+    torch.manual_seed(0)
+    net = Net(["mlp"] * 4)
+    net.budget = 2**40
+    x, mask = make_input(net)
+    net(x, mask).sum().backward()
+    explanation = remat.explain()
+    assert not explanation.tail.metered and "nothing ran after the last stage" in explanation.tail.why
+    assert explanation.costs.tail_costs()["fwd_tmp"] == 0
+
+
+@pytest.mark.parametrize("mode", ["outer", "inner"])
+def test_the_tail_meter_leaves_dispatch_modes_as_it_found_them(mode):
+    """A TorchDispatchMode around the whole step still sees every op (the tail's
+    meter runs above it); one left inside the window pops the meter instead, and
+    the stack ends as it began."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    net = HeadNet(["mlp"] * 3, 24, False)
+    net.budget = 2**40
+    x, mask = make_input(net)
+    target = torch.zeros(x.shape[:2], dtype=torch.long)
+    counting = Counting()
+    if mode == "outer":
+        with counting:
+            net(x, mask, target)[0].backward()
+        assert counting.ops > 0
+    else:
+        with remat.chain(budget=2**40):
+            h = x
+            counting.__enter__()
+            for s in net.stages:
+                h = s(h, mask)
+            counting.__exit__(None, None, None)   # (inside the tail's window: pops the meter)
+            loss = net.head(h).square().mean()
+        loss.backward()
+    assert torch._C._len_torch_dispatch_stack() == 0
