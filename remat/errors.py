@@ -16,7 +16,17 @@ class RematError(Exception):
 
 
 class BudgetError(RematError, ValueError):
-    """The memory budget is malformed or below what the chain needs."""
+    """The memory budget is malformed or below what the chain needs.
+
+    ``minimum`` is the least budget in bytes that would do (for the algorithm
+    asked for), where the error is about one too small; else None."""
+
+    def __init__(self, message, minimum=None):
+        super().__init__(message)
+        self.minimum = minimum
+
+    def __reduce__(self):
+        return type(self), (str(self), self.minimum)
 
 
 class CostsError(RematError, ValueError):

@@ -367,7 +367,7 @@ def plan_for(entry, budget, algorithm, slots):
                 raise BudgetError(
                     f"{exc}. That counts the chain's output ({format_bytes(entry.costs.out_bytes[-1])}) "
                     f"as held through the backward: the code around the chain kept it "
-                    f"(remat/measure/chain_record.py Note [The chain's output])") from None
+                    f"(remat/measure/chain_record.py Note [The chain's output])", exc.minimum) from None
             schedule = None
         if schedule is None:
             # no backward has told yet whether the code around the chain lets a^L go:
@@ -379,12 +379,12 @@ def plan_for(entry, budget, algorithm, slots):
             try:
                 schedule = solve(costs, budget, algorithm, slots)
             except BudgetError as exc:
-                failed = str(exc)
+                failed, least = str(exc), exc.minimum
             if failed is not None:   # (raised here: no "during handling" chain)
                 held = _least(entry.planning_costs(), algorithm, slots)
                 note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                         f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
-                raise BudgetError(failed + note)
+                raise BudgetError(failed + note, least)
         plan = Plan.of(schedule, costs)
         if len(entry.plans) > 16:
             entry.plans.clear()

@@ -170,10 +170,12 @@ class Schedule:
         return sum(1 for op in self.backward_ops() if not isinstance(op, B))
 
     def __str__(self):
+        n = self.length if self.tail else None
+        name = lambda op: str(op) if op.stage != n or op is Loss else ("Tail" if isinstance(op, Fall) else "BTail")
         if Loss in self.ops:
             k = self.ops.index(Loss)
-            return " ".join(map(str, self.ops[:k])) + "\n| " + " ".join(map(str, self.ops[k + 1:]))
-        return " ".join(map(str, self.ops))
+            return " ".join(map(name, self.ops[:k])) + "\n| " + " ".join(map(name, self.ops[k + 1:]))
+        return " ".join(map(name, self.ops))
 
     def summary(self):
         """One line: algorithm, predicted time and peak, recomputations."""

@@ -217,7 +217,7 @@ def _solve_fixed(costs, budget, algorithm, name, k):
         raise BudgetError(
             f"remat: the {algorithm} schedule needs {format_bytes(sim.peak)} but the budget is "
             f"{format_bytes(budget)}; raise the budget or use algorithm='optimal' "
-            f"(this chain's minimum is {format_bytes(minimum_budget(costs))})"
+            f"(this chain's minimum is {format_bytes(minimum_budget(costs))})", sim.peak
         )
     return Schedule(ops, sim.time, sim.peak, algorithm, budget, None, costs.tail)
 
@@ -241,7 +241,7 @@ def _solve_optimal(costs, budget, slots):
         raise BudgetError(
             f"remat: budget {shown} is below this chain's minimum of "
             f"{format_bytes(least)} ({least} bytes; storing everything needs "
-            f"{format_bytes(full.peak)}); raise the budget or split the largest stage"
+            f"{format_bytes(full.peak)}); raise the budget or split the largest stage", least
         )
     ops, slot = _solver_ops(costs, budget - held, slots)
     sim = simulate(costs, ops)

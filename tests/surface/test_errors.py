@@ -204,3 +204,38 @@ def test_chain_where_saved_tensor_hooks_are_disabled():
         with pytest.raises(remat.StageError, match=r"hooks are disabled .*'hooks are off in this library'.*Toggle"):
             net(_input())
     _assert_exact_next_call(net)
+
+
+def test_budget_error_carries_the_minimum():
+    """A budget below the chain's minimum: ``BudgetError.minimum`` is the least budget
+    in bytes, and a chain given it runs (the first call's and the next's), the whole
+    step, tail included, within it."""
+    from remat.measure.meter import Instrument
+
+    torch.manual_seed(0)
+    blocks = [remat.stage(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))) for _ in range(6)]
+    head = nn.Linear(16, 40)
+    x = torch.randn(32, 16)
+
+    def step(budget):
+        with Instrument(writes=False) as inst:
+            with remat.chain(budget=budget):
+                h = x
+                for b in blocks:
+                    h = b(h)
+                loss = head(h).logsumexp(-1).mean()
+            loss.backward()
+        return inst.peak + x.untyped_storage().nbytes()
+
+    step(2**40)
+    step(2**40)   # (its backward showed the tail)
+    with pytest.raises(remat.BudgetError) as info:
+        step(1000)
+    least = info.value.minimum
+    assert isinstance(least, int) and 1000 < least
+    assert f"{least} bytes" in str(info.value)
+    for _ in range(2):
+        assert step(least) <= least
+    with pytest.raises(remat.BudgetError) as info:
+        remat.solve(remat.Costs.uniform(3, size=100), 10)
+    assert info.value.minimum == remat.solver.solve.minimum_budget(remat.Costs.uniform(3, size=100))

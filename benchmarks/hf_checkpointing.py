@@ -1,0 +1,208 @@
+"""remat against Hugging Face's own checkpointing on a GPT-2, the whole step
+(docs/how-it-works.md, "The tail"): plain PyTorch, ``gradient_checkpointing_enable()``
+and ``remat.wrap(model, model.transformer.h, budget=b)`` at several budgets, side
+by side in one process.
+
+    python benchmarks/hf_checkpointing.py [--rounds 7] [--layers 12] [--width 256] [--vocab 8000]
+                                          [--batch 4] [--length 128] [--out hf_checkpointing-cpu.json]
+
+For each method: the peak from the chain's opening (the budget's scope: what
+the step allocates from the first block's call, its input counted, to the end
+of the backward, over parameters and gradients already resident: an exact
+meter of live tensor storages on CPU, the CUDA allocator's peak above what
+was allocated on a GPU), the whole step's (from the model's forward: the
+embeddings' output and dropout mask come on top), its step time
+(the median over ``rounds`` rounds, each running every method once, in turn),
+and for remat the whole-step peak ``remat.explain().predicted_peak`` predicts.
+Budgets: 0.95x and 1x HF checkpointing's peak, and 20%, 35% and 60% of plain's.
+Each remat run starts from a fresh copy: its first call measures, the next
+two refine the times (remat/measure/refine.py), then the rounds run; every
+call's peak is checked against the budget, the first ones included.
+
+Writes benchmarks/results/hf_checkpointing-<device>.json and prints a markdown table.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import remat  # noqa: E402
+from remat.measure.meter import Instrument  # noqa: E402
+
+
+def build(layers, width, vocab, seed=0):
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=layers, n_head=max(1, width // 64), n_embd=width, vocab_size=vocab,
+                                     n_positions=1024, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+class Step:
+    """One method: a model, its training step (no optimizer) and its measures."""
+
+    def __init__(self, name, model, device, budget=None):
+        self.name, self.model, self.device, self.budget = name, model.to(device), device, budget
+        self.times, self.peaks, self.scoped, self.predicted = [], [], [], None
+        for p in self.model.parameters():   # resident gradients: every step adds into them
+            p.grad = torch.zeros_like(p)
+
+    def run(self, batch):
+        """One step: (seconds, whole-step peak, peak from the chain's opening), bytes
+        above what was allocated before the step (parameters, gradients) and, for the
+        second, above what was allocated as the first block was called, its input
+        counted (the budget's scope: docs/how-it-works.md, "The tail")."""
+        ids = batch.to(self.device)
+        for p in self.model.parameters():
+            p.grad.zero_()
+        cuda = self.device.type == "cuda"
+        opened = []
+
+        def open_scope(_module, args):
+            if opened:
+                return   # (a recomputation of the first block, in the backward)
+            if cuda:
+                torch.cuda.synchronize()
+                opened.append((torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+                               - args[0].untyped_storage().nbytes()))
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                scope.count(args[0])
+                scope.set_gate(True)
+                opened.append(True)
+
+        hook = self.model.transformer.h[0].register_forward_pre_hook(open_scope)
+        whole = scope = None
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            whole, scope = Instrument(writes=False).__enter__(), Instrument(writes=False)
+            scope.set_gate(False)
+            scope.__enter__()
+        t0 = time.perf_counter()
+        try:
+            self.model(ids, labels=ids).loss.backward()
+        finally:
+            hook.remove()
+            if not cuda:
+                scope.__exit__(None, None, None)
+                whole.__exit__(None, None, None)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if cuda:
+            before, at_open = opened[0]
+            scoped = torch.cuda.max_memory_allocated() - at_open
+            peak = max(before, torch.cuda.max_memory_allocated()) - base
+        else:
+            peak, scoped = whole.peak, scope.peak
+        if self.budget is not None:
+            self.predicted = remat.explain().predicted_peak
+        return seconds, peak, scoped
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    base = build(args.layers, args.width, args.vocab)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.length), generator=g) for _ in range(4)]
+
+    plain = Step("plain", copy.deepcopy(base), device)
+    hf = Step("hf_checkpointing", copy.deepcopy(base), device)
+    hf.model.gradient_checkpointing_enable()
+    for s in (plain, hf):   # warm-up: a first step allocates what later steps reuse
+        s.run(batches[0])
+    plain_peak = max(plain.run(b)[2] for b in batches[:2])
+    hf_peak = max(hf.run(b)[2] for b in batches[:2])
+    budgets = {"0.95x HF": int(0.95 * hf_peak), "HF's peak": hf_peak, "20% of plain": int(0.2 * plain_peak),
+               "35% of plain": int(0.35 * plain_peak), "60% of plain": int(0.6 * plain_peak)}
+    methods = [plain, hf]
+    first_calls = {}
+    for label, budget in budgets.items():
+        model = copy.deepcopy(base)
+        remat.wrap(model, model.transformer.h, budget=budget)
+        s = Step(f"remat at {label}", model, device, budget)
+        try:
+            first_calls[s.name] = [s.run(b)[2] for b in batches[:3]]   # measuring, then two refining calls
+        except remat.BudgetError as exc:
+            first_calls[s.name] = str(exc)
+            continue
+        methods.append(s)
+    for r in range(args.rounds):
+        for s in (methods if r % 2 == 0 else methods[::-1]):
+            seconds, peak, scoped = s.run(batches[r % len(batches)])
+            s.times.append(seconds)
+            s.peaks.append(peak)
+            s.scoped.append(scoped)
+    plain_time = statistics.median(plain.times)
+    rows = []
+    for s in methods:
+        row = {"method": s.name, "budget": s.budget, "peak_bytes": max(s.peaks), "scoped_peak_bytes": max(s.scoped),
+               "step_seconds": statistics.median(s.times), "over_plain": statistics.median(s.times) / plain_time}
+        if s.budget is not None:
+            row["predicted_peak"] = s.predicted
+            row["first_calls_peak_bytes"] = first_calls[s.name]
+            row["under_budget"] = max(s.scoped) <= s.budget
+            row["first_calls_under_budget"] = all(p <= s.budget for p in first_calls[s.name])
+        rows.append(row)
+    failed = {k: v for k, v in first_calls.items() if isinstance(v, str)}
+    result = {"device": device.type, "machine": _machine(device), "torch": torch.__version__,
+              "model": vars(args), "plain_peak": plain_peak, "hf_peak": hf_peak, "budgets": budgets, "rows": rows,
+              "refused": failed}
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"hf_checkpointing-{device.type}.json")
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(table(result))
+
+
+def _machine(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+
+
+def table(result):
+    mib = lambda n: f"{n / 2**20:.1f}"
+    lines = [f"GPT-2 {result['model']['layers']}x{result['model']['width']}, vocab {result['model']['vocab']}, "
+             f"batch {result['model']['batch']}x{result['model']['length']} on {result['machine']} "
+             f"(torch {result['torch']})", "",
+             "| method | budget MiB | peak from the chain's opening MiB | predicted MiB | whole-step peak MiB | "
+             "first calls' peaks MiB | step vs plain |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        budget = mib(r["budget"]) if r["budget"] is not None else ""
+        predicted = mib(r["predicted_peak"]) if r.get("predicted_peak") is not None else ""
+        first = ", ".join(mib(p) for p in r.get("first_calls_peak_bytes", []))
+        lines.append(f"| {r['method']} | {budget} | {mib(r['scoped_peak_bytes'])} | {predicted} | "
+                     f"{mib(r['peak_bytes'])} | {first} | {r['over_plain']:.2f}x |")
+    for name, why in result["refused"].items():
+        lines.append(f"\n{name}: {why}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
