@@ -143,7 +143,18 @@ class ChainRecord:
         for i, s in enumerate(self.stages[:count]):
             new.add(s.again(StageCosts.of(self.costs, i)), s.ident())
         new.input_bytes = self.input_bytes
+        new.tail = self.tail   # (what the tail needed on the recorded path, until this call's shows)
         return new
+
+    def tail_bytes(self, input_bytes=None):
+        """The most the chain's tail needed above the chain's end, as this record saw it
+        (None if it has seen none), scaled to a chain input of ``input_bytes``
+        (another batch size)."""
+        if self.tail is None or self.tail.kept is None or not self.input_bytes:
+            return None
+        costs = self.tail.costs()
+        scale = 1.0 if input_bytes is None else input_bytes / self.input_bytes
+        return int((costs["fwd_tmp"] + costs["kept"]) * scale)
 
     def counts_output(self):
         """Whether plans count a^L as held through the step (Note [The chain's output])."""

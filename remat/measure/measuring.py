@@ -7,6 +7,26 @@ their saved tensors for the call's own backward: the measuring part
 of each stage is a ``StageRecord`` (remat/measure/record.py); later calls are
 checked against it by remat/runtime/stage_call.py.
 
+Note [Measuring within the budget]
+----------------------------------
+The measuring call's own peak counts: it is a training step (docs/how-it-works.md,
+"The tail"). It holds every stage's input (a checkpoint each), runs a stage's
+forward and its backward on that graph, and lets the stage's saved tensors go
+as soon as the stage is measured, unless it can keep them: they save the
+backward a recomputation, but what comes after the last stage, the chain's
+tail, is not known yet, and in a model whose head dwarfs a block (a language
+model's logits) saved tensors kept up to the budget put the step at about
+twice it. So a stage keeps them only where a record of this chain (at another
+shape, or on the path it left) has shown its tail (``tail_hint``), and they
+fit the budget with the inputs and saved tensors held so far, that tail and
+room to measure a stage like the largest so far (``_keep_saved``). Else the
+backward rebuilds every stage from its input, the last one too: one more
+forward, once. A stage whose own forward and backward cannot fit the budget
+(the least any schedule needs, ``_fits``) stops the call with a
+``BudgetError`` naming it, the call undone, before the stages after it run.
+The inputs held are not let go: a budget under them (below per-block
+checkpointing, where a plan keeps fewer) has the first call over it.
+
 Note [Saved tensors held elsewhere]
 -----------------------------------
 A stage may save a tensor for its backward and keep it some other way too: a
@@ -40,6 +60,7 @@ from ..runtime.executor import Run, _Saved
 from ..runtime.recompute import Replay, state_plan
 from ..runtime.replay import capture_rng, cuda_devices, param_flags, restore_tensors
 from ..runtime.stage_call import first, input_signature, module_dicts, module_structure
+from ..errors import BudgetError
 from ..units import format_bytes
 from .costs_source import chain_costs, distributed, read_costs
 from .leaves import GradPool, Upstream, shared_grad_transients, side_grads
@@ -81,7 +102,7 @@ class Measurer:
         run: that call's ``Run``; else None (a new one).
     """
 
-    def __init__(self, budget, autocast, chain_record=None, run=None):
+    def __init__(self, budget, autocast, chain_record=None, run=None, tail_hint=None):
         self.budget, self.autocast = budget, autocast
         self.new = chain_record if chain_record is not None else ChainRecord()
         self.run = run if run is not None else Run(None, autocast)
@@ -97,12 +118,17 @@ class Measurer:
         self.relayout = None     # (the ``_Measured`` of the stage before, the layout its gradient has) due for run 4
         self.twins = {}          # Note [Twin stages]: key -> stage
         self.outs = {}           # stage -> weak reference to the activation it returned
+        self.largest = 0         # the most measuring a stage needed beyond its input so far
+        # bytes to leave for the chain's tail, as a record of this chain at another shape or
+        # path saw it; None where none has (Note [Measuring within the budget])
+        self.tail_hint = chain_record.tail_bytes() if chain_record is not None else tail_hint
 
     @classmethod
-    def first(cls, spec, budget, autocast, x):
+    def first(cls, spec, budget, autocast, x, tail_hint=None):
         """The measuring part of a chain's first call on input ``x``, with the
-        costs of ``spec.costs_path`` if that file exists (and fits the input)."""
-        self = cls(budget, autocast)
+        costs of ``spec.costs_path`` if that file exists (and fits the input);
+        ``tail_hint``: bytes its tail may need (Note [Measuring within the budget])."""
+        self = cls(budget, autocast, tail_hint=tail_hint)
         self.rng_start = capture_rng(cuda_devices([x]))
         self.given = read_costs(spec.costs_path)
         self.costs_path = spec.costs_path
@@ -134,12 +160,6 @@ class Measurer:
         if cuda:
             warm_cuda(devices)
         rng0 = capture_rng(devices)
-        # the previous stage kept its saved tensors in case it was the last one:
-        # it is not, so they go before this stage is measured, unless they fit the
-        # budget, which spares rebuilding it in the backward
-        prev_anchor = self.run._anchor(k - 1) if k > 1 else None
-        if prev_anchor is not None and not self._keep_saved(k - 1):
-            prev_anchor.saved = None
         self._measure_backward_again()
         anchor, kept, hooks = self._anchored(call, x)
         if self.upstream is None:
@@ -174,6 +194,9 @@ class Measurer:
             if twin is not None:
                 twin.register(k)
         self._record(call, ident, x, probe, rng0, held)
+        self._fits(call, x, probe.costs)
+        if not self._keep_saved(k):   # (Note [Measuring within the budget])
+            anchor.saved = None
         return probe.out
 
     def _anchored(self, call, x):
@@ -310,13 +333,15 @@ class Measurer:
                 else None
 
     def _keep_saved(self, i):
-        """Whether measured stage i keeps its saved tensors for this call's backward.
+        """Whether measured stage i keeps its saved tensors for this call's backward
+        (Note [Measuring within the budget]).
 
-        Yes while the inputs held so far and the saved tensors kept so far fit
-        the budget (each stage's saved bytes include its output, the next
-        stage's input), so that a budget that fits everything makes the first
-        backward rebuild nothing. A stage run by a schedule before the chain
-        diverged is left to it.
+        Yes where the tail of the chain is known (``tail_hint``) and the inputs
+        held so far, the saved tensors kept so far, these and room for the tail
+        and for measuring a stage like the largest so far fit the budget (each
+        stage's saved bytes include its output, the next stage's input), so that
+        a budget that fits everything makes the first backward rebuild nothing.
+        A stage run by a schedule before the chain diverged is left to it.
         """
         if i < self.diverged:
             return False
@@ -325,13 +350,32 @@ class Measurer:
         if saved is None and given is not None and i <= given.length:
             saved = given.saved_bytes[i - 1]
         out = costs.out_bytes if costs is not None else 0
-        if saved is None:
-            return False
-        if self.new.input_bytes + self.held_bytes + saved > self.budget:
+        room = self.budget - self.new.input_bytes - self.held_bytes - self.largest
+        if saved is None or self.tail_hint is None or saved + self.tail_hint > room:
             self.held_bytes += out   # dropped: its output stays, as the next stage's input
             return False
         self.held_bytes += saved
         return True
+
+    def _fits(self, call, x, costs):
+        """Raise ``BudgetError`` if the budget cannot hold stage ``call`` alone: its
+        input, its forward and its backward (Note [Measuring within the budget]);
+        note the most a stage's measuring needed so far (``largest``)."""
+        if costs is None or None in (costs.out_bytes, costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp):
+            return   # (costs from a file: what a stage needs is the file's)
+        x_in, out, saved = x.untyped_storage().nbytes(), costs.out_bytes, costs.saved_bytes
+        # its forward holds its input; its backward makes its input's gradient, and a
+        # schedule may have let the input go by then (Costs.fwd_drop)
+        least = max(x_in + max(saved, out + costs.fwd_tmp), saved + out + x_in + costs.bwd_tmp)
+        self.largest = max(self.largest, least - x_in)
+        if least > self.budget:
+            self.undo()
+            raise BudgetError(
+                f"remat: budget {format_bytes(self.budget)} is below this chain's minimum of "
+                f"{format_bytes(least)} or more ({least} bytes): stage {call.index} ({call.name}) alone needs "
+                f"that, its forward with its input and its backward, and no schedule needs less "
+                f"(the stages after it were not measured, which may need more); raise the budget or split "
+                f"the stage", least)
 
     # the chain's end -----------------------------------------------------
 

@@ -155,8 +155,9 @@ class TailMeter:
             return TailSeen(why=self.why)
         meter.__exit__(None, None, None)
         made, meter.made = meter.made, None
-        if not made:
-            return TailSeen(why="nothing ran after the last stage inside the chain's block (code after the "
+        if not made:   # (a tail of nothing, known as such)
+            return TailSeen(kept=0, backward_peak=0, backward_seconds=0.0,
+                            why="nothing ran after the last stage inside the chain's block (code after the "
                                 "block is not seen: have the head and loss inside it to count them)")
         out = _Output(meter, act)
         seen = TailSeen(True, meter.peak - out.bytes, meter.live - out.alive(), None, None, meter.op_seconds)

@@ -235,7 +235,8 @@ class ChainCall:
                     _cache.move_to_end(self.key)
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None:
-            self.part = Measurer.first(self.spec, self.budget, autocast, x)
+            self.part = Measurer.first(self.spec, self.budget, autocast, x,
+                                       _tail_hint(self.site, x.untyped_storage().nbytes()))
             return
         if entry.samples and entry.attempts == 0:
             refine(entry)   # the last call that could be stamped was not (no whole backward)
@@ -335,6 +336,16 @@ def _take_slots(call, ident):
             f"remat: stage {call.index} ({call.name}) has lazy parameters or buffers not initialized yet "
             f"(nn.LazyLinear, ...), which remat cannot measure; run the model once first, e.g. "
             f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
+
+
+def _tail_hint(site, input_bytes):
+    """What the tail of the chain at ``site`` needed as its latest record saw it (at
+    another shape: scaled to ``input_bytes``), or None."""
+    with _cache_lock:
+        for key, record in reversed(_cache.items()):
+            if key[0] == site:
+                return record.tail_bytes(input_bytes)
+    return None
 
 
 def _remember(key, chain_record):

@@ -31,7 +31,9 @@ class Counted(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def _first_call_counts(budget):
+def _first_call_counts(budget, clear=True):
+    if clear:
+        remat.clear_cache()
     torch.manual_seed(0)
     stages = nn.ModuleList(Counted(64) for _ in range(12))
     counts = []
@@ -82,15 +84,19 @@ def test_first_call_holds_the_stage_inputs_and_one_stage():
 def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
     """A first call runs the first stage's forward twice (metered, then without
     recording) and its eleven twins once (Note [Twin stages]); stages whose saved
-    tensors do not fit the budget once more, rebuilt in the backward (never the last
-    one); a later call runs each once when everything fits."""
+    tensors it does not keep once more, rebuilt in the backward: all of them where
+    no record of the chain has shown its tail yet (Note [Measuring within the
+    budget]), none where one has and everything fits; a later call runs each once
+    when everything fits."""
     counts, costs = _first_call_counts(2**50)
+    assert counts == [[3] + [2] * 11, [1] * 12]
+    counts, costs = _first_call_counts(2**50, clear=False)   # (another model at the same site: its tail seen)
     assert counts == [[2] + [1] * 11, [1] * 12]
     least = minimum_budget(costs)
     assert least < costs.input_bytes + costs.held_bytes + sum(costs.saved_bytes)
-    counts, _ = _first_call_counts(least)
+    counts, _ = _first_call_counts(least, clear=False)
     first = counts[0]
-    assert first[0] in (2, 3) and first[-1] == 1 and set(first[1:]) <= {1, 2} and 2 in first[1:], first
+    assert first[0] in (2, 3) and set(first[1:]) <= {1, 2} and 2 in first[1:], first
 
 
 @st.composite

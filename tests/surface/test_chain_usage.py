@@ -80,10 +80,16 @@ def test_retrying_with_the_minimum_named_runs():
     net = copy.deepcopy(base)
     net.budget = 1
     x, mask = make_input(net)
-    with pytest.raises(remat.BudgetError) as info:
-        net(x, mask)
-    net.budget = int(re.search(r"\((\d+) bytes", str(info.value)).group(1))
-    held = int(re.search(r"\((\d+) bytes\) where the code around the chain keeps its output", str(info.value)).group(1))
+    said = []
+    for _ in range(3):   # (an error raised while measuring names the least the stages so far need)
+        with pytest.raises(remat.BudgetError) as info:
+            net(x, mask)
+        said.append(str(info.value))
+        assert info.value.minimum == int(re.search(r"\((\d+) bytes", said[-1]).group(1)) > net.budget
+        net.budget = info.value.minimum
+        if "where the code around the chain keeps its output" in said[-1]:
+            break
+    held = int(re.search(r"\((\d+) bytes\) where the code around the chain keeps its output", said[-1]).group(1))
     assert held > net.budget
     assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
     assert remat.explain().schedule.peak <= net.budget
