@@ -182,6 +182,10 @@ class Measurer:
         self.run.settle(anchor, len(kept), x)
         if kept:
             self.run.watch(anchor, first(probe.out))
+        self._fits(call, x, probe.costs)
+        if not self._keep_saved(k, probe.costs):   # (Note [Measuring within the budget]: before run 3)
+            anchor.saved = None
+            kept.clear()
         if twin is not None and twin.of is not None:
             # Note [Twin stages]: runs 2 and 3 are the twin's
             theirs = self.new.stages[twin.of - 1]
@@ -194,9 +198,6 @@ class Measurer:
             if twin is not None:
                 twin.register(k)
         self._record(call, ident, x, probe, rng0, held)
-        self._fits(call, x, probe.costs)
-        if not self._keep_saved(k):   # (Note [Measuring within the budget])
-            anchor.saved = None
         return probe.out
 
     def _anchored(self, call, x):
@@ -332,9 +333,10 @@ class Measurer:
             due = (last, seen) if last is not None and last.layout is not None and seen not in (None, last.layout) \
                 else None
 
-    def _keep_saved(self, i):
-        """Whether measured stage i keeps its saved tensors for this call's backward
-        (Note [Measuring within the budget]).
+    def _keep_saved(self, i, costs):
+        """Whether measured stage i (its ``costs`` as measured, None if they come
+        from a file) keeps its saved tensors for this call's backward (Note
+        [Measuring within the budget]).
 
         Yes where the tail of the chain is known (``tail_hint``) and the inputs
         held so far, the saved tensors kept so far, these and room for the tail
@@ -345,7 +347,7 @@ class Measurer:
         """
         if i < self.diverged:
             return False
-        costs, given = self.new.stages[i - 1].costs, self.given
+        given = self.given
         saved = costs.saved_bytes if costs is not None else None
         if saved is None and given is not None and i <= given.length:
             saved = given.saved_bytes[i - 1]
