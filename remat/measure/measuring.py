@@ -83,7 +83,7 @@ class _Measured:
     """What run 4 of Note [Measuring a stage] needs of a measured stage."""
     index: int
     call: object
-    x: object
+    x: object          # a weak reference to its input (held by its anchor, if at all: ``_thin_inputs``)
     cuda: bool
     rng0: object
     writes: list
@@ -113,7 +113,10 @@ class Measurer:
         self.originals = {}      # storage -> (tensor, value before the call) of the state stages wrote
         self.grad_pool = None
         self.upstream = None
-        self.held_bytes = 0      # bytes ``_keep_saved`` counts as held so far
+        self.held_bytes = 0      # bytes of saved tensors ``_keep_saved`` keeps so far
+        self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
+        self.inputs_bytes = 0
+        self.spacing = 1         # the stages whose input is held: every spacing-th (``_thin_inputs``)
         self.measured = {}       # stage -> its ``_Measured``
         self.relayout = None     # (the ``_Measured`` of the stage before, the layout its gradient has) due for run 4
         self.twins = {}          # Note [Twin stages]: key -> stage
@@ -186,6 +189,7 @@ class Measurer:
         if not self._keep_saved(k, probe.costs):   # (Note [Measuring within the budget]: before run 3)
             anchor.saved = None
             kept.clear()
+        self._thin_inputs(k, anchor, x)
         if twin is not None and twin.of is not None:
             # Note [Twin stages]: runs 2 and 3 are the twin's
             theirs = self.new.stages[twin.of - 1]
@@ -259,7 +263,7 @@ class Measurer:
         seen = probe.input_grad_layout
         if last is not None and last.layout is not None and seen not in (None, last.layout):
             self.relayout = (last, seen)
-        self.measured[k] = _Measured(k, call, x, cuda, rng0, list(probe.writes), probe.grad_layout,
+        self.measured[k] = _Measured(k, call, weakref.ref(x), cuda, rng0, list(probe.writes), probe.grad_layout,
                                      frozenset(self.upstream.leaves))
 
     def _replayable(self, call, probe, kept, rng0, held):
@@ -321,7 +325,10 @@ class Measurer:
             costs = self.new.stages[i - 1].costs
             if i < self.diverged or costs is None or not costs.backward_measured:
                 return
-            again = backward_again(m.call, m.x, m.cuda, m.rng0, m.writes, layout, costs.out_freed or 0,
+            x = m.x()
+            if x is None:   # (let go, ``_thin_inputs``: made again from an input held below)
+                x = self.run.input_of(i)
+            again = backward_again(m.call, x, m.cuda, m.rng0, m.writes, layout, costs.out_freed or 0,
                                    self.grad_pool, m.leaves)
             if again is None:
                 return
@@ -351,13 +358,43 @@ class Measurer:
         saved = costs.saved_bytes if costs is not None else None
         if saved is None and given is not None and i <= given.length:
             saved = given.saved_bytes[i - 1]
-        out = costs.out_bytes if costs is not None else 0
-        room = self.budget - self.new.input_bytes - self.held_bytes - self.largest
+        room = self.budget - self.new.input_bytes - self.held_bytes - self.inputs_bytes - self.largest
         if saved is None or self.tail_hint is None or saved + self.tail_hint > room:
-            self.held_bytes += out   # dropped: its output stays, as the next stage's input
             return False
         self.held_bytes += saved
         return True
+
+    def _thin_inputs(self, k, anchor, x):
+        """Hold stage k's input (its anchor's) while the inputs held fit the budget
+        beside the saved tensors kept, room to measure a stage like the largest so
+        far and the tail, as far as it is known; past that, hold only every
+        ``spacing``-th stage's, the spacing doubling as often as needed (the
+        backward rebuilds a stage from the nearest input held below it: Note
+        [Measuring within the budget])."""
+        if k < 2 or k < self.diverged or anchor.input is None:
+            return   # (the chain's input is the caller's; a stage run by a schedule, the schedule's)
+        nbytes = x.untyped_storage().nbytes()
+        if (k - 1) % self.spacing:   # (off the spacing: let go at once)
+            anchor.input = None
+            return
+        self.inputs.append((k, weakref.ref(anchor), nbytes))
+        self.inputs_bytes += nbytes
+        # (and an input more: a rebuild from a held input below a stage runs the stages between
+        # without recording, each output made while the one before it is alive)
+        room = self.budget - self.new.input_bytes - self.held_bytes - self.largest - nbytes - (self.tail_hint or 0)
+        while self.inputs_bytes > room and self.inputs:
+            self.spacing *= 2
+            kept = []
+            for i, ref, n in self.inputs:
+                a = ref()
+                if a is None or a.input is None:
+                    continue
+                if (i - 1) % self.spacing:
+                    a.input = None
+                    self.inputs_bytes -= n
+                else:
+                    kept.append((i, ref, n))
+            self.inputs = kept
 
     def _fits(self, call, x, costs):
         """Raise ``BudgetError`` if the budget cannot hold stage ``call`` alone: its

@@ -211,7 +211,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         (bwd_time, bwd_tmp, strides of the gradient it hands its input or None),
         or None when the stage's output needs no gradient.
     """
-    xin = x.detach().requires_grad_(x.requires_grad)
+    xin = x.detach().requires_grad_(call.input_requires_grad)   # (``x`` may be a detached copy)
     stop = stop_nodes(call.args)
     inst = Instrument(exclude=[x, xin], sources=[xin])
     state = [t for t, _ in originals]
@@ -244,5 +244,5 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         if hook is not None:
             hook.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
-        in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
+        in_grad = (x.untyped_storage().nbytes() if call.input_requires_grad else 0) + act.numel() * act.element_size()
         return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None

@@ -283,7 +283,15 @@ class Run:
                 return
         self._rebuild(k)
 
-    def _rebuild(self, k):
+    def input_of(self, k):
+        """Stage k's input: its anchor's, or else made again from the nearest input
+        held below it, the stages between run without recording."""
+        anchor = self._anchor(k)
+        if anchor is not None and anchor.input is not None:
+            return _unchanged(anchor, anchor.input)
+        return self._rebuild(k, record=False)
+
+    def _rebuild(self, k, record=True):
         j = k
         while j >= 1:
             anchor = self._anchor(j) if not self.whole[j] else None
@@ -299,6 +307,8 @@ class Run:
         x = _unchanged(anchor, anchor.input)
         for i in range(j, k):
             x = self._forward(self.calls[i], x)
+        if not record:
+            return x
         self._record(k, x)
 
     def _execute(self, op, i):

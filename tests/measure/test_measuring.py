@@ -96,7 +96,9 @@ def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
     assert least < costs.input_bytes + costs.held_bytes + sum(costs.saved_bytes)
     counts, _ = _first_call_counts(least, clear=False)
     first = counts[0]
-    assert first[0] in (2, 3) and set(first[1:]) <= {1, 2} and 2 in first[1:], first
+    # (at the minimum it holds few stage inputs, and rebuilds each stage from the nearest
+    # one held below: at most every stage before it, once per stage)
+    assert first[-1] == 2 and sum(first) <= 12 * 13 // 2 + 12 + 1, counts
 
 
 @st.composite

@@ -213,7 +213,8 @@ def test_forward_dropped_without_backward(runs, measured):
         _assert_equal(_step(plain, 1), _step(net, 1))
     for m in (plain, net):
         x, loss = _loss(m, 2)
-    assert len(runs) >= 1 and any(r() is not None for r in _made)   # alive while held
+    # alive while held (the measuring call may hold no activation: its backward rebuilds them)
+    assert len(runs) >= 1 and (not measured or any(r() is not None for r in _made))
     del x, loss
     _assert_nothing_left(runs)
     for seed in (3, 4):
