@@ -10,9 +10,10 @@ checked against it by remat/runtime/stage_call.py.
 Note [Measuring within the budget]
 ----------------------------------
 The measuring call's own peak counts: it is a training step (docs/how-it-works.md,
-"The tail"). It holds every stage's input (a checkpoint each), runs a stage's
-forward and its backward on that graph, and lets the stage's saved tensors go
-as soon as the stage is measured, unless it can keep them: they save the
+"The tail"). It holds stage inputs (a checkpoint each), runs a stage's forward
+and its backward on that graph, and lets the stage's saved tensors go as
+soon as the stage is measured (before its forward without recording),
+unless it can keep them: they save the
 backward a recomputation, but what comes after the last stage, the chain's
 tail, is not known yet, and in a model whose head dwarfs a block (a language
 model's logits) saved tensors kept up to the budget put the step at about
@@ -24,8 +25,17 @@ backward rebuilds every stage from its input, the last one too: one more
 forward, once. A stage whose own forward and backward cannot fit the budget
 (the least any schedule needs, ``_fits``) stops the call with a
 ``BudgetError`` naming it, the call undone, before the stages after it run.
-The inputs held are not let go: a budget under them (below per-block
-checkpointing, where a plan keeps fewer) has the first call over it.
+The stage inputs held must fit too, beside the saved tensors kept, room to
+measure a stage like the largest so far, an input more (a rebuild's) and
+the tail where known: past that only every ``spacing``-th stage's is held,
+the spacing doubling as often as needed (``_thin_inputs``), and the backward
+rebuilds a stage from the nearest input held below it. At a chain's minimum
+that is up to every stage before it, once per stage (quadratic in the
+chain's length, once), and the first call comes out near the budget, not
+under it for sure: measuring a stage holds its whole graph while its
+backward runs (retain_graph, for the real backward), which a training
+step's backward lets go as it goes, and the tail of a chain not seen before
+is not known while the stages run.
 
 Note [Saved tensors held elsewhere]
 -----------------------------------
