@@ -62,6 +62,8 @@ import warnings
 import weakref
 
 from ..solver.costs import Costs
+from ..solver.schedule import simulate
+from ..solver.solve import store_all
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import CostsError
 from .record import StageCosts
@@ -146,15 +148,20 @@ class ChainRecord:
         new.tail = self.tail   # (what the tail needed on the recorded path, until this call's shows)
         return new
 
-    def tail_bytes(self, input_bytes=None):
-        """The most the chain's tail needed above the chain's end, as this record saw it
-        (None if it has seen none), scaled to a chain input of ``input_bytes``
-        (another batch size)."""
-        if self.tail is None or self.tail.kept is None or not self.input_bytes:
-            return None
-        costs = self.tail.costs()
+    def hint(self, budget, input_bytes=None):
+        """What a measuring call of this chain (at another shape: a chain input of
+        ``input_bytes``; or leaving this record's path) can take from this record
+        (Note [Measuring within the budget], remat/measure/measuring.py): (the most
+        its tail needed above the chain's end, whether storing every stage fits
+        ``budget``), scaled to the input; (None, False) before a backward has shown
+        the tail."""
+        if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None:
+            return None, False
         scale = 1.0 if input_bytes is None else input_bytes / self.input_bytes
-        return int((costs["fwd_tmp"] + costs["kept"]) * scale)
+        tail = self.tail.costs()
+        costs = self.planning_costs()
+        return int((tail["fwd_tmp"] + tail["kept"]) * scale), \
+            simulate(costs, store_all(costs.length)).peak * scale <= budget
 
     def counts_output(self):
         """Whether plans count a^L as held through the step (Note [The chain's output])."""

@@ -17,12 +17,10 @@ unless it can keep them: they save the
 backward a recomputation, but what comes after the last stage, the chain's
 tail, is not known yet, and in a model whose head dwarfs a block (a language
 model's logits) saved tensors kept up to the budget put the step at about
-twice it. So a stage keeps them only where a record of this chain (at another
-shape, or on the path it left) has shown its tail (``tail_hint``), and they
-fit the budget with the inputs and saved tensors held so far, that tail and
-room to measure a stage like the largest so far (``_keep_saved``). Else the
-backward rebuilds every stage from its input, the last one too: one more
-forward, once. A stage whose own forward and backward cannot fit the budget
+twice it. So stages keep them only where a record of this chain (at
+another shape, scaled, or the path it left) stores everything within the
+budget (``keep_all``, ``_keep_saved``); else the backward rebuilds every stage
+from its input, the last one too: one more forward, once. A stage whose own forward and backward cannot fit the budget
 (the least any schedule needs, ``_fits``) stops the call with a
 ``BudgetError`` naming it, the call undone, before the stages after it run.
 The stage inputs held must fit too, beside the saved tensors kept, room to
@@ -112,7 +110,7 @@ class Measurer:
         run: that call's ``Run``; else None (a new one).
     """
 
-    def __init__(self, budget, autocast, chain_record=None, run=None, tail_hint=None):
+    def __init__(self, budget, autocast, chain_record=None, run=None, hint=(None, False)):
         self.budget, self.autocast = budget, autocast
         self.new = chain_record if chain_record is not None else ChainRecord()
         self.run = run if run is not None else Run(None, autocast)
@@ -134,14 +132,18 @@ class Measurer:
         self.largest = 0         # the most measuring a stage needed beyond its input so far
         # bytes to leave for the chain's tail, as a record of this chain at another shape or
         # path saw it; None where none has (Note [Measuring within the budget])
-        self.tail_hint = chain_record.tail_bytes() if chain_record is not None else tail_hint
+        if chain_record is not None:
+            hint = chain_record.hint(budget)
+        # what a record of this chain (at another shape, or the path this call left) showed: bytes
+        # to leave for the tail, and whether storing everything fits (Note [Measuring within the budget])
+        self.tail_hint, self.keep_all = hint
 
     @classmethod
-    def first(cls, spec, budget, autocast, x, tail_hint=None):
+    def first(cls, spec, budget, autocast, x, hint=(None, False)):
         """The measuring part of a chain's first call on input ``x``, with the
         costs of ``spec.costs_path`` if that file exists (and fits the input);
-        ``tail_hint``: bytes its tail may need (Note [Measuring within the budget])."""
-        self = cls(budget, autocast, tail_hint=tail_hint)
+        ``hint``: what a record of the chain at another shape showed (``ChainRecord.hint``)."""
+        self = cls(budget, autocast, hint=hint)
         self.rng_start = capture_rng(cuda_devices([x]))
         self.given = read_costs(spec.costs_path)
         self.costs_path = spec.costs_path
@@ -355,12 +357,10 @@ class Measurer:
         from a file) keeps its saved tensors for this call's backward (Note
         [Measuring within the budget]).
 
-        Yes where the tail of the chain is known (``tail_hint``) and the inputs
-        held so far, the saved tensors kept so far, these and room for the tail
-        and for measuring a stage like the largest so far fit the budget (each
-        stage's saved bytes include its output, the next stage's input), so that
-        a budget that fits everything makes the first backward rebuild nothing.
-        A stage run by a schedule before the chain diverged is left to it.
+        Yes where a record of the chain (at another shape, scaled; or the path
+        this call left) stores everything within the budget (``keep_all``), so
+        that such a budget makes the first backward rebuild nothing. A stage run
+        by a schedule before the chain diverged is left to it.
         """
         if i < self.diverged:
             return False
@@ -368,8 +368,7 @@ class Measurer:
         saved = costs.saved_bytes if costs is not None else None
         if saved is None and given is not None and i <= given.length:
             saved = given.saved_bytes[i - 1]
-        room = self.budget - self.new.input_bytes - self.held_bytes - self.inputs_bytes - self.largest
-        if saved is None or self.tail_hint is None or saved + self.tail_hint > room:
+        if saved is None or not self.keep_all:
             return False
         self.held_bytes += saved
         return True

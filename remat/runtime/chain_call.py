@@ -236,7 +236,7 @@ class ChainCall:
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
-                                       _tail_hint(self.site, x.untyped_storage().nbytes()))
+                                       _hint(self.site, self.budget, x.untyped_storage().nbytes()))
             return
         if entry.samples and entry.attempts == 0:
             refine(entry)   # the last call that could be stamped was not (no whole backward)
@@ -338,14 +338,14 @@ def _take_slots(call, ident):
             f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
 
 
-def _tail_hint(site, input_bytes):
-    """What the tail of the chain at ``site`` needed as its latest record saw it (at
-    another shape: scaled to ``input_bytes``), or None."""
+def _hint(site, budget, input_bytes):
+    """What a measuring call of the chain at ``site`` can take from its latest record
+    (``ChainRecord.hint``, scaled to ``input_bytes``)."""
     with _cache_lock:
         for key, record in reversed(_cache.items()):
             if key[0] == site:
-                return record.tail_bytes(input_bytes)
-    return None
+                return record.hint(budget, input_bytes)
+    return None, False
 
 
 def _remember(key, chain_record):

@@ -143,9 +143,9 @@ class Runner:
             warnings.warn(
                 f"remat: the chain at {site_text(self.site)} took another path of stages than its record on "
                 f"{PATH_CHANGES} calls in a row (stages skipped, added or reordered from call to call, as "
-                f"LayerDrop does); each such call measures the rest of the chain again, keeping every "
-                f"stage's input, over the budget. remat keeps the budget on a path it has measured and "
-                f"runs again (docs/limitations.md)", RuntimeWarning, stacklevel=5)
+                f"LayerDrop does); each such call measures the rest of the chain again, slower than a "
+                f"step and near the budget rather than under it for sure. remat keeps the budget on a "
+                f"path it has measured and runs again (docs/limitations.md)", RuntimeWarning, stacklevel=5)
 
     def stage(self, call, ident, x):
         """Run stage ``call`` on ``x`` as the plan says; return what it returned."""
