@@ -151,7 +151,7 @@ class ChainRecord:
     def hint(self, budget, input_bytes=None):
         """What a measuring call of this chain (at another shape: a chain input of
         ``input_bytes``; or leaving this record's path) can take from this record
-        (Note [Measuring within the budget], remat/measure/measuring.py): (the most
+        (Note [Measuring within the budget], remat/measure/holding.py): (the most
         its tail needed above the chain's end, whether storing every stage fits
         ``budget``), scaled to the input; (None, False) before a backward has shown
         the tail."""

@@ -7,34 +7,6 @@ their saved tensors for the call's own backward: the measuring part
 of each stage is a ``StageRecord`` (remat/measure/record.py); later calls are
 checked against it by remat/runtime/stage_call.py.
 
-Note [Measuring within the budget]
-----------------------------------
-The measuring call's own peak counts: it is a training step (docs/how-it-works.md,
-"The tail"). It holds stage inputs (a checkpoint each), runs a stage's forward
-and its backward on that graph, and lets the stage's saved tensors go as
-soon as the stage is measured (before its forward without recording),
-unless it can keep them: they save the
-backward a recomputation, but what comes after the last stage, the chain's
-tail, is not known yet, and in a model whose head dwarfs a block (a language
-model's logits) saved tensors kept up to the budget put the step at about
-twice it. So stages keep them only where a record of this chain (at
-another shape, scaled, or the path it left) stores everything within the
-budget (``keep_all``, ``_keep_saved``); else the backward rebuilds every stage
-from its input, the last one too: one more forward, once. A stage whose own forward and backward cannot fit the budget
-(the least any schedule needs, ``_fits``) stops the call with a
-``BudgetError`` naming it, the call undone, before the stages after it run.
-The stage inputs held must fit too, beside the saved tensors kept, room to
-measure a stage like the largest so far, an input more (a rebuild's) and
-the tail where known: past that only every ``spacing``-th stage's is held,
-the spacing doubling as often as needed (``_thin_inputs``), and the backward
-rebuilds a stage from the nearest input held below it. At a chain's minimum
-that is up to every stage before it, once per stage (quadratic in the
-chain's length, once), and the first call comes out near the budget, not
-under it for sure: measuring a stage holds its whole graph while its
-backward runs (retain_graph, for the real backward), which a training
-step's backward lets go as it goes, and the tail of a chain not seen before
-is not known while the stages run.
-
 Note [Saved tensors held elsewhere]
 -----------------------------------
 A stage may save a tensor for its backward and keep it some other way too: a
@@ -76,6 +48,7 @@ from .meter import Instrument, storage_key
 from .profile import instrumented_run, observed_forward
 from .record import StageRecord
 from .chain_record import ChainRecord
+from .holding import Holding
 from .refine import ATTEMPTS
 from .stage_backward import backward_again
 from .twins import Twin
@@ -91,7 +64,7 @@ class _Measured:
     """What run 4 of Note [Measuring a stage] needs of a measured stage."""
     index: int
     call: object
-    x: object          # a weak reference to its input (held by its anchor, if at all: ``_thin_inputs``)
+    x: object          # a weak reference to its input (held by its anchor, if at all: remat/measure/holding.py)
     cuda: bool
     rng0: object
     writes: list
@@ -121,22 +94,13 @@ class Measurer:
         self.originals = {}      # storage -> (tensor, value before the call) of the state stages wrote
         self.grad_pool = None
         self.upstream = None
-        self.held_bytes = 0      # bytes of saved tensors ``_keep_saved`` keeps so far
-        self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
-        self.inputs_bytes = 0
-        self.spacing = 1         # the stages whose input is held: every spacing-th (``_thin_inputs``)
         self.measured = {}       # stage -> its ``_Measured``
         self.relayout = None     # (the ``_Measured`` of the stage before, the layout its gradient has) due for run 4
         self.twins = {}          # Note [Twin stages]: key -> stage
         self.outs = {}           # stage -> weak reference to the activation it returned
-        self.largest = 0         # the most measuring a stage needed beyond its input so far
-        # bytes to leave for the chain's tail, as a record of this chain at another shape or
-        # path saw it; None where none has (Note [Measuring within the budget])
-        if chain_record is not None:
-            hint = chain_record.hint(budget)
-        # what a record of this chain (at another shape, or the path this call left) showed: bytes
-        # to leave for the tail, and whether storing everything fits (Note [Measuring within the budget])
-        self.tail_hint, self.keep_all = hint
+        # what it holds (Note [Measuring within the budget], remat/measure/holding.py)
+        self.holding = Holding(budget, chain_record.hint(budget) if chain_record is not None else hint,
+                               self.diverged)
 
     @classmethod
     def first(cls, spec, budget, autocast, x, hint=(None, False)):
@@ -197,11 +161,16 @@ class Measurer:
         self.run.settle(anchor, len(kept), x)
         if kept:
             self.run.watch(anchor, first(probe.out))
-        self._fits(call, x, probe.costs)
-        if not self._keep_saved(k, probe.costs):   # (Note [Measuring within the budget]: before run 3)
+        holding = self.holding
+        try:
+            holding.fits(call, x, probe.costs, self.new.input_bytes)
+        except BudgetError:
+            self.undo()
+            raise
+        if not holding.keep_saved(k, probe.costs, self.given):   # (before run 3)
             anchor.saved = None
             kept.clear()
-        self._thin_inputs(k, anchor, x)
+        holding.thin_inputs(k, anchor, x, self.new.input_bytes)
         if twin is not None and twin.of is not None:
             # Note [Twin stages]: runs 2 and 3 are the twin's
             theirs = self.new.stages[twin.of - 1]
@@ -338,7 +307,7 @@ class Measurer:
             if i < self.diverged or costs is None or not costs.backward_measured:
                 return
             x = m.x()
-            if x is None:   # (let go, ``_thin_inputs``: made again from an input held below)
+            if x is None:   # (let go, remat/measure/holding.py: made again from an input held below)
                 x = self.run.input_of(i)
             again = backward_again(m.call, x, m.cuda, m.rng0, m.writes, layout, costs.out_freed or 0,
                                    self.grad_pool, m.leaves)
@@ -351,79 +320,6 @@ class Measurer:
             last = self.measured.get(i - 1)
             due = (last, seen) if last is not None and last.layout is not None and seen not in (None, last.layout) \
                 else None
-
-    def _keep_saved(self, i, costs):
-        """Whether measured stage i (its ``costs`` as measured, None if they come
-        from a file) keeps its saved tensors for this call's backward (Note
-        [Measuring within the budget]).
-
-        Yes where a record of the chain (at another shape, scaled; or the path
-        this call left) stores everything within the budget (``keep_all``), so
-        that such a budget makes the first backward rebuild nothing. A stage run
-        by a schedule before the chain diverged is left to it.
-        """
-        if i < self.diverged:
-            return False
-        given = self.given
-        saved = costs.saved_bytes if costs is not None else None
-        if saved is None and given is not None and i <= given.length:
-            saved = given.saved_bytes[i - 1]
-        if saved is None or not self.keep_all:
-            return False
-        self.held_bytes += saved
-        return True
-
-    def _thin_inputs(self, k, anchor, x):
-        """Hold stage k's input (its anchor's) while the inputs held fit the budget
-        beside the saved tensors kept, room to measure a stage like the largest so
-        far and the tail, as far as it is known; past that, hold only every
-        ``spacing``-th stage's, the spacing doubling as often as needed (the
-        backward rebuilds a stage from the nearest input held below it: Note
-        [Measuring within the budget])."""
-        if k < 2 or k < self.diverged or anchor.input is None:
-            return   # (the chain's input is the caller's; a stage run by a schedule, the schedule's)
-        nbytes = x.untyped_storage().nbytes()
-        if (k - 1) % self.spacing:   # (off the spacing: let go at once)
-            anchor.input = None
-            return
-        self.inputs.append((k, weakref.ref(anchor), nbytes))
-        self.inputs_bytes += nbytes
-        # (and an input more: a rebuild from a held input below a stage runs the stages between
-        # without recording, each output made while the one before it is alive)
-        room = self.budget - self.new.input_bytes - self.held_bytes - self.largest - nbytes - (self.tail_hint or 0)
-        while self.inputs_bytes > room and self.inputs:
-            self.spacing *= 2
-            kept = []
-            for i, ref, n in self.inputs:
-                a = ref()
-                if a is None or a.input is None:
-                    continue
-                if (i - 1) % self.spacing:
-                    a.input = None
-                    self.inputs_bytes -= n
-                else:
-                    kept.append((i, ref, n))
-            self.inputs = kept
-
-    def _fits(self, call, x, costs):
-        """Raise ``BudgetError`` if the budget cannot hold stage ``call`` alone: its
-        input, its forward and its backward (Note [Measuring within the budget]);
-        note the most a stage's measuring needed so far (``largest``)."""
-        if costs is None or None in (costs.out_bytes, costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp):
-            return   # (costs from a file: what a stage needs is the file's)
-        x_in, out, saved = x.untyped_storage().nbytes(), costs.out_bytes, costs.saved_bytes
-        # its forward holds its input; its backward makes its input's gradient, and a
-        # schedule may have let the input go by then (Costs.fwd_drop)
-        least = max(x_in + max(saved, out + costs.fwd_tmp), saved + out + x_in + costs.bwd_tmp)
-        self.largest = max(self.largest, least - x_in)
-        if least > self.budget:
-            self.undo()
-            raise BudgetError(
-                f"remat: budget {format_bytes(self.budget)} is below this chain's minimum of "
-                f"{format_bytes(least)} or more ({least} bytes): stage {call.index} ({call.name}) alone needs "
-                f"that, its forward with its input and its backward, and no schedule needs less "
-                f"(the stages after it were not measured, which may need more); raise the budget or split "
-                f"the stage", least)
 
     # the chain's end -----------------------------------------------------
 

@@ -57,10 +57,11 @@ import time
 import torch
 
 from ..dynamo import in_compiled_frame
+from ..errors import RematError
 from .leaves import stop_nodes, walk
 from .meter import Instrument, storage_key
 
-__all__ = ["TailMeter", "TailSeen"]
+__all__ = ["TailMeter", "TailSeen", "backward_seen"]
 
 
 @dataclasses.dataclass
@@ -231,3 +232,21 @@ class _Backward:
         seen.kept = max(0, meter.live - handed - out.alive())
         seen.backward_peak, seen.backward_seconds = max(0, meter.peak - out.bytes), self.seconds
         self.on_kept(seen)
+
+
+def backward_seen(new, spec, budget, published, plan_for, seen):
+    """A measuring call's backward reached its chain (``spec``): the chain's record
+    ``new`` learns what the tail's backward needed and what the caller keeps (Note
+    [The chain's tail], remat/measure/tail.py); ``explain()``, if it still shows
+    that call (``published[0]``), shows the plan the next call will run (its
+    error, that call raises; ``plan_for`` solves it, remat/runtime/chain_call.py)."""
+    if new is None:
+        return
+    new.tail_seen(seen)
+    if published[0] is None or spec.last is not published[0]:
+        return
+    try:
+        plan = plan_for(new, budget, spec.algorithm, spec.slots)
+    except RematError:
+        return
+    spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new.tail)

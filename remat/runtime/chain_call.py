@@ -13,7 +13,6 @@ import warnings
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch.nn.modules import module as nn_module
-from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves
 
 from ..dynamo import in_compiled_frame
@@ -21,11 +20,11 @@ from ..errors import BudgetError, RematError, StageError, not_handed_on
 from ..measure.chain_record import write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
-from ..measure.tail import TailMeter
+from ..measure.tail import TailMeter, backward_seen
 from ..solver.plan import Plan
 from ..solver.solve import minimum_budget, solve
 from ..units import format_bytes
-from .recompute import module_slots, replaying, take
+from .recompute import replaying, take_slots
 from .replay import capture_autocast
 from .runner import Runner, site_text, watch_output
 from .stage_call import StageCall, check_hooks_enabled, check_output, find_activation, handed_on, signature
@@ -113,7 +112,7 @@ class ChainCall:
         self.skipped = None     # a stage called under no_grad after stage 1
         self.seen = {}          # id of each stage's object -> the first stage it was
         self.tail = None        # a measuring call's TailMeter (remat/measure/tail.py)
-        self.compiled = in_compiled_frame()   # opened in a frame Dynamo runs: no TailMeter
+        self.compiled = None    # whether a frame Dynamo runs is on the stack (no TailMeter): asked once
 
     @property
     def measuring(self):
@@ -162,7 +161,7 @@ class ChainCall:
         if not self.measuring and not self.part.matches(k, ident, x, call):
             self.part = Measurer(self.budget, self.autocast, self.part.diverge(k), self.part.run)
         if self.measuring:
-            _take_slots(call, ident)
+            take_slots(call, ident)
         version = x._version
         self.in_stage = True
         try:
@@ -182,7 +181,7 @@ class ChainCall:
         self.prev_ident = ident
         if self.measuring:   # (what runs until the next stage, or the block's end: the tail)
             if self.tail is None:
-                self.tail = TailMeter()
+                self.tail, self.compiled = TailMeter(), in_compiled_frame()
             self.tail.open(act, self.compiled)
             return out
         clock = self.part.run.clock
@@ -268,7 +267,7 @@ class ChainCall:
         # (what the tail's backward hooks hold: no activation, so not self, whose prev is a^L)
         record, published, spec, budget = [None], [None], self.spec, self.budget
         tail = self.tail.seen(self.prev, [ref() for ref in measurer.outs.values()],
-                              lambda seen: _tail_seen(record[0], spec, budget, published, seen))
+                              lambda seen: backward_seen(record[0], spec, budget, published, plan_for, seen))
         self.in_stage = True   # stages inside the stage measured again run plainly
         try:
             new = measurer.finish(self.k)
@@ -307,35 +306,6 @@ class ChainCall:
                             runner.entry.tail)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
-
-
-def _tail_seen(new, spec, budget, published, seen):
-    """A measuring call's backward reached its chain (``spec``): the chain's record
-    ``new`` learns what the tail's backward needed and what the caller keeps (Note
-    [The chain's tail], remat/measure/tail.py); ``explain()``, if it still shows
-    that call (``published[0]``), shows the plan the next call will run (its
-    error, that call raises)."""
-    if new is None:
-        return
-    new.tail_seen(seen)
-    if published[0] is None or spec.last is not published[0]:
-        return
-    try:
-        plan = plan_for(new, budget, spec.algorithm, spec.slots)
-    except RematError:
-        return
-    spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new.tail)
-
-
-def _take_slots(call, ident):
-    """A stage measured: its module's slots and the tensors in them (lazy ones refused)."""
-    call.slots = module_slots(ident)
-    call.tensors = take(call.slots[0]) if call.slots[0] else None
-    if call.tensors and any(is_lazy(t) for t in call.tensors if t is not None):
-        raise StageError(
-            f"remat: stage {call.index} ({call.name}) has lazy parameters or buffers not initialized yet "
-            f"(nn.LazyLinear, ...), which remat cannot measure; run the model once first, e.g. "
-            f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
 
 
 def _hint(site, budget, input_bytes):

@@ -21,11 +21,12 @@ import threading
 import weakref
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..errors import RecomputeMismatchError, StageError
 from .replay import RngState, check_saved, copy_all, restore_tensors
 
-__all__ = ["hooks_disabled", "record_again", "replaying", "run_again", "Replay", "NO_SLOTS", "module_slots", "take",
+__all__ = ["hooks_disabled", "record_again", "replaying", "run_again", "Replay", "NO_SLOTS", "module_slots", "take", "take_slots",
            "state_plan", "resolve_state", "ForwardTensors"]
 
 _local = threading.local()
@@ -354,3 +355,14 @@ class ForwardTensors:
                 else:
                     d[name] = now
         return False
+
+
+def take_slots(call, ident):
+    """A stage measured: its module's slots and the tensors in them (lazy ones refused)."""
+    call.slots = module_slots(ident)
+    call.tensors = take(call.slots[0]) if call.slots[0] else None
+    if call.tensors and any(is_lazy(t) for t in call.tensors if t is not None):
+        raise StageError(
+            f"remat: stage {call.index} ({call.name}) has lazy parameters or buffers not initialized yet "
+            f"(nn.LazyLinear, ...), which remat cannot measure; run the model once first, e.g. "
+            f"under torch.no_grad() (the dry run PyTorch asks for before building an optimizer)")
