@@ -27,6 +27,7 @@ import functools
 import os
 import sys
 import threading
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -87,9 +88,34 @@ def free_memory(device):
     return int(psutil.virtual_memory().available)
 
 
+def total_memory(device):
+    """Bytes of memory ``device`` has in all (CUDA: the device's; CPU: the machine's RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+_warned_over = set()   # (budget, device) pairs warned of as beyond the device
+
+
 def resolve_budget(budget, device):
-    """Bytes for a parsed budget; "auto" is the free memory of ``device`` less AUTO_MARGIN."""
+    """Bytes for a parsed budget; "auto" is the free memory of ``device`` less AUTO_MARGIN.
+    A budget beyond the device's memory in all is warned of, once per device."""
     if budget != "auto":
+        key = (budget, str(device))
+        if key not in _warned_over:
+            if len(_warned_over) > 64:
+                _warned_over.clear()
+            _warned_over.add(key)
+            total = total_memory(device)
+            if budget > total:
+                warnings.warn(
+                    f"remat: budget {format_bytes(budget)} is more than the {format_bytes(total)} the "
+                    f"{torch.device(device).type} device has in all, so it bounds nothing: check the unit "
+                    f"('900MB', not '900GB'), or give 'auto' for what is free", RuntimeWarning, stacklevel=4)
         return budget
     return max(1, int(free_memory(device) * (1 - AUTO_MARGIN)))
 

@@ -27,6 +27,10 @@ def parse_bytes(text):
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not math.isfinite(value):
         raise ValueError(f"size {text!r} is not finite")
+    if _UNITS[match.group(2).lower()] == 1 and not value.is_integer():
+        raise ValueError(
+            f"{text!r} is a fraction of a byte; give a unit ('{match.group(1)}GiB', '{match.group(1)}MB') "
+            f"or an int of bytes")
     return int(value)
 
 

@@ -26,6 +26,37 @@ def test_malformed_budget_is_rejected_at_once(budget):
         remat.chain(budget=budget)
 
 
+@pytest.mark.parametrize("text", ["1.5", "0.5", "1.5B", " 2.25 b", "1e-3"])
+def test_a_fraction_of_a_byte_is_refused_with_the_fix(text):
+    """A size without a unit that is not a whole number of bytes ("1.5" became 1 byte,
+    "0.5" 'must be positive') is refused, naming the fix: a unit or an int of bytes."""
+    with pytest.raises(remat.BudgetError, match="a fraction of a byte; give a unit .* or an int of bytes"):
+        remat.chain(budget=text)
+
+
+def test_a_budget_beyond_the_device_is_warned_of_once():
+    """A budget above the device's memory in all ("100GB" on a smaller machine) bounds
+    nothing: the first call warns, once, and names the unit to check; one within it
+    does not."""
+    import warnings
+
+    import psutil
+    from remat.chain import _warned_over
+
+    stage = remat.stage(nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    beyond = 10 * psutil.virtual_memory().total
+    for budget, warned in ((beyond, True), (beyond, False), (2**20, False)):
+        _warned_over.discard((budget, "cpu")) if warned else None
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with remat.chain(budget=budget):
+                y = stage(stage(x))
+            y.sum().backward()
+        said = [str(w.message) for w in seen if "has in all" in str(w.message)]
+        assert len(said) == warned and (not said or "check the unit" in said[0]), said
+
+
 @pytest.mark.parametrize("text,expected", [("900MB", 900 * 10**6), ("1.5GiB", 3 * 2**29), ("512 KiB", 2**19),
                                            ("4096", 4096), (123, 123), ("2e3", 2000)])
 def test_budget_units(text, expected):

@@ -61,7 +61,7 @@ def test_command_line_bad_flags_are_one_line(tmp_path):
         (["bench", "--model", "tiny", "--steps", "0"], "--steps must be at least 1"),
         (["bench", "--model", "tiny", "--out", str(blocked)], "--out"),   # (a file: said before the benchmark runs)
         (["demo", "--budget", "1e300%"], "100% already stores everything"),
-        (["explain", "--budget", "0.5"], "budget must be positive, got '0.5'"),   # (as remat.chain says it)
+        (["explain", "--budget", "0.5"], "'0.5' is a fraction of a byte; give a unit"),   # (as remat.chain says it)
     ]
     for argv, says in cases:
         err = io.StringIO()
