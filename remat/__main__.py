@@ -91,7 +91,12 @@ def _main(argv=None):
 
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
-        if args.plot is not None:   # (before measuring: the folder is checked first)
+        if args.plot is not None:   # (before measuring: matplotlib and the folder are checked first)
+            from .tools.plot import missing
+
+            why = missing()
+            if why is not None:
+                raise ValueError(why.replace("remat: plots need", "remat: --plot needs", 1))
             _folder(parser, args.plot, "--plot")
         explain_model(args.model, args.budget, device, args.plot)
         return 0

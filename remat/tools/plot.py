@@ -1,17 +1,30 @@
-"""Pictures of a schedule (needs matplotlib: ``pip install remat[plot]``).
+"""Pictures of a schedule (needs matplotlib: ``missing()`` says how to install it).
 
 ``timeline``: the memory a schedule holds, op by op, against the budget.
 ``tradeoff``: predicted step time against budget, for the optimal schedule and
 for periodic checkpointing (what ``checkpoint_sequential`` does).
 """
 
+import sys
+
 from ..solver.schedule import B, Fall, Fck, Fn, Loss, simulate
 from ..solver.solve import minimum_budget, periodic, solve, store_all
 from ..units import format_bytes
 
-__all__ = ["timeline", "tradeoff"]
+__all__ = ["timeline", "tradeoff", "missing"]
 
 _COLOURS = {Fn: "#9ecae1", Fck: "#3182bd", Fall: "#31a354", B: "#e6550d"}
+
+
+def missing():
+    """None if matplotlib can be imported; else what to run to install it, into the
+    Python running this (remat is installed from its repository, not an index)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        return None
+    return (f"remat: plots need matplotlib, which this Python does not have; install it with "
+            f"`{sys.executable} -m pip install matplotlib`")
 
 
 def _pyplot():
@@ -21,7 +34,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("remat: plots need matplotlib; install it with `pip install remat[plot]`") from None
+        raise ImportError(missing() or "remat: plots need matplotlib, which failed to import") from None
     return plt
 
 

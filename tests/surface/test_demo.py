@@ -89,3 +89,29 @@ def test_demo_budget_auto_is_the_free_memory(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_demo_budget(" auto", Costs.uniform(3), cpu) == int(10**9 * (1 - budget.AUTO_MARGIN))
     assert resolve_demo_budget("2MiB", Costs.uniform(3), cpu) == 2**21
+
+
+def test_explain_plot_without_matplotlib_says_so_before_measuring(tmp_path, monkeypatch):
+    """``explain --plot DIR`` where matplotlib cannot be imported: one line naming the
+    command that installs it into this Python (remat is not on a package index, so
+    not ``pip install remat[plot]``), exit status 2, before anything is measured and
+    with no folder made (it used to measure, print the report and die with a traceback)."""
+    import importlib.util
+    import time
+
+    import remat.__main__ as cli
+    import remat.tools.demo as demo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(demo, "explain_model", lambda *a, **k: pytest.fail("it measured"))
+    err = io.StringIO()
+    folder = tmp_path / "plots"
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(err):
+        status = cli.main(["explain", "--model", "gpt-tiny", "--plot", str(folder)])
+    said = err.getvalue()
+    assert status == 2 and said.count("\n") == 1 and time.perf_counter() - t0 < 5, said
+    assert f"{sys.executable} -m pip install matplotlib" in said and "remat[plot]" not in said
+    assert not folder.exists()
