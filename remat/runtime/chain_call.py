@@ -138,7 +138,7 @@ class ChainCall:
         if x is None:
             raise StageError(
                 f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor "
-                f"argument of a stage is the activation that flows along the chain"
+                f"argument of a stage is the activation that flows along the chain{_packed(args, kwargs)}"
             )
         k = self.k + 1
         if k == 1:
@@ -306,6 +306,21 @@ class ChainCall:
                             runner.entry.tail)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
+
+
+def _packed(args, kwargs):
+    """For a stage called with no tensor: a sentence on a tuple or a dict of tensors among
+    its arguments (a stage before returned one and the code passed all of it on), or ""."""
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return (f". It got a {type(value).__name__} of {len(value)} whose first item is a tensor, as a "
+                    f"stage that returns (activation, ...) gives: unpack it and pass the activation "
+                    f"(h = block(h)[0], or h, *rest = block(h))")
+        if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+            keys = ", ".join(repr(k) for k, v in value.items() if isinstance(v, torch.Tensor))
+            return (f". It got a {type(value).__name__} of tensors ({keys}): pass the activation itself "
+                    f"(h = out[{next(iter(keys.split(', ')))}], say), and the rest as side inputs")
+    return ""
 
 
 def _hint(site, budget, input_bytes):

@@ -239,3 +239,34 @@ def test_budget_error_carries_the_minimum():
     with pytest.raises(remat.BudgetError) as info:
         remat.solve(remat.Costs.uniform(3, size=100), 10)
     assert info.value.minimum == remat.solver.solve.minimum_budget(remat.Costs.uniform(3, size=100))
+
+
+@pytest.mark.parametrize("packed", ["tuple", "dict"])
+def test_a_tuple_or_dict_passed_on_whole_is_named(packed):
+    """A stage returning (activation, extra), its caller passing the whole tuple (or a
+    dict of tensors) on to the next stage: the error says a tuple (dict) arrived and how
+    to unpack it, not only that no tensor did."""
+
+    class TB(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        @remat.stage
+        def forward(self, x):
+            h = x if isinstance(x, torch.Tensor) else x[0] if isinstance(x, tuple) else x["h"]
+            out = self.lin(h)
+            return (out, None) if packed == "tuple" else out
+
+    a, b = TB(), TB()
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(remat.StageError) as info:
+        with remat.chain(budget="1MiB"):
+            h = a(x)
+            b(h if packed == "tuple" else {"h": h})
+    said = str(info.value)
+    assert "stage 2 (TB) got no tensor argument" in said
+    if packed == "tuple":
+        assert "got a tuple of 2 whose first item is a tensor" in said and "h = block(h)[0]" in said
+    else:
+        assert "got a dict of tensors ('h')" in said and "pass the activation itself" in said
