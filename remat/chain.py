@@ -134,15 +134,20 @@ class Explanation:
     backward (Note [The chain's output], remat/measure/chain_record.py).
     ``tail`` is what the measuring call saw of the tail (``TailSeen``, Note
     [The chain's tail] in remat/measure/tail.py), or None; ``predicted_peak``
-    the schedule's whole-step peak in bytes (None without a schedule)."""
+    the schedule's whole-step peak in bytes (None without a schedule);
+    ``times`` where the stages' times come from (first-call estimates, or how
+    many calls refined them), and ``held`` what ``held_bytes`` is, {words:
+    bytes}, as the chain's record (``record``) says."""
 
-    def __init__(self, costs, schedule, budget, names, measured=None, tail=None):
+    def __init__(self, costs, schedule, budget, names, measured=None, record=None):
         self.costs = costs
         self.schedule = schedule
         self.budget = budget
         self.names = names
         self.measured = costs if measured is None else measured
-        self.tail = tail
+        self.tail = record.tail if record is not None else None
+        self.times = record.times_said() if record is not None else None
+        self.held = record.held_parts() if record is not None else {}
 
     @property
     def predicted_peak(self):
@@ -161,6 +166,8 @@ class Explanation:
                 continue
             if not first.isdigit():   # the input's and the held bytes' lines
                 out.append(line)
+                if first == "held":
+                    out.extend(f"{'':>5}  -{format_bytes(n):>11} {what}" for what, n in self.held.items())
                 continue
             i = int(first) - 1
             mode = modes[i].__name__ if i < len(modes) else "-"
@@ -169,6 +176,8 @@ class Explanation:
 
     def __str__(self):
         head = f"remat chain of {self.costs.stages} stages, budget {format_bytes(self.budget)}"
+        if self.times is not None:
+            head += f"\n{self.times}"
         if self.tail is not None:
             head += f"\n{self.tail}"
         if self.schedule is None:
@@ -288,9 +297,9 @@ class chain:
         return resolve_budget(self.budget, device)
 
     @staticmethod
-    def explained(costs, schedule, budget, names, measured, tail=None):
+    def explained(costs, schedule, budget, names, measured, record=None):
         """Make what a call of a chain knows (``Explanation``'s arguments) what ``explain()`` shows."""
-        publish(Explanation(costs, schedule, budget, names, measured, tail))
+        publish(Explanation(costs, schedule, budget, names, measured, record))
 
     def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, hints=None):
         self.settings = (budget, algorithm, slots, costs)   # as given

@@ -123,6 +123,8 @@ class ChainRecord:
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
         self._held_costs = {}    # a^L counted held or not -> ((costs, tail, that), the planning costs)
         self.tail = None         # what the measuring call saw of the chain's tail (remat/measure/tail.py)
+        self.refined = 0         # calls whose own times replaced the measured ones (remat/measure/refine.py)
+        self.from_file = False   # the costs came from a costs file
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
 
     def add(self, record, ident):
@@ -259,6 +261,33 @@ class ChainRecord:
             RuntimeWarning, stacklevel=4)
         self.save()
 
+    def held_parts(self):
+        """What the costs count as held through the step, by what it is: {words: bytes}
+        (what ``explain()`` shows beside the held bytes)."""
+        held = {}
+        for stage in self.stages:
+            held.update(stage.held)
+        parts = {}
+        for key, nbytes in held.items():
+            what = _HELD.get(key[0] if isinstance(key, tuple) and isinstance(key[0], str) else "grad", "other")
+            parts[what] = parts.get(what, 0) + nbytes
+        if self.counts_output() and self.costs is not None:
+            what = ("the chain's output, which the code around the chain keeps through the backward"
+                    if self.output_held else "the chain's output, until a backward shows it let go")
+            parts[what] = self.costs.out_bytes[-1]
+        return {k: v for k, v in parts.items() if v}
+
+    def times_said(self):
+        """Where the stages' times come from, in words (what ``explain()`` says of them)."""
+        if self.refined:
+            return f"times: the means of {self.refined} calls' own, as training steps ran them"
+        if self.from_file:
+            return "times: from the costs file"
+        if self.attempts:
+            return (f"times: first-call estimates (each stage run once, metered); calls after it refine "
+                    f"them (up to {self.attempts} more)")
+        return "times: first-call estimates (each stage run once); not refined here (CUDA, torch.distributed)"
+
     def held_bytes(self):
         """Bytes of the gradients of leaves used by several stages (or by a stage
         and code before the chain), each counted once: the engine holds them
@@ -267,6 +296,15 @@ class ChainRecord:
         for stage in self.stages:
             held.update(stage.held)
         return sum(held.values())
+
+# what a stage makes the chain hold through the step, by its key's kind (StageRecord.held)
+_HELD = {"grad": "gradients of weights or inputs used by several stages", "side": "gradients of side inputs",
+         "cached": "caches' copies of the weights (autocast's casts, parametrize.cached)",
+         "elsewhere": "saved tensors something else keeps too (attention maps a hook collects)",
+         "outside": "tensors stages keep outside autograd (a custom Function's ctx)",
+         "state": "values of in-place state the stages read, kept for their recomputations",
+         "caller": "stage outputs the code around the chain keeps"}
+
 
 # weak references Dynamo would trace into their referents (remat/dynamo.py)
 DYNAMO_SKIPS.append(ChainRecord.caller_holds)

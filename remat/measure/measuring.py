@@ -344,6 +344,7 @@ class Measurer:
                         costs.bwd_tmp += extra
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given)
+            new.from_file = self.given is not None
         except BaseException:
             self.undo()
             raise

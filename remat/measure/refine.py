@@ -217,5 +217,6 @@ def refine(chain_record):
         nograd.get(k, fwd[k - 1] if chain_record.stages[k - 1].grad_replay else min(t, fwd[k - 1]))
         for k, t in enumerate(data["fwd_nograd_time"], 1)]
     chain_record.costs = Costs.from_dict(data)
+    chain_record.refined = len(samples)
     chain_record.plans = {}
     chain_record.save()

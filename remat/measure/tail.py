@@ -249,4 +249,4 @@ def backward_seen(new, spec, budget, published, plan_for, seen):
         plan = plan_for(new, budget, spec.algorithm, spec.slots)
     except RematError:
         return
-    spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new.tail)
+    spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new)

@@ -245,7 +245,7 @@ class ChainCall:
         try:
             plan = plan_for(entry, self.budget, self.spec.algorithm, self.spec.slots)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
-            self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs, entry.tail)
+            self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs, entry)
             raise
         self.part = Runner(self.key, self.site, entry, plan, autocast)
         if entry.attempts > 0:
@@ -285,9 +285,9 @@ class ChainCall:
         except Exception as exc:
             measurer.undo()
             if isinstance(exc, RematError):
-                self.spec.explained(new.costs, None, self.budget, new.names, new.costs, tail)
+                self.spec.explained(new.costs, None, self.budget, new.names, new.costs, new)
             raise
-        self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, tail)
+        self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, new)
         published[0] = self.spec.last
 
     def abort(self):
@@ -303,7 +303,7 @@ class ChainCall:
                 _cache.pop(self.key, None)
         plan = runner.plan
         self.spec.explained(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs,
-                            runner.entry.tail)
+                            runner.entry)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
 

@@ -310,3 +310,27 @@ def test_one_module_as_every_stage_stays_under_budget():
     for budget in (low, (low + high) // 2, high):
         peak(budget)
         assert peak(budget) <= budget
+
+
+def test_explain_says_where_the_times_come_from_and_what_is_held():
+    """explain() says whether the times are first-call estimates or how many calls
+    refined them, and what the held bytes are (here autocast's cached casts of the
+    weights, and the chain's output the loop keeps)."""
+    torch.manual_seed(0)
+    blocks = [remat.stage(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))) for _ in range(4)]
+    x = torch.randn(128, 64, requires_grad=True)
+    said = []
+    for _ in range(4):
+        with torch.autocast("cpu", torch.bfloat16):
+            with remat.chain(budget="1MiB"):
+                h = x
+                for b in blocks:
+                    h = b(h)
+        h.float().sum().backward()
+        said.append(str(remat.explain()))
+    assert "times: first-call estimates" in said[0] and "calls after it refine them" in said[0]
+    assert "times: the means of 2 calls' own" in said[-1]
+    held = remat.explain().held
+    assert held["caches' copies of the weights (autocast's casts, parametrize.cached)"] > 0
+    assert any("keeps through the backward" in what for what in held)
+    assert all(what in said[-1] for what in held)
