@@ -91,7 +91,10 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     costs = measure_costs(base, spec, 0, device)
     budget_bytes = resolve_demo_budget(budget, costs, device)
 
-    bar = tqdm(total=2 + timed + 2, desc="remat demo", disable=not progress, leave=False)
+    # (what it counts: the two runs that find checkpoint_sequential's segments, then each
+    # step of the three methods; no ETA, which the measuring steps would skew)
+    bar = tqdm(total=2 + timed + 2, desc=f"remat demo: 2 probes, then {timed + 2} steps of each method",
+               unit=" run", disable=not progress, leave=True, bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}]")
     chosen, note = _segments_within(budget_bytes, base, spec, n, device, bar)
 
     # the three methods train side by side, each step in turn
@@ -111,6 +114,7 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
         f"{format_bytes(simulate(costs, store_all(n)).peak)}; chain minimum {format_bytes(minimum_budget(costs))})",
         "",
         f"{'method':<44} {'peak chain memory':>18} {'step time':>16} {'final loss':>11}",
+        f"{'':<44} {'(measured)':>18} {f'(median of {timed})':>16}",
     ]
     for row in rows:
         ratio = row["step_seconds"] / base_time
@@ -120,7 +124,8 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     lines += [
         "",
         f"remat's schedule: {schedule.recomputations()} stage recomputations per step, predicted peak "
-        f"{format_bytes(schedule.peak)}; its first (measuring) step took {rem['first_step_seconds'] * 1e3:.0f} ms",
+        f"{format_bytes(schedule.peak)} (a prediction; the table's peaks are measured); its first (measuring) "
+        f"step took {rem['first_step_seconds'] * 1e3:.0f} ms",
         f"losses and gradients of plain PyTorch and remat are {'identical at every step' if same else 'DIFFERENT'}",
     ]
     out("\n".join(lines))

@@ -117,3 +117,17 @@ def test_explain_plot_without_matplotlib_says_so_before_measuring(tmp_path, monk
     assert status == 2 and said.count("\n") == 1 and time.perf_counter() - t0 < 5, said
     assert f"{sys.executable} -m pip install matplotlib" in said and "remat[plot]" not in said
     assert not folder.exists()
+
+
+def test_demo_says_what_it_counts_and_what_is_measured(capsys):
+    """The demo's progress bar counts what it says it counts (the two probes, then the
+    steps), shows no ETA and stays; the table says its peaks are measured and its
+    times medians, and the schedule's peak a prediction; --device and --steps have help."""
+    lines = []
+    run_demo("gpt-tiny", "50%", "cpu", steps=3, out=lines.append, progress=True)
+    bar = capsys.readouterr().err.strip().splitlines()[-1].split("\r")[-1]
+    assert bar.startswith("remat demo: 2 probes, then 3 steps of each method: 5/5") and "<" not in bar, bar
+    assert "(measured)" in lines[0] and "(median of 1)" in lines[0] and "(a prediction;" in lines[0]
+    out = subprocess.run([sys.executable, "-m", "remat", "demo", "--help"], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "--device DEVICE  cpu (default) or cuda" in out and "--steps STEPS    training steps" in out
