@@ -111,7 +111,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     with inst, torch.enable_grad(), hooks:
         out = call.invoke(x)
     rng0.extra = list(inst.generators.values())   # the stage's own generators, as they were
-    uses_rng = rng0.changed()
+    uses_rng = rng0.used = rng0.changed()   # (a stage drawing nothing: its runs set no stream)
     inst.note_changed(buffers)
     probe = Probe(out, None, list(inst.mutated.values()), uses_rng, inst.reads_state())
     act = first(out)

@@ -13,8 +13,15 @@ leave no trace:
    state for each recomputation, and put back afterwards, so the stream the
    rest of the program sees is untouched; so are the stage's own
    ``torch.Generator`` objects, which measuring finds in the ops' arguments
-   (their state before the first op that draws from each). Stages measured not to draw random
-   numbers skip this.
+   (their state before the first op that draws from each). A stage whose
+   forward drew nothing (its streams where they were captured, looked at
+   after each call's forward) sets no stream at all, nor do its measuring
+   runs: a chain of such stages leaves the generators to other threads. A
+   stage that draws is replayed by setting the process's generators, which
+   every thread shares: another thread drawing from them meanwhile sees the
+   replayed stream, and two threads training chains that draw (dropout)
+   disturb each other's masks (remat cannot give a thread its own default
+   generator; docs/limitations.md).
 2. Autocast: the enabled flag and dtype of every device type, and the cache
    flag, are captured with each stage (a chain may enter autocast around some
    of its stage calls only) and re-entered around a recomputation
@@ -96,12 +103,13 @@ class RngState:
     """CPU and CUDA generator states captured at one point, and those of the
     stage's own ``torch.Generator`` objects (``extra``: (generator, state))."""
 
-    __slots__ = ("cpu", "cuda", "extra")
+    __slots__ = ("cpu", "cuda", "extra", "used")
 
     def __init__(self, cpu, cuda, extra=()):
         self.cpu = cpu
         self.cuda = cuda
         self.extra = extra
+        self.used = True   # False once the stage is known to draw nothing: no stream is set again
 
     def changed(self):
         """True if a stream has moved since it was captured (something drew from it)."""
@@ -110,8 +118,9 @@ class RngState:
             not torch.equal(g.get_state(), s) for g, s in self.extra)
 
     def replayed(self):
-        """Run the body with the captured streams, then put the current ones back."""
-        return _Replayed(self)
+        """Run the body with the captured streams, then put the current ones back;
+        a body that draws nothing (``used`` False) leaves them alone (Note 1)."""
+        return _Replayed(self) if self.used else contextlib.nullcontext()
 
     def enter(self):
         """Set the captured streams; return the ones they replace (for ``leave``)."""

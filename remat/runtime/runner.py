@@ -221,6 +221,8 @@ class Runner:
                 out = call.invoke(x)
         finally:
             anchor.live = None
+        if not call.rng.changed():   # (it drew nothing: its recomputations set no stream, Note [Replaying a stage] 1)
+            call.rng = None
         _pin_if_cut(run, out)   # (while ``anchor`` holds this stage's)
         if not keep and k > 1 and k - 1 not in entry.caller:   # Fn lets a^(k-1) go (Note [What the ...])
             storage = x.untyped_storage()
