@@ -39,10 +39,18 @@ import sys
 
 import torch
 
-__all__ = ["STANCES", "DYNAMO_SKIPS", "in_compiled_frame"]
+__all__ = ["STANCES", "DYNAMO_SKIPS", "in_compiled_frame", "in_dynamo_callback"]
 
 STANCES = hasattr(torch.compiler, "set_stance")   # (torch >= 2.6)
 DYNAMO_SKIPS = []
+
+
+def in_dynamo_callback():
+    """True while Dynamo's frame callback is set: code here runs inside a torch.compile
+    region (a compiled model run under a TorchDispatchMode keeps it set around the
+    frames it skips, remat's among them), where ``set_stance`` is refused."""
+    get = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None)
+    return get is not None and get() not in (None, False)
 
 
 def in_compiled_frame():
@@ -53,8 +61,7 @@ def in_compiled_frame():
     the stack."""
     if "torch._dynamo" not in sys.modules:
         return False
-    get = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None)
-    if get is not None and get() not in (None, False):
+    if in_dynamo_callback():
         return True
     frame = sys._getframe(1)
     while frame is not None:

@@ -286,3 +286,27 @@ def test_two_threads_train_their_own_models_exactly():
     assert not errors, errors
     for ref, got in zip(refs, results):
         assert_same(ref, got)
+
+
+def test_a_compiled_model_opening_a_chain_runs_under_a_dispatch_mode():
+    """torch.compile of a model whose forward opens a chain, run under a
+    TorchDispatchMode (FlopCounterMode): it raised "attempted to set_stance in a
+    torch.compile region" in stage 1; now plain PyTorch's losses and gradients,
+    on a schedule that recomputes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    plain = _Model([Block(0.0) for _ in range(3)], chained=False)
+    staged = _Model([remat.stage(copy.deepcopy(b)) for b in plain.blocks], chained=True)
+    model = torch.compile(staged, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(step))
+        want = plain(x)
+        want.backward()
+        with FlopCounterMode(display=False):
+            got = model(x)
+            got.backward()
+        assert torch.equal(want, got), step
+        for p, q in zip(plain.parameters(), staged.parameters()):
+            assert torch.equal(p.grad, q.grad), step
+    assert remat.explain().schedule.recomputations() > 0
