@@ -13,7 +13,9 @@ The measuring call (remat/measure/measuring.py) records what these read, the run
 calls (remat/runtime/runner.py) compare.
 """
 
+import collections.abc
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -136,8 +138,23 @@ def _ordinal(n):
 
 
 def first(out):
-    """The activation of what a stage returned."""
-    return out[0] if isinstance(out, tuple) else out
+    """The activation of what a stage returned: itself, the first item of a tuple, or
+    the first value of a dict or a dataclass (a transformers ``ModelOutput``)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple):
+        return out[0] if out else None
+    items = _items(out)
+    return items[0] if items else out
+
+
+def _items(out):
+    """The values of a dict or a dataclass, in order (None for anything else)."""
+    if isinstance(out, collections.abc.Mapping):
+        return list(out.values())
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [getattr(out, f.name) for f in dataclasses.fields(out)]
+    return None
 
 
 def signature(value):
@@ -271,20 +288,23 @@ def handed_on(x, prev):
 def check_output(call, out, x, version):
     """What a stage returned is an activation (or a tuple led by one, the rest needing
     no grad) and its input was not modified in place; returns the activation."""
-    act = out[0] if isinstance(out, tuple) else out
+    items = list(out) if isinstance(out, tuple) else None if isinstance(out, torch.Tensor) else _items(out)
+    act = out if items is None else items[0] if items else None
     if not isinstance(act, torch.Tensor):
-        what = (f"a tuple whose first item is {type(act).__name__}" if isinstance(out, tuple)
+        kind = "tuple" if isinstance(out, tuple) else type(out).__name__
+        what = (f"a {kind} whose first item is {type(act).__name__}" if items is not None
                 else type(act).__name__)
         raise StageError(
             f"remat: stage {call.index} ({call.name}) returned {what}; a stage must return "
-            f"its output activation as a tensor, or a tuple whose first item is that tensor"
+            f"its output activation as a tensor, or a tuple, a dict or a dataclass whose first item "
+            f"is that tensor"
         )
-    if isinstance(out, tuple):
-        for j, item in enumerate(out[1:], 1):
+    if items is not None:
+        for j, item in enumerate(items[1:], 1):
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(item)):
                 raise StageError(
-                    f"remat: stage {call.index} ({call.name}) returned a tuple whose item {j} requires "
-                    f"grad; only the first item, the activation, may carry gradient. If that item needs "
+                    f"remat: stage {call.index} ({call.name}) returned a {type(out).__name__} whose item {j} "
+                    f"requires grad; only the first item, the activation, may carry gradient. If that item needs "
                     f"none, detach it; if the next stage takes it (T5's position_bias), the blocks exchange "
                     f"two tensors, which a chain cannot carry: compute it before the chain and pass it to "
                     f"every stage as a side input, or pack it into the activation (docs/limitations.md)"

@@ -254,3 +254,55 @@ def test_later_stage_side_input_and_submodule_flags_are_checked():
         plain.zero_grad()
         net.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), net.state_dict().values()))
+
+
+@pytest.mark.parametrize("kind", ["dict", "dataclass"])
+def test_stages_returning_a_dict_or_a_dataclass(kind):
+    """A stage returning a dict or a dataclass (as a transformers ModelOutput) whose
+    first value is the activation, the others needing no grad: accepted (a dict was
+    refused), and at a budget that recomputes, gradients are plain PyTorch's; one
+    whose second value needs grad is refused, naming it."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+        extra: object = None
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.leak = False
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            other = h if self.leak else h.detach().sum()
+            return {"hidden": h, "norm": other} if kind == "dict" else Out(h, other)
+
+    torch.manual_seed(0)
+    plain = nn.ModuleList(Blk() for _ in range(6))
+    staged = copy.deepcopy(plain)
+    for b in staged:
+        remat.stage(b)
+    x = torch.randn(4, 8, requires_grad=True)
+    get = (lambda o: o["hidden"]) if kind == "dict" else (lambda o: o.hidden)
+    budget = 2**40
+    for step in range(3):
+        h = x
+        for b in plain:
+            h = get(b(h))
+        h.sum().backward()
+        with remat.chain(budget=budget):
+            g = x
+            for b in staged:
+                g = get(b(g))
+        g.sum().backward()
+        budget = remat.solver.solve.minimum_budget(remat.explain().costs)
+    assert remat.explain().schedule.recomputations() > 0
+    for p, q in zip(plain.parameters(), staged.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    staged[0].leak = True
+    with pytest.raises(remat.StageError, match="whose item 1 requires grad"):
+        with remat.chain(budget=2**40):
+            get(staged[0](x))
