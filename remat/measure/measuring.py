@@ -81,6 +81,8 @@ class Measurer:
         chain_record: the record of the stages already run on a plan, when a
             call left its recorded path (``Runner.diverge``); else None.
         run: that call's ``Run``; else None (a new one).
+        hint: what a record of the chain (another shape's, or that of the path
+            the call left) shows of it (``ChainRecord.hint``).
     """
 
     def __init__(self, budget, autocast, chain_record=None, run=None, hint=(None, False)):
@@ -99,8 +101,7 @@ class Measurer:
         self.twins = {}          # Note [Twin stages]: key -> stage
         self.outs = {}           # stage -> weak reference to the activation it returned
         # what it holds (Note [Measuring within the budget], remat/measure/holding.py)
-        self.holding = Holding(budget, chain_record.hint(budget) if chain_record is not None else hint,
-                               self.diverged)
+        self.holding = Holding(budget, hint, self.diverged)
 
     @classmethod
     def first(cls, spec, budget, autocast, x, hint=(None, False)):

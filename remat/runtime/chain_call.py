@@ -159,7 +159,9 @@ class ChainCall:
         call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
         call.autocast = self.autocast if k == 1 else capture_autocast(self.autocast)
         if not self.measuring and not self.part.matches(k, ident, x, call):
-            self.part = Measurer(self.budget, self.autocast, self.part.diverge(k), self.part.run)
+            runner = self.part   # (the record of the path it left tells of the tail and of storing all)
+            self.part = Measurer(self.budget, self.autocast, runner.diverge(k), runner.run,
+                                 runner.entry.hint(self.budget))
         if self.measuring:
             take_slots(call, ident)
         version = x._version
