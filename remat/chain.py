@@ -99,14 +99,16 @@ def total_memory(device):
 
 
 _warned_over = set()   # (budget, device) pairs warned of as beyond the device
+NO_LIMIT = 2**60         # a budget this large or larger means "no limit" (remat's own probes): not warned of
 
 
 def resolve_budget(budget, device):
     """Bytes for a parsed budget; "auto" is the free memory of ``device`` less AUTO_MARGIN.
-    A budget beyond the device's memory in all is warned of, once per device."""
+    A budget beyond the device's memory in all is warned of, once per device, but
+    one of ``NO_LIMIT`` or more."""
     if budget != "auto":
         key = (budget, str(device))
-        if key not in _warned_over:
+        if key not in _warned_over and budget < NO_LIMIT:
             if len(_warned_over) > 64:
                 _warned_over.clear()
             _warned_over.add(key)

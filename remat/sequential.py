@@ -34,7 +34,7 @@ import collections
 import torch
 from torch import nn
 
-from .chain import ChainHints, chain, explain, parse_budget, resolve_budget
+from .chain import NO_LIMIT, ChainHints, chain, explain, parse_budget, resolve_budget
 from .errors import RematError
 from .runtime.replay import capture_rng, cuda_devices
 from .solver.solve import DEFAULT_SLOTS, solve as _solve
@@ -249,7 +249,7 @@ class Sequential(nn.Sequential):
         buffers = [(b, b.detach().clone()) for b in self.buffers()]
         tensors = [x] + [p for p, _ in grads] if isinstance(x, torch.Tensor) else [p for p, _ in grads]
         rng = capture_rng(cuda_devices(tensors))
-        probe = chain(budget=2**61, algorithm="store_all", slots=self.slots, costs=self.costs_path, hints=_HINTS)
+        probe = chain(budget=NO_LIMIT, algorithm="store_all", slots=self.slots, costs=self.costs_path, hints=_HINTS)
         try:
             with rng.replayed(), torch.enable_grad():
                 self._run(x, probe)

@@ -19,6 +19,7 @@ from ..solver.costs import Costs
 from ..errors import BudgetError
 from ..measure.refine import SAMPLES
 from ..solver.schedule import B, Fall, Fck, Fn, Loss, simulate
+from ..chain import NO_LIMIT
 from ..solver.solve import best_periodic, minimum_budget, solve, store_all, time_bound
 from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
 from ..units import format_bytes
@@ -77,7 +78,7 @@ def _planning_costs(base, spec, device, path):
     for i in range(2):
         run_step(probe, spec, ("plain", None), spec[1](i, device), Clock(None, device))
     for i in range(1 + SAMPLES):   # the calls after the first refine the times (remat/measure/refine.py)
-        run_step(probe, spec, ("remat", (2**50, "store_all", path)), spec[1](i, device), Clock(None, device))
+        run_step(probe, spec, ("remat", (NO_LIMIT, "store_all", path)), spec[1](i, device), Clock(None, device))
     return Costs.load(path)
 
 

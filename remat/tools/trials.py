@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint_sequential
 
-from ..chain import chain
+from ..chain import NO_LIMIT, chain
 from ..solver.costs import Costs
 from ..measure.meter import Instrument
 from ..chain import explain
@@ -332,7 +332,7 @@ def job(base, spec, step, device, budget=None, steps=0):
     schedule remat solves on them and runs from then on, the chain's seconds in
     ``steps`` more steps of it), all on the batch of ``step``."""
     model = copy.deepcopy(base)
-    method = ("remat", (2**50, "store_all") if budget is None else (budget, "optimal"))
+    method = ("remat", (NO_LIMIT, "store_all") if budget is None else (budget, "optimal"))
     batch = spec[1](step, device)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "costs.json")

@@ -261,3 +261,15 @@ def test_slice_and_deepcopy_keep_the_budget():
         assert isinstance(other, remat.Sequential)
         assert (other.budget, other.algorithm) == ("2MiB", "sqrt")
     copy.deepcopy(seq)(torch.randn(3, 2)).sum().backward()
+
+
+def test_measure_says_nothing_of_its_own_probe_budget():
+    """``Sequential.measure`` runs a probe with no limit (remat.chain.NO_LIMIT): the
+    warning for a budget beyond the device is for budgets users give, not that one."""
+    import warnings
+
+    seq = remat.Sequential(nn.Linear(8, 8), nn.Tanh(), budget="1MiB")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        seq.measure(torch.randn(4, 8))
+    assert not [w for w in seen if "has in all" in str(w.message)]
