@@ -293,6 +293,7 @@ class chain:
     """
 
     last = LatestExplanation()   # (read on the class: remat.chain.last)
+    NO_LIMIT = NO_LIMIT          # (remat.chain.NO_LIMIT: a budget meaning "no limit")
 
     def bytes_on(self, device):
         """This chain's budget in bytes on ``device`` ("auto": its free memory less ``AUTO_MARGIN``)."""

@@ -273,3 +273,4 @@ def test_measure_says_nothing_of_its_own_probe_budget():
         warnings.simplefilter("always")
         seq.measure(torch.randn(4, 8))
     assert not [w for w in seen if "has in all" in str(w.message)]
+    assert remat.chain.NO_LIMIT == 2**60
