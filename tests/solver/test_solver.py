@@ -11,53 +11,18 @@ import pytest
 from hypothesis import given, strategies as st
 
 from exhaustive import best_schedule
+from random_costs import random_costs, unheld
 import reference_solver
 from remat.solver import binding as _c_solver
 from remat.solver._solver import ffi, lib
 from remat.solver.costs import Costs
 from remat.errors import BudgetError, CostsError, SolverError
-from remat.solver.schedule import B, Fall, Loss, simulate
+from remat.solver.schedule import simulate
 from remat.solver.solve import discretise, minimum_budget, periodic, slot_size, solve, store_all, time_bound
 from remat.units import format_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
 STATUSES = set(range(lib.REMAT_OK, lib.REMAT_E_INTERNAL))   # INTERNAL is a bug
-
-
-def random_costs(rng, n, size=20, zero_times=False, tail=None):
-    """A chain of n stages with small random times and sizes; in half of them the
-    forward phase drops some stage outputs (Costs.fwd_drop). In two of five (with
-    ``tail`` None) the last stage is a tail (Costs.tail) of 0 to 10 times a
-    stage's bytes, some of it kept through the backward."""
-    t = (lambda: rng.choice([0.0, rng.uniform(0, 3)])) if zero_times else (lambda: rng.uniform(0.1, 3))
-    if (rng.random() < 0.4 if tail is None else tail) and n >= 2:
-        base = random_costs(rng, n - 1, size, zero_times, tail=False)
-        out, big = rng.randint(0, size // 4), size * rng.choice([0, 1, 3, 10])
-        saved = out + rng.randint(0, big)
-        return base.with_tail(t(), t(), out, saved, rng.randint(0, big), rng.randint(-out, big // 2 + 1),
-                              kept=rng.randint(0, saved) if rng.random() < 0.5 else 0)
-    out = [rng.randint(0, size) for _ in range(n)]
-    costs = Costs(
-        fwd_time=[t() for _ in range(n)], fwd_nograd_time=[t() for _ in range(n)],
-        bwd_time=[t() for _ in range(n)], out_bytes=out,
-        saved_bytes=[o + rng.randint(0, size) for o in out],
-        fwd_tmp=[rng.randint(0, size // 2) for _ in range(n)],
-        # a third of the stages give their output back in the backward (bwd_tmp < 0)
-        bwd_tmp=[rng.randint(0, size // 2) - (rng.randint(0, o) if rng.random() < 1 / 3 else 0) for o in out],
-        input_bytes=rng.randint(0, size),
-    )
-    if rng.random() < 0.5:
-        return costs
-    drop = [o if i < n - 1 and rng.random() < 0.6 else 0 for i, o in enumerate(out)]
-    whole = [d if rng.random() < 0.6 else 0 for d in drop]
-    return Costs(**{**costs.to_dict(), "fwd_drop": drop, "fwd_drop_whole": whole})
-
-
-def unheld(costs, budget):
-    """``costs`` with nothing held through the step (``held_bytes`` 0) and ``budget``
-    less what was: the C solver's problem (``solve`` takes held_bytes off the
-    budget before calling it)."""
-    return Costs(**{**costs.to_dict(), "held_bytes": 0, "tail_kept": 0}), budget - costs.held_bytes
 
 
 def reference_optimal(costs, budget_units, units):
@@ -388,79 +353,3 @@ def _raw(costs, budget, slots, mode, limit=2**31, capacity=None):
     status = lib.remat_solve(chain, budget, slots, mode, limit, plan)
     del keep, codes, stages   # plan.codes/stages dangle from here on: read only scalars
     return status, plan
-
-
-# The chain's tail (Costs.tail: the head and loss after the last stage, rotor's loss stage) ----------
-
-def _tail_ops(ops, n):
-    """The ops on stage n, the tail, with the op after each (None at the end)."""
-    return [(str(op), str(ops[j + 1]) if j + 1 < len(ops) else None) for j, op in enumerate(ops) if op.stage == n]
-
-
-@given(seed=st.integers(0, 2**32), n=st.integers(2, 14))
-def test_tail_runs_once_and_per_block_checkpointing_is_a_plan(seed, n):
-    """With a tail, every schedule the solvers return runs it once (Fall before Loss,
-    B right after); per-block checkpointing (min_memory: every stage of the chain
-    checkpointed, the tail recorded) fits its own peak, and the optimum there is no
-    slower than it, in exact bytes and with slots."""
-    rng = random.Random(seed)
-    costs = random_costs(rng, n, size=rng.choice([40, 10**6]), tail=True)
-    per_block = solve(costs, 2**50, "min_memory")
-    assert [type(op).__name__ for op in per_block.ops[:n]] == ["Fck"] * (n - 1) + ["Fall"]
-    for algorithm in ("optimal", "store_all", "sqrt", f"periodic({rng.randint(1, n)})"):
-        s = solve(costs, 2**50 if algorithm != "optimal" else per_block.peak, algorithm)
-        assert _tail_ops(s.ops, n) == [(f"Fall{n}", "Loss"), (f"B{n}", _tail_ops(s.ops, n)[1][1])]
-        assert s.ops[s.ops.index(Loss) + 1] == B(n)
-    best = solve(costs, per_block.peak, slots=20)
-    assert best.peak <= per_block.peak and best.time <= per_block.time * (1 + 1e-12)
-
-
-def test_a_large_tail_checkpoints_the_last_stage():
-    """A head much larger than a stage's activations: at per-block checkpointing's
-    peak nothing else fits, and the optimum keeps only the last stage's input, as
-    that schedule does, where without the tail in the problem the last stage would
-    be recorded whole at the turn."""
-    bare = Costs.uniform(6, time=1.0, size=10, saved=40)
-    costs = bare.with_tail(1.0, 2.0, 4, 400, 200, 0)
-    per_block = solve(costs, 2**50, "min_memory")
-    best = solve(costs, per_block.peak)
-    assert type(best.ops[5]) is not Fall   # stage 6, the chain's last, is not recorded in the forward phase
-    assert best.time <= per_block.time
-    # without the tail in the problem, the chain's last stage is recorded at the turn, even at its minimum
-    assert type(solve(bare, minimum_budget(bare)).ops[5]) is Fall
-
-
-def test_simulate_refuses_to_run_the_tail_again():
-    """The tail runs once, as the caller runs it: a schedule that checkpoints it, or
-    records it after Loss, is invalid."""
-    from remat.errors import InvalidScheduleError
-    from remat.solver.schedule import Fck, Fn
-
-    costs = Costs.uniform(2, size=10).with_tail(1.0, 1.0, 4, 40, 0, 0)
-    assert simulate(costs, [Fall(1), Fall(2), Fall(3), Loss, B(3), B(2), B(1)]).peak > 0
-    for ops in ([Fall(1), Fck(2), Fn(3), Loss, Fall(3), B(3), Fall(2), B(2), B(1)],
-                [Fall(1), Fall(2), Fck(3), Loss, Fall(3), B(3), B(2), B(1)]):
-        with pytest.raises(InvalidScheduleError, match="tail"):
-            simulate(costs, ops)
-
-
-def test_costs_with_and_without_a_tail():
-    """``with_tail`` appends the tail and adds what the caller keeps to held_bytes;
-    ``without_tail`` and ``tail_costs`` take it apart again; a tail needs a stage
-    before it, and ``tail_kept`` is part of held_bytes."""
-    bare = Costs.uniform(3, size=10)
-    costs = bare.with_tail(1.0, 2.0, 4, 40, 20, -4, kept=8)
-    assert (costs.length, costs.stages, costs.held_bytes, costs.tail_kept) == (4, 3, 8, 8)
-    assert costs.without_tail() == bare and bare.without_tail() is bare
-    assert costs.tail_costs() == {"fwd_time": 1.0, "bwd_time": 2.0, "out_bytes": 4, "saved_bytes": 40,
-                                  "fwd_tmp": 20, "bwd_tmp": -4, "kept": 8}
-    assert Costs.from_dict(costs.to_dict()) == costs
-    assert "tail" in costs.table()
-    with pytest.raises(CostsError, match="tail"):
-        costs.with_tail(1.0, 1.0, 1, 1, 0, 0)
-    with pytest.raises(CostsError, match="no stage before the tail"):
-        Costs(**{**Costs.uniform(1).to_dict(), "tail": True})
-    with pytest.raises(CostsError, match="tail_kept"):
-        Costs(**{**costs.to_dict(), "held_bytes": 2})
-    with pytest.raises(CostsError, match="tail_kept"):
-        Costs(**{**bare.to_dict(), "held_bytes": 8, "tail_kept": 8})
