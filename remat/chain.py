@@ -148,8 +148,17 @@ class Explanation:
         self.names = names
         self.measured = costs if measured is None else measured
         self.tail = record.tail if record is not None else None
-        self.times = record.times_said() if record is not None else None
-        self.held = record.held_parts() if record is not None else {}
+        self._record = record   # (``times`` and ``held`` are asked of it when read: not on every call)
+
+    @property
+    def times(self):
+        """Where the stages' times come from, in words, or None."""
+        return self._record.times_said() if self._record is not None else None
+
+    @property
+    def held(self):
+        """What ``held_bytes`` counts, {words: bytes}."""
+        return self._record.held_parts() if self._record is not None else {}
 
     @property
     def predicted_peak(self):
