@@ -34,7 +34,7 @@ import torch
 
 from .dynamo import DYNAMO_SKIPS
 from .errors import BudgetError, StageError
-from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache
+from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_peaks
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 from .units import format_bytes, parse_bytes
 
@@ -149,6 +149,7 @@ class Explanation:
         self.measured = costs if measured is None else measured
         self.tail = record.tail if record is not None else None
         self._record = record   # (``times`` and ``held`` are asked of it when read: not on every call)
+        self.measured_peak = None   # set by a ``remat.measure_peak`` block around the step
 
     @property
     def times(self):
@@ -193,7 +194,10 @@ class Explanation:
             head += f"\n{self.tail}"
         if self.schedule is None:
             return head + "\n" + self.table()
-        return f"{head}\n{self.schedule.summary()}\n{self.table()}\nschedule:\n{self.schedule}"
+        summary = self.schedule.summary()
+        if self.measured_peak is not None:
+            summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
+        return f"{head}\n{summary}\n{self.table()}\nschedule:\n{self.schedule}"
 
 
 def explain():
@@ -210,6 +214,8 @@ def explain():
 def publish(explanation):
     """Make ``explanation`` the latest chain call's."""
     _last[0] = explanation
+    if measuring_peaks:
+        measuring_peaks[-1].published(explanation)
 
 
 class LatestExplanation:
