@@ -50,5 +50,6 @@ def test_a_later_call_enters_at_most_8_modules():
         step()
     order, _ = call_path.trace(step)
     assert remat.explain().schedule.recomputations() > 0
-    assert len(order) <= 8, order
+    names = [os.path.relpath(p, ROOT) for p in order]
+    assert len(names) <= 8, " ".join(names)
     remat.clear_cache()
