@@ -19,7 +19,13 @@ parameters' dtypes and requires_grad; the module of a stage the plan records
 whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
 the chain takes another path, the rest of it is measured again and the
 record replaced (a path changing from call to call is measured on every
-call: warned of, remat/runtime/runner.py ``_path_changed``). At most ``CACHE_SIZE``
+call: warned of, remat/runtime/runner.py ``_path_changed``). A call that
+stops short of the recorded stages (a depth that alternates, an early exit)
+runs the plan's prefix and keeps the record, whose stages it is a path of:
+alternating depths are measured once, on the longer path (before, every
+return to the longer path measured it again); only a second such call in a
+row drops the record, for the shorter path to be measured and have a plan of
+its own. At most ``CACHE_SIZE``
 keys are kept (least recently used first out).
 """
 
