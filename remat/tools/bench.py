@@ -20,11 +20,17 @@ from ..errors import BudgetError
 from ..measure.refine import SAMPLES
 from ..solver.schedule import B, Fall, Fck, Fn, Loss, simulate
 from ..chain import NO_LIMIT
-from ..solver.solve import best_periodic, minimum_budget, solve, store_all, time_bound
+from ..solver.solve import best_periodic, min_memory, minimum_budget, solve, store_all, time_bound
 from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
 from ..units import format_bytes
 
-__all__ = ["MODELS", "run_bench", "write_bench", "device_name", "summarise", "checkpoint_sequential_ops"]
+__all__ = ["MODELS", "run_bench", "write_bench", "device_name", "summarise", "checkpoint_sequential_ops",
+           "BASELINES"]
+
+# the baselines beside checkpoint_sequential's segment counts (remat/tools/trials.py):
+# per-block checkpointing (Hugging Face's gradient_checkpointing) and per-block
+# selective checkpointing keeping the expensive ops' outputs (torch SAC)
+BASELINES = (("per_block", None), ("sac", None))
 
 
 def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, out=print):
@@ -45,7 +51,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     # metered one: peaks do not drift), then every method in one run, taking the
     # steps in turn: remat on the grid and at each of those peaks (the comparison
     # of the targets), against the same plain steps
-    cs = [("checkpoint_sequential", s) for s in range(1, n + 1)]
+    cs = [("checkpoint_sequential", s) for s in range(1, n + 1)] + list(BASELINES)
     with tqdm(total=2, desc=f"bench {model} (peaks)", disable=not progress, leave=False) as bar:
         peaks = [r["peak_bytes"] for r in measure_all(base, spec, cs, 0, device, bar)[0]]
     methods, tags = _methods(costs, path, grid, low, cs, peaks)
@@ -97,9 +103,9 @@ def _methods(costs, path, grid, low, cs, peaks):
             methods.append(("remat", (b, f"periodic({periodic[0]})", path)))
             tags.append("grid")
     at = {}
-    for (_, segments), peak in zip(cs, peaks):
+    for (kind, segments), peak in zip(cs, peaks):
         if peak >= low and peak not in grid:
-            at.setdefault(peak, []).append(segments)
+            at.setdefault(peak, []).append(segments if kind == "checkpoint_sequential" else kind)
     for b, segments in sorted(at.items()):
         methods.append(("remat", (b, "optimal", path)))
         tags.append(segments)
@@ -116,6 +122,8 @@ def _label_runs(methods, tags, results, schedules, run_costs):
             r["predicted_seconds_run_costs"] = simulate(costs, s).time
     for method, tag, r in zip(methods, tags, results):
         r["method"] = method[0] if method[0] != "checkpoint_sequential" else f"checkpoint_sequential({method[1]})"
+        if method in BASELINES:
+            r["baseline"] = method[0]
         if method[0] == "checkpoint_sequential":
             r["segments"] = method[1]
         if tag not in (None, "grid"):
@@ -159,9 +167,14 @@ def summarise(result):
     plain = next(r for r in runs if r["method"] == "plain")
     optimal = [r for r in runs if r.get("algorithm") == "optimal"]
     cs = [r for r in runs if r["method"].startswith("checkpoint_sequential")]
+    others = [r for r in runs if r.get("baseline")]
     costs = Costs.from_dict(result["run_costs"])
     plain_predicted = simulate(costs, store_all(costs.length)).time
-    points = [_point(c, optimal, costs, plain_predicted) for c in cs]
+    points = [_point(c, optimal, costs, plain_predicted) for c in cs + others]
+    kinds = {}
+    for p in points:
+        if p.get("reduction") is not None:
+            kinds.setdefault(p["baseline"], []).append(p["reduction"])
     reductions = [p["reduction"] for p in points if p.get("reduction") is not None]
     predicted = [p["reduction_predicted"] for p in points if p.get("reduction_predicted") is not None]
     bound = [p["reduction_bound"] for p in points if p.get("reduction_bound") is not None]
@@ -170,6 +183,8 @@ def summarise(result):
         "points": points,
         "dominates": all(p.get("remat_not_slower", False) for p in points),
         "mean_overhead_reduction": statistics.mean(reductions) if reductions else None,
+        # by baseline: checkpoint_sequential's points, per-block checkpointing, per-block SAC
+        "mean_overhead_reduction_by_baseline": {k: statistics.mean(v) for k, v in kinds.items()},
         "mean_overhead_reduction_predicted": statistics.mean(predicted) if predicted else None,
         # the most any schedule could reduce it by, on the run's costs (Note [A bound on
         # any schedule] in remat/solver/solve.py)
@@ -192,14 +207,23 @@ def _point(c, optimal, costs, plain_predicted):
     """The targets at one checkpoint_sequential run ``c``: against the fastest of the
     ``optimal`` remat runs within its peak, measured and predicted on ``costs``."""
     fits = [r for r in optimal if r["peak_bytes"] <= c["peak_bytes"]]
+    kind = c.get("baseline", "checkpoint_sequential")
     if not fits:
-        return {"segments": c["segments"], "remat": None}
+        return {"segments": c.get("segments"), "baseline": kind, "remat": None}
     best = min(fits, key=overhead)
     oc, orr = overhead(c), overhead(best)
-    point = {"segments": c["segments"], "cs_overhead": oc, "remat_overhead": orr,
+    point = {"segments": c.get("segments"), "baseline": kind, "cs_overhead": oc, "remat_overhead": orr,
              "remat_budget": best["budget"], "remat_not_slower": orr <= oc,
              "reduction": (1 - orr / oc) if oc > 0.02 else None}
-    sim = simulate(costs, checkpoint_sequential_ops(costs.length, c["segments"]))
+    if kind == "sac":   # (no schedule of whole stages: the model predicts it only with options)
+        return point
+    if kind == "per_block":   # (as a plan with a tail of nothing: the bench's costs have none)
+        costs = costs.with_tail(0.0, 0.0, 0, 0, 0, 0)
+        plain_predicted = simulate(costs, store_all(costs.length)).time
+        ops = min_memory(costs.length)   # (with a tail: every stage of the chain checkpointed)
+    else:
+        ops = checkpoint_sequential_ops(costs.length, c["segments"])
+    sim = simulate(costs, ops)
     try:
         optimal_there = simulate(costs, solve(costs, c["peak_bytes"], "optimal")).time
     except BudgetError:
@@ -237,7 +261,10 @@ def table(result):
                   f"every remat peak under its budget: "
                   f"{s['all_under_budget']}; worst |measured/predicted - 1| of chain time: {s['max_time_error']:.1%} "
                   f"(on costs measured during the run: {s['max_time_error_run_costs']:.1%}); "
-                  f"losses equal to plain: {s['losses_equal']}; gradients equal: {s.get('grads_equal')}"
+                  f"losses equal to plain: {s['losses_equal']}; gradients equal: {s.get('grads_equal')}; "
+                  f"mean overhead reduction by baseline: "
+                  + (", ".join(f"{k} {v:.0%}" for k, v in s.get("mean_overhead_reduction_by_baseline", {}).items())
+                     or "n/a")
                   + ("" if s.get("grads_equal", True) else
                      f" (largest relative difference: remat {s.get('grad_max_rel_diff', 0):.1e}, plain PyTorch's "
                      f"own computations {s.get('grad_max_rel_diff_plain', 0):.1e}: nondeterministic kernels)")]
@@ -264,6 +291,8 @@ def plot(result, path):
 
     series([r for r in runs if r["method"].startswith("checkpoint_sequential")], "checkpoint_sequential",
            "o--", "#3182bd")
+    for kind, label, style in (("per_block", "per-block checkpointing", "D"), ("sac", "per-block SAC (matmuls kept)", "v")):
+        series([r for r in runs if r.get("baseline") == kind], label, style, "#e6550d")
     series([r for r in runs if r.get("algorithm") == "optimal"], "remat optimal", "s-", "#31a354")
     series([r for r in runs if str(r.get("algorithm", "")).startswith("periodic")], "remat periodic",
            "^:", "#756bb1")

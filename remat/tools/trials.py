@@ -7,7 +7,9 @@ makes it, ``data(step, device)`` the batch of a step, ``pre(model, input)`` the
 chain's input, ``stages(model)`` its blocks, ``post(model, x, targets)`` the loss.
 A method is ``("plain", None)``, ``("checkpoint_sequential", segments)``,
 ``("per_block", None)`` (``torch.utils.checkpoint.checkpoint`` around every
-block, the last one too) or ``("remat", (budget, algorithm[, costs path]))``.
+block, the last one too), ``("sac", None)`` (the same with torch's selective
+checkpointing keeping the outputs of matmuls, convolutions and attention) or
+``("remat", (budget, algorithm[, costs path]))``.
 
 Memory is the peak of the chain's activations during a training step: the
 storage meter (remat/measure/meter.py) on CPU, the CUDA allocator on GPU, gated so
@@ -198,6 +200,9 @@ def run_step(model, spec, method, batch, clock):
     elif kind == "per_block":   # (every block checkpointed, the last too: HF's gradient_checkpointing)
         for b in blocks:
             x = checkpoint(b, x, use_reentrant=False)
+    elif kind == "sac":   # (per-block selective checkpointing, keeping the expensive ops' outputs)
+        for b in blocks:
+            x = checkpoint(b, x, use_reentrant=False, context_fn=_sac_contexts)
     else:
         with chain(budget=arg[0], algorithm=arg[1], costs=arg[2] if len(arg) > 2 else None):
             for b in blocks:
@@ -209,6 +214,29 @@ def run_step(model, spec, method, batch, clock):
     loss.backward()
     clock.gate(False)
     return loss.item()
+
+
+def _expensive_ops():
+    """The ops whose outputs torch's selective checkpointing keeps in the ``sac``
+    method: matmuls, convolutions and attention kernels (the policy of PyTorch's
+    own SAC examples); the rest is recomputed."""
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+             "_efficient_attention_forward"]
+    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+def _sac_contexts():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = set(_expensive_ops())
+
+    def policy(_ctx, op, *_args, **_kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def relative_difference(grads, reference):

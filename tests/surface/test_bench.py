@@ -42,9 +42,17 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     points = [p for p in result["summary"]["points"] if "cs_overhead_predicted" in p]
     one = next(p for p in points if p["segments"] == 1)
     assert abs(one["cs_overhead_predicted"]) < 1e-9   # one segment: plain PyTorch's schedule
-    peaks = {r["segments"]: r["peak_bytes"] for r in result["runs"] if "segments" in r}
+    peaks = {r.get("segments", r.get("baseline")): r["peak_bytes"] for r in result["runs"]
+             if "segments" in r or "baseline" in r}
+    # per-block checkpointing and per-block SAC run beside them, and remat at their peaks
+    assert {r["baseline"] for r in result["runs"] if "baseline" in r} == {"per_block", "sac"}
+    assert {p["baseline"] for p in result["summary"]["points"]} == {"checkpoint_sequential", "per_block", "sac"}
+    for kind in ("per_block", "sac"):
+        if peaks[kind] >= result["min_budget"]:
+            assert peaks[kind] in {r["budget"] for r in remat_runs}, kind
+    assert any(p["baseline"] == "per_block" for p in points)   # (its schedule predicted, as remat's ops)
     for p in points:   # where the model fits checkpoint_sequential's schedule in its peak,
-        if p["cs_peak_predicted"] <= peaks[p["segments"]]:   # the optimal one is no slower
+        if p["cs_peak_predicted"] <= peaks[p["segments"] if p["segments"] else p["baseline"]]:   # the optimal one is no slower
             assert p["remat_overhead_predicted"] <= p["cs_overhead_predicted"] + 1e-9, p
         # no schedule is faster than the bound (Note [A bound on any schedule])
         assert p["bound_overhead"] <= p["remat_overhead_predicted"] + 1e-9, p
