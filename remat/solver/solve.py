@@ -64,6 +64,7 @@ import re
 import warnings
 
 from .costs import MAX_BYTES, Costs
+from .option import Option
 from ..errors import BudgetError, RematError, SolverError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from ..units import format_bytes
@@ -86,6 +87,8 @@ def discretise(costs, slot):
         tail=costs.tail, tail_kept=up(costs.tail_kept),
         # what is let go rounds down: held less dropped stays at least the bytes
         fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
+        options=[[Option(up(o.saved_bytes), o.fwd_time, o.bwd_time, up(o.fwd_tmp), up(o.bwd_tmp)) for o in stage]
+                 for stage in costs.options],
     )
 
 
