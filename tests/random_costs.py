@@ -1,5 +1,5 @@
 """Random chain costs for the solver tests (tests only): small random times and
-sizes, some forward-phase drops, some tails."""
+sizes, some forward-phase drops, some tails; and random options (random_options)."""
 
 from remat.solver.costs import Costs
 from remat.solver.option import Option

@@ -9,8 +9,8 @@ from dataclasses import MISSING, dataclass, fields
 
 from ..errors import CostsError
 from ..units import format_bytes
-from .checks import MAX_BYTES, MAX_SECONDS, check_size, check_time, entries, least_bytes, where  # noqa: F401
-from .option import Option, check_options
+from .checks import MAX_BYTES, MAX_SECONDS, check_size, check_time, entries, least_bytes, where  # noqa: F401  (MAX_*: as before)
+from .option import check_options
 
 __all__ = ["Costs"]
 

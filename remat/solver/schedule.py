@@ -353,7 +353,7 @@ class _Run:
         mem = self.mem
         if code == 2:
             s, ft, tf = self.s[i - 1], self.ft[i - 1], self.tf[i - 1]
-            option = op.option
+            option = getattr(op, "option", 0)
             if option:   # (rule 9)
                 listed = self.options[i - 1]
                 if isinstance(option, bool) or not isinstance(option, int) or not 0 < option <= len(listed):
