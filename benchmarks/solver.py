@@ -1,4 +1,5 @@
-"""Time the C solver (MIN_TIME) on random heterogeneous chains, fast vs naive.
+"""Time the C solver (MIN_TIME) on random heterogeneous chains, fast vs naive;
+and with three options a stage (remat.Option: other ways to record it).
 
 Each case runs in its own subprocess that loads only the compiled cffi
 module (not torch); its peak RSS (VmHWM, which unlike ru_maxrss starts
@@ -25,6 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 LENGTHS = (20, 50, 100, 200, 500, 1000)
 SLOTS = (500, 1000)
+# (L, slots) solved again with OPTIONS options a stage
+OPTION_CASES = ((200, 500), (200, 1000), (500, 500))
+OPTIONS = 3
 # The naive table is O(L^3 slots) time and L^2 slots doubles: run it only below this.
 NAIVE_MAX_WORK = 1e10
 REPEATS = 3
@@ -35,21 +39,24 @@ def _load():
     """The compiled module alone, without importing remat (and torch)."""
     import importlib.util
 
-    paths = glob.glob(os.path.join(ROOT, "remat", "_solver*.so"))
+    paths = glob.glob(os.path.join(ROOT, "remat", "solver", "_solver*.so"))
     if not paths:
-        sys.exit("benchmarks/solver.py: remat/_solver is not built; run `pip install -e .`")
+        sys.exit("benchmarks/solver.py: remat/solver/_solver is not built; run `pip install -e .`")
     spec = importlib.util.spec_from_file_location("_solver", paths[0])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.ffi, module.lib
 
 
-def make_chain(length, seed=0):
-    """Times and sizes drawn log-uniformly over a 10x range per stage, fixed seed."""
+def make_chain(length, seed=0, options=0):
+    """Times and sizes drawn log-uniformly over a 10x range per stage, fixed seed;
+    with ``options``, that many options a stage (``Costs.options`` as dicts), each
+    keeping a share of what the stage saves beyond its output and rebuilding the
+    rest in a backward longer by a share of its forward."""
     rng = random.Random(1000 * seed + length)
     logu = lambda lo, hi: math.exp(rng.uniform(math.log(lo), math.log(hi)))
     fwd = [logu(1e-3, 1e-2) for _ in range(length)]
-    return {
+    chain = {
         "fwd_time": fwd,
         "fwd_nograd_time": [f * rng.uniform(0.8, 1.0) for f in fwd],
         "bwd_time": [2 * f * rng.uniform(0.8, 1.2) for f in fwd],
@@ -59,6 +66,20 @@ def make_chain(length, seed=0):
         "bwd_tmp": [int(logu(0.2, 2) * MIB) for _ in range(length)],
         "input_bytes": int(logu(1, 10) * MIB),
     }
+    if options:
+        rng = random.Random(7 + length)   # (the chain itself as without options)
+        chain["options"] = [[_option(chain, i, rng.uniform(0.05, 0.8), rng.uniform(0.1, 1.0))
+                             for _ in range(options)] for i in range(length)]
+    return chain
+
+
+def _option(chain, i, keep, rebuild):
+    """Stage i's option keeping ``keep`` of its saved bytes beyond its output; its
+    backward rebuilds the rest in ``rebuild`` of the stage's forward time."""
+    out, saved = chain["out_bytes"][i], max(chain["saved_bytes"][i], chain["out_bytes"][i])
+    return {"saved_bytes": out + int(keep * (saved - out)), "fwd_time": chain["fwd_time"][i],
+            "bwd_time": chain["bwd_time"][i] + rebuild * chain["fwd_time"][i], "fwd_tmp": chain["fwd_tmp"][i],
+            "bwd_tmp": chain["bwd_tmp"][i] + int((1 - keep) * (saved - out))}
 
 
 def _solve(ffi, lib, c, budget, slots, mode):
@@ -70,16 +91,28 @@ def _solve(ffi, lib, c, budget, slots, mode):
     (chain.fwd_time, chain.fwd_nograd_time, chain.bwd_time, chain.out_bytes,
      chain.saved_bytes, chain.fwd_tmp, chain.bwd_tmp) = keep
     chain.input_bytes = c["input_bytes"]
+    if c.get("options"):
+        flat = [o for stage in c["options"] for o in stage]
+        first = [0]
+        for stage in c["options"]:
+            first.append(first[-1] + len(stage))
+        keep.append(ffi.new("long long[]", first))
+        keep += [ffi.new(kind + "[]", [o[name] for o in flat])
+                 for kind, name in (("double", "fwd_time"), ("double", "bwd_time"), ("long long", "saved_bytes"),
+                                    ("long long", "fwd_tmp"), ("long long", "bwd_tmp"))]
+        (chain.option_first, chain.option_fwd_time, chain.option_bwd_time, chain.option_saved_bytes,
+         chain.option_fwd_tmp, chain.option_bwd_tmp) = keep[-6:]
     cap = n * (n + 1) // 2 + 2 * n + 1
     plan = ffi.new("remat_plan *")
-    codes, stages = ffi.new("int[]", cap), ffi.new("int[]", cap)
-    plan.capacity, plan.codes, plan.stages = cap, codes, stages
+    codes, stages, options = ffi.new("int[]", cap), ffi.new("int[]", cap), ffi.new("int[]", cap)
+    plan.capacity, plan.codes, plan.stages, plan.options = cap, codes, stages, options
     status = lib.remat_solve(chain, budget, slots, mode, 2**62, plan)
     return status, plan
 
 
 def budget_of(length):
-    """Halfway (geometric mean) between the chain's minimum and its store-all peak."""
+    """Halfway (geometric mean) between the chain's minimum and its store-all peak
+    (without options: the chain with options is solved at the same budget)."""
     from remat.solver.costs import Costs
     from remat.solver.schedule import simulate
     from remat.solver.solve import minimum_budget, store_all
@@ -89,11 +122,11 @@ def budget_of(length):
     return int(math.sqrt(least * peak)), least, peak
 
 
-def run_case(length, slots, mode_name, budget):
+def run_case(length, slots, mode_name, budget, options=0):
     """In this process: REPEATS solves of one case; prints one JSON line."""
     ffi, lib = _load()
     mode = {"fast": lib.REMAT_MIN_TIME, "naive": lib.REMAT_MIN_TIME_NAIVE}[mode_name]
-    c = make_chain(length)
+    c = make_chain(length, options=options)
     base = _rss("VmRSS")
     times = []
     for _ in range(REPEATS):
@@ -103,7 +136,7 @@ def run_case(length, slots, mode_name, budget):
         assert status == 0, ffi.string(lib.remat_strerror(status))
     rss = _rss("VmHWM")
     print(json.dumps({
-        "length": length, "slots": slots, "solver": mode_name, "seconds": statistics.median(times),
+        "length": length, "slots": slots, "options": options, "solver": mode_name, "seconds": statistics.median(times),
         "all_seconds": times, "peak_rss_bytes": rss, "solver_bytes": rss - base,
         "dp_time": plan.time, "n_ops": plan.n_ops, "budget": budget,
     }))
@@ -118,34 +151,34 @@ def _rss(field):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _spawn(length, slots, mode, budget):
-    out = subprocess.run([sys.executable, __file__, "--case", str(length), str(slots), mode, str(budget)],
+def _spawn(length, slots, mode, budget, options=0):
+    out = subprocess.run([sys.executable, __file__, "--case", str(length), str(slots), mode, str(budget), str(options)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", nargs=4, metavar=("L", "SLOTS", "SOLVER", "BUDGET"))
+    parser.add_argument("--case", nargs=5, metavar=("L", "SLOTS", "SOLVER", "BUDGET", "OPTIONS"))
     parser.add_argument("--quick", action="store_true", help="only L <= 200")
     args = parser.parse_args()
     if args.case:
-        run_case(int(args.case[0]), int(args.case[1]), args.case[2], int(args.case[3]))
+        run_case(int(args.case[0]), int(args.case[1]), args.case[2], int(args.case[3]), int(args.case[4]))
         return
     sys.path.insert(0, ROOT)
     rows = []
-    for length in LENGTHS:
+    cases = [(length, slots, 0) for length in LENGTHS for slots in SLOTS]
+    for length, slots, options in cases + [(length, slots, OPTIONS) for length, slots in OPTION_CASES]:
         if args.quick and length > 200:
             continue
         budget, least, peak = budget_of(length)
-        for slots in SLOTS:
-            fast = _spawn(length, slots, "fast", budget)
-            naive = _spawn(length, slots, "naive", budget) if length**3 / 6 * slots <= NAIVE_MAX_WORK else None
-            if naive is not None and abs(naive["dp_time"] - fast["dp_time"]) > 1e-9 * naive["dp_time"]:
-                print(f"warning: L={length} slots={slots}: fast {fast['dp_time']} != naive {naive['dp_time']}")
-            row = {"fast": fast, "naive": naive, "min_budget": least, "store_all_peak": peak}
-            rows.append(row)
-            print(_line(row), flush=True)
+        fast = _spawn(length, slots, "fast", budget, options)
+        naive = _spawn(length, slots, "naive", budget, options) if length**3 / 6 * slots <= NAIVE_MAX_WORK else None
+        if naive is not None and abs(naive["dp_time"] - fast["dp_time"]) > 1e-9 * naive["dp_time"]:
+            print(f"warning: L={length} slots={slots}: fast {fast['dp_time']} != naive {naive['dp_time']}")
+        row = {"fast": fast, "naive": naive, "min_budget": least, "store_all_peak": peak}
+        rows.append(row)
+        print(_line(row), flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "solver.json"), "w") as fh:
         json.dump({"machine": _machine(), "repeats": REPEATS, "cases": rows}, fh, indent=1)
@@ -157,7 +190,9 @@ def main():
 def _line(row):
     f, n = row["fast"], row["naive"]
     extra = f", naive {n['seconds']:.3f} s ({n['seconds'] / f['seconds']:.1f}x)" if n else ""
-    return f"L={f['length']} slots={f['slots']}: fast {f['seconds']:.3f} s, {f['solver_bytes'] / MIB:.0f} MiB{extra}"
+    options = f" options={f['options']}" if f["options"] else ""
+    return (f"L={f['length']} slots={f['slots']}{options}: fast {f['seconds']:.3f} s, "
+            f"{f['solver_bytes'] / MIB:.0f} MiB{extra}")
 
 
 def _machine():
@@ -173,16 +208,19 @@ def _table(rows):
         f"Median of {REPEATS} runs; budget = geometric mean of the chain's minimum and its store-all "
         f"peak; memory = peak RSS growth of a process that only loads the solver "
         f"(Python baseline excluded; VmHWM). Naive = the plain O(L^3 slots) double table, run only where "
-        f"L^3/6 * slots <= {NAIVE_MAX_WORK:.0e}. Machine: {os.cpu_count()} CPUs.",
+        f"L^3/6 * slots <= {NAIVE_MAX_WORK:.0e}. Options: that many a stage (remat.Option), each keeping "
+        f"5-80% of what the stage saves beyond its output, at the budget of the chain without them. "
+        f"Machine: {os.cpu_count()} CPUs.",
         "",
-        "| L | slots | fast (s) | fast memory (MiB) | naive (s) | naive memory (MiB) | speed-up |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| L | slots | options | fast (s) | fast memory (MiB) | naive (s) | naive memory (MiB) | speed-up |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         f, n = row["fast"], row["naive"]
         naive = (f"{n['seconds']:.3f} | {n['solver_bytes'] / MIB:.0f} | {n['seconds'] / f['seconds']:.1f}x"
                  if n else "- | - | -")
-        out.append(f"| {f['length']} | {f['slots']} | {f['seconds']:.3f} | {f['solver_bytes'] / MIB:.0f} | {naive} |")
+        out.append(f"| {f['length']} | {f['slots']} | {f.get('options', 0)} | {f['seconds']:.3f} | "
+                   f"{f['solver_bytes'] / MIB:.0f} | {naive} |")
     return "\n".join(out) + "\n"
 
 

@@ -9,6 +9,7 @@ _require_torch(_torch.__version__)
 
 from .chain import chain, clear_cache, explain
 from .solver.costs import Costs
+from .solver.option import Option
 from .errors import (BudgetError, CostsError, InvalidScheduleError, RecomputeMismatchError, RematError,
                      SolverError, StageError)
 from .solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "stage", "chain", "Sequential", "wrap", "unwrap",
-    "explain", "measure_peak", "clear_cache", "solve", "simulate", "Costs", "Schedule",
+    "explain", "measure_peak", "clear_cache", "solve", "simulate", "Costs", "Option", "Schedule",
     "Fn", "Fck", "Fall", "B", "Loss",
     "RematError", "BudgetError", "CostsError", "InvalidScheduleError", "SolverError", "StageError",
     "RecomputeMismatchError",

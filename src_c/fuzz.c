@@ -5,7 +5,9 @@
  * Built by .ci/fuzz.sh with AddressSanitizer and UBSan, which turn any out of
  * bounds access, leak or undefined behaviour into a non-zero exit. This file
  * checks the rest: every call returns a defined status, and a schedule that
- * comes back is well formed (codes, stages, one Loss, every B once, in order).
+ * comes back is well formed (codes, stages, one Loss, every B once, in order,
+ * and an option each Fall's stage has, 0 on every other op). Half the chains
+ * list options (remat_chain.option_first), a few of them malformed.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <limits.h>
@@ -17,6 +19,7 @@
 #include "solver.h"
 
 static unsigned long long state;
+static unsigned long long option_falls;   /* Falls with an option in the schedules returned */
 
 static unsigned long long next(void)
 {
@@ -62,16 +65,19 @@ static void fail(unsigned long long iter, const char *why)
     exit(1);
 }
 
-/* The schedule is well formed: a forward phase 1..n, Loss, then B(n)..B(1). */
-static void check_plan(unsigned long long iter, const remat_plan *p, long long n)
+/* The schedule is well formed: a forward phase 1..n, Loss, then B(n)..B(1);
+ * options (first: the chain's option_first, or NULL) only on Falls, in range. */
+static void check_plan(unsigned long long iter, const remat_plan *p, long long n, const long long *first)
 {
     long long i, losses = 0, next_b = n, next_f = 1;
     if (p->n_ops < 2 * n + 1 || p->n_ops > p->capacity)
         fail(iter, "n_ops out of range");
     for (i = 0; i < p->n_ops; i++) {
-        int c = p->codes[i], s = p->stages[i];
+        int c = p->codes[i], s = p->stages[i], o = p->options ? p->options[i] : 0;
         if (c < 0 || c > 4)
             fail(iter, "op code out of range");
+        if (o != 0 && (c != REMAT_OP_FALL || !first))
+            fail(iter, "an option on an op other than a Fall, or without options");
         if (c == REMAT_OP_LOSS) {
             if (losses++ || next_f != n + 1)
                 fail(iter, "Loss misplaced");
@@ -79,6 +85,9 @@ static void check_plan(unsigned long long iter, const remat_plan *p, long long n
         }
         if (s < 1 || s > n)
             fail(iter, "stage out of range");
+        if (o < 0 || (o > 0 && o > first[s] - first[s - 1]))
+            fail(iter, "option out of range");
+        option_falls += o > 0;
         if (c == REMAT_OP_B) {
             if (!losses || s != next_b--)
                 fail(iter, "backward out of order");
@@ -104,8 +113,9 @@ int main(int argc, char **argv)
         long long n, alloc, k, scale, budget, slots, cap, limit;
         int mode, status, nulls;
         double *tf, *tn, *tb;
-        long long *x, *s, *ft, *bt, *dr, *drw;
-        int *codes, *stages;
+        long long *x, *s, *ft, *bt, *dr, *drw, *first, *os, *oft, *obt, n_opts;
+        double *otf, *otb;
+        int *codes, *stages, *options;
         remat_chain chain;
         remat_plan plan;
         if (seconds > 0 && difftime(time(NULL), start) >= seconds)
@@ -127,7 +137,8 @@ int main(int argc, char **argv)
         bt = malloc(alloc * sizeof *bt);
         dr = malloc(alloc * sizeof *dr);
         drw = malloc(alloc * sizeof *drw);
-        if (!tf || !tn || !tb || !x || !s || !ft || !bt || !dr || !drw)
+        first = malloc((alloc + 1) * sizeof *first);
+        if (!tf || !tn || !tb || !x || !s || !ft || !bt || !dr || !drw || !first)
             fail(iter, "the driver's own malloc failed");
         nulls = below(8) == 0;
         for (k = 0; k < alloc; k++) {
@@ -158,6 +169,34 @@ int main(int argc, char **argv)
         chain.input_bytes = below(20) ? below(scale + 1) : hostile_size(scale);
         chain.fwd_drop = below(3) ? NULL : dr;
         chain.fwd_drop_whole = below(3) ? NULL : drw;
+        /* options: 0..3 a stage (a few counts hostile), each keeping less than the
+         * stage's record and rebuilding it in a longer backward, or hostile */
+        first[0] = below(60) ? 0 : 1 + below(3);
+        for (k = 0; k < alloc; k++)
+            first[k + 1] = first[k] + (below(100 * alloc) ? below(4) : (below(2) ? -1 - below(3) : 65 + below(3)));
+        n_opts = first[alloc] >= 0 && first[alloc] < 1000000 ? first[alloc] : 0;
+        os = malloc((n_opts > 0 ? n_opts : 1) * sizeof *os);
+        oft = malloc((n_opts > 0 ? n_opts : 1) * sizeof *oft);
+        obt = malloc((n_opts > 0 ? n_opts : 1) * sizeof *obt);
+        otf = malloc((n_opts > 0 ? n_opts : 1) * sizeof *otf);
+        otb = malloc((n_opts > 0 ? n_opts : 1) * sizeof *otb);
+        if (!os || !oft || !obt || !otf || !otb)
+            fail(iter, "the driver's own malloc failed");
+        for (k = 0; k < n_opts; k++) {
+            int hostile = below(100 * (n_opts + 1)) == 0;
+            long long base = below(scale + 1);
+            otf[k] = hostile ? hostile_time() : (double)below(100) / 10.0;
+            otb[k] = hostile ? hostile_time() : (double)below(200) / 10.0;
+            os[k] = hostile ? hostile_size(scale) : base;
+            oft[k] = hostile ? hostile_size(scale) : below(scale / 2 + 1);
+            obt[k] = hostile ? (below(2) ? hostile_size(scale) : -scale - 2) : below(scale + 1);
+        }
+        chain.option_first = below(2) ? first : NULL;
+        chain.option_fwd_time = below(30) ? otf : NULL;
+        chain.option_bwd_time = otb;
+        chain.option_saved_bytes = below(30) ? os : NULL;
+        chain.option_fwd_tmp = oft;
+        chain.option_bwd_tmp = below(30) ? obt : NULL;
         switch (below(8)) {
         case 0: budget = -below(3); break;
         case 1: budget = 1LL << 62; break;
@@ -176,23 +215,26 @@ int main(int argc, char **argv)
         cap = below(6) == 0 ? below(4) : (n > 0 && n < 1000 ? n * (n + 1) / 2 + 2 * n + 1 : 64);
         codes = malloc((cap > 0 ? cap : 1) * sizeof *codes);
         stages = malloc((cap > 0 ? cap : 1) * sizeof *stages);
-        if (!codes || !stages)
+        options = malloc((cap > 0 ? cap : 1) * sizeof *options);
+        if (!codes || !stages || !options)
             fail(iter, "the driver's own malloc failed");
         plan.capacity = cap;
         plan.codes = below(20) ? codes : NULL;
         plan.stages = stages;
+        plan.options = below(30) ? options : NULL;
         status = remat_solve(below(40) ? &chain : NULL, budget, slots, mode, limit, below(40) ? &plan : NULL);
         if (status < REMAT_OK || status > REMAT_E_INTERNAL || !remat_strerror(status))
             fail(iter, "undefined status");
         if (status == REMAT_E_INTERNAL)
             fail(iter, "internal error");
         if (status == REMAT_OK)
-            check_plan(iter, &plan, n);
+            check_plan(iter, &plan, n, chain.option_first);
         counts[status]++;
         free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt); free(dr); free(drw);
-        free(codes); free(stages);
+        free(first); free(os); free(oft); free(obt); free(otf); free(otb);
+        free(codes); free(stages); free(options);
     }
-    printf("fuzz: %llu calls;", iter);
+    printf("fuzz: %llu calls, %llu Falls with an option;", iter, option_falls);
     for (iter = 0; iter <= REMAT_E_INTERNAL; iter++)
         if (counts[iter])
             printf(" status %llu: %llu;", iter, counts[iter]);

@@ -22,6 +22,15 @@ static inline ll smin(ll a, ll b) { return a < b ? a : b; }
 /* Index of the pair (a, t), 1 <= a <= t, in triangular tables. */
 static inline ll pidx(ll a, ll t) { return t * (t - 1) / 2 + (a - 1); }
 
+/* One way to record stage k, a Fall(k) and the B(k) of what it keeps: way 0 the
+ * base record, the others its options (remat/solver/option.py Note [Options]). */
+typedef struct {
+    ll s;       /* a-bar^k as it keeps it (a^k included) */
+    ll fneed;   /* max(s, x[k] + its fwd_tmp): the Fall */
+    ll bneed;   /* s + x[k] + x[k-1] + its bwd_tmp (at k = n at least s + x[k]): the B, before the gradient credit */
+    double tf, tb;
+} way;
+
 /* The chain, 1-based, sizes in units (slots, or bytes for MIN_MEMORY). */
 typedef struct {
     ll n;
@@ -35,6 +44,9 @@ typedef struct {
     ll *fdw;    /* fdw[k]: fd[k] if that also holds with a^k inside a-bar^k, else 0 */
     int drops;  /* some fd[k] > 0: column n has drop rows (mintime.c Note [Drops]) */
     double *tf, *tn, *tb;
+    ll *first;  /* first[k] .. first[k+1] - 1: stage k's ways in `ways`, the base record first */
+    way *ways;
+    ll *lb;     /* min(fa[k], each way's fneed): below it no forward of stage k fits */
     void *mem;
 } problem;
 
@@ -43,18 +55,22 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot);
 /* The gradient of a^t held by the caller of P(a, t): none at the top. */
 static inline ll grad(const problem *p, ll t) { return t < p->n ? p->x[t] : 0; }
 
-/* Least headroom for the Fall branch's own conditions at (a, t). */
-static inline ll fall_need(const problem *p, ll a, ll t)
+/* Least headroom for the conditions of the Fall branch with way w at (a, t). */
+static inline ll fall_need(const problem *p, const way *w, ll t)
 {
-    return smax(p->fneed[a], p->bneed[a] - grad(p, t));
+    return smax(w->fneed, w->bneed - grad(p, t));
 }
 
-/* Picks the branch at (a, t, m): 0 for Fall, 1 for a split at *j, -1 if none fits.
- * `drop`: a Fall(a) lets go of fd[a-1] of a^(a-1) (t = n only; mintime.c Note [Drops]). */
+/* Picks the branch at (a, t, m): 0 for Fall with the way of index *j in p->ways,
+ * 1 for a split at *j, -1 if none fits. `drop`: a Fall(a) of the base record
+ * lets go of fd[a-1] of a^(a-1) (t = n only; mintime.c Note [Drops]). */
 typedef int (*remat_chooser)(const void *ctx, ll a, ll t, ll m, int drop, ll *j);
 
-/* Whether P(a+1, n) after Fall(a), and P(j, n) after Fn/Fck(j-1), drop their input. */
-static inline int drop_after_fall(const problem *p, ll a, ll t) { return t == p->n && p->fdw[a] > 0; }
+/* What the Fall branch with way q of stage a lets go of a^(a-1) where `drop` (an
+ * option lets go of nothing: remat/solver/option.py Note [Options] 3). */
+static inline ll fall_drop(const problem *p, ll a, ll q, int drop) { return drop && q == p->first[a] ? p->fd[a - 1] : 0; }
+/* Whether P(a+1, n) after Fall(a) with way q, and P(j, n) after Fn/Fck(j-1), drop their input. */
+static inline int drop_after_fall(const problem *p, ll a, ll t, ll q) { return t == p->n && p->fdw[a] > 0 && q == p->first[a]; }
 static inline int drop_after_split(const problem *p, ll j, ll t) { return t == p->n && p->fd[j - 1] > 0; }
 
 /* Writes the schedule of P(1, n, m0) into out (headrooms capped at mcap). */

@@ -19,17 +19,34 @@ static ll lo_of(const lotable *L, ll a, ll t, int drop)
     return drop ? L->lod[a] : L->lo[pidx(a, t)];
 }
 
-static ll fall_lo(const lotable *L, ll a, ll t, int drop)
+/* The least headroom of the Fall branch with way q of stage a. */
+static ll way_lo(const lotable *L, ll a, ll t, int drop, ll q)
 {
     const problem *p = L->p;
-    ll r = drop ? p->fd[a - 1] : 0, need = smax(p->fneed[a], p->bneed[a] - grad(p, t) - r);
+    const way *w = &p->ways[q];
+    ll r = fall_drop(p, a, q, drop), need = smax(w->fneed, w->bneed - grad(p, t) - r);
     if (a < t) {
-        ll after = lo_of(L, a + 1, t, drop_after_fall(p, a, t));
+        ll after = lo_of(L, a + 1, t, drop_after_fall(p, a, t, q));
         if (after != LLONG_MAX)
-            after = smax(0, sadd(after, p->s[a]) - r);
+            after = smax(0, sadd(after, w->s) - r);
         need = smax(need, after);
     }
     return smax(need, 0);
+}
+
+/* The least headroom of the Fall branch, over stage a's ways; the way in *qout. */
+static ll fall_lo(const lotable *L, ll a, ll t, int drop, ll *qout)
+{
+    const problem *p = L->p;
+    ll q, best = LLONG_MAX;
+    for (q = p->first[a]; q < p->first[a + 1]; q++) {
+        ll lo = way_lo(L, a, t, drop, q);
+        if (lo < best) {
+            best = lo;
+            *qout = q;
+        }
+    }
+    return best;
 }
 
 static ll split_lo(const lotable *L, ll a, ll t, ll j)
@@ -46,8 +63,8 @@ static int choose_memory(const void *ctx, ll a, ll t, ll m, int drop, ll *jout)
     ll j, need;
     if (m < 0)
         return -1;
-    if (fall_lo(L, a, t, drop) <= m)
-        return 0;
+    if (fall_lo(L, a, t, drop, jout) <= m)
+        return 0;   /* (*jout: the way) */
     need = p->fa[a];
     for (j = a + 1; j <= t; j++) {
         if (j - 1 > a)
@@ -85,7 +102,7 @@ int remat_solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
     }
     for (d = 0; d < n; d++) {
         for (a = 1; a + d <= n; a++) {
-            ll t = a + d, split = LLONG_MAX, need = p.fa[a], j;
+            ll t = a + d, split = LLONG_MAX, need = p.fa[a], j, q;
             /* the split branch is the same with or without the drop: Fck(a) keeps a^(a-1) */
             for (j = a + 1; j <= t; j++) {
                 if (j - 1 > a)
@@ -94,9 +111,9 @@ int remat_solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
                     break;
                 split = smin(split, smax(need, split_lo(&L, a, t, j)));
             }
-            L.lo[pidx(a, t)] = smin(fall_lo(&L, a, t, 0), split);
+            L.lo[pidx(a, t)] = smin(fall_lo(&L, a, t, 0, &q), split);
             if (t == n)
-                L.lod[a] = (a > 1 && p.fd[a - 1] > 0) ? smin(fall_lo(&L, a, t, 1), split) : LLONG_MAX;
+                L.lod[a] = (a > 1 && p.fd[a - 1] > 0) ? smin(fall_lo(&L, a, t, 1, &q), split) : LLONG_MAX;
         }
     }
     m0 = L.lo[pidx(1, n)];

@@ -8,9 +8,11 @@
  * In the forward phase (column n) a Fall(a) may let go of a^(a-1)
  * (remat/solver/schedule.py Note [Accounting] 6): P(a, n) then depends on how
  * the caller holds a^(a-1), so column n has a second row per a, D(a): P(a, n)
- * where Fall(a) drops fd[a-1], which frees that much headroom from there on
+ * where a Fall(a) of the base record drops fd[a-1], which frees that much headroom from there on
  * (its split branch is P(a, n)'s: Fck(a) keeps a^(a-1)). After Fall(a) the
- * rest reads D(a+1) if fdw[a], after Fck/Fn(j-1) it reads D(j) if fd[j-1].
+ * rest reads D(a+1) if fdw[a], after Fck/Fn(j-1) it reads D(j) if fd[j-1];
+ * a Fall with an option drops nothing, and after one the rest reads P(a+1, n)
+ * (remat/solver/option.py Note [Options] 3).
  * When a chain has drops, remat_fill leaves column n alone and fill_last
  * computes P(a, n) and D(a), a = n..1, every m and split j (the same bound on
  * j as remat_compute_row): O(n^2 M) next to the table's O(n^3 M).
@@ -38,21 +40,27 @@ static double dvalue(const table *T, ll a, ll t, int drop, ll m)
 }
 
 /* The value of branch choices at (a, t, m) for fill_last and remat_emit's chooser:
- * the first of least value, as the DP finds it (0 Fall, 1 a split at *jout, -1 none). */
+ * the first of least value, as the DP finds it (0 Fall with way *jout, 1 a split
+ * at *jout, -1 none). */
 static int branch(const table *T, ll a, ll t, ll m, int drop, double bound, double *value_out, ll *jout)
 {
     const problem *p = T->p;
-    ll g = grad(p, t), j, r = drop ? p->fd[a - 1] : 0;
+    ll g = grad(p, t), j, q;
     const double *f = (t == p->n) ? p->tf : p->tn;
     double best = INF, fsum = 0.0;
     int choice = -1;
-    if (m >= p->fneed[a] && sadd(m, g + r) >= p->bneed[a]) {
-        double v = p->tf[a] + p->tb[a];
+    for (q = p->first[a]; q < p->first[a + 1]; q++) {
+        const way *w = &p->ways[q];
+        ll r = fall_drop(p, a, q, drop);
+        double v = w->tf + w->tb;
+        if (m < w->fneed || sadd(m, g + r) < w->bneed)
+            continue;
         if (a < t)
-            v = (p->tf[a] + dvalue(T, a + 1, t, drop_after_fall(p, a, t), smin(m - p->s[a] + r, T->M))) + p->tb[a];
+            v = (w->tf + dvalue(T, a + 1, t, drop_after_fall(p, a, t, q), smin(m - w->s + r, T->M))) + w->tb;
         if (v < best) {
             best = v;
             choice = 0;
+            *jout = q;
         }
     }
     if (a < t && p->fa[a] <= m) {

@@ -185,38 +185,41 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
 {
     const problem *p = T->p;
     const row *r = &T->rows[pidx(a, t)];
-    ll lb = r->lb, top = r->top, n = top - lb + 1, g = grad(p, t), j, m, mlow = lb, nb, b;
+    ll lb = r->lb, top = r->top, n = top - lb + 1, g = grad(p, t), j, m, mlow, nb, b, q;
     const double *f = (t == p->n) ? p->tf : p->tn;
     double fsum = 0.0, *bmax = buf + T->buflen;   /* bmax[b]: buf at block b's start, its largest */
     unsigned char *live = (unsigned char *)(bmax + T->buflen / SKIP + 2);
 
     for (m = 0; m < n; m++)
         buf[m] = INF;
-    /* Fall branch: Fall(a), P(a+1, t, m - s[a]), B(a) */
-    {
-        ll ms = smax(lb, fall_need(p, a, t));
+    /* Fall branch, for each way w of stage a: Fall(a), P(a+1, t, m - s_w), B(a) */
+    for (q = p->first[a]; q < p->first[a + 1]; q++) {
+        const way *w = &p->ways[q];
+        ll ms = smax(lb, fall_need(p, w, t));
         if (a == t) {
             if (ms <= top)
-                const_min(buf + (ms - lb), top - ms + 1, p->tf[a] + p->tb[a]);
+                const_min(buf + (ms - lb), top - ms + 1, w->tf + w->tb);
         } else {
             const row *c = &T->rows[pidx(a + 1, t)];
             if (c->lo != LLONG_MAX) {
-                ll e = c->top + p->s[a];   /* the last m read from c's values */
-                ms = smax(ms, sadd(c->lo, p->s[a]));
+                ll e = c->top + w->s;   /* the last m read from c's values */
+                ms = smax(ms, sadd(c->lo, w->s));
                 if (ms <= top && ms <= e) {
                     ll end = smin(top, e);
                     if (T->use_float)
-                        fall_f(buf + (ms - lb), end - ms + 1, p->tf[a], (const float *)at(T, c, ms - p->s[a]), p->tb[a]);
+                        fall_f(buf + (ms - lb), end - ms + 1, w->tf, (const float *)at(T, c, ms - w->s), w->tb);
                     else
-                        fall_d(buf + (ms - lb), end - ms + 1, p->tf[a], (const double *)at(T, c, ms - p->s[a]), p->tb[a]);
+                        fall_d(buf + (ms - lb), end - ms + 1, w->tf, (const double *)at(T, c, ms - w->s), w->tb);
                 }
                 ms = smax(ms, e + 1);
                 if (ms <= top)
-                    const_min(buf + (ms - lb), top - ms + 1, (p->tf[a] + c->least) + p->tb[a]);
+                    const_min(buf + (ms - lb), top - ms + 1, (w->tf + c->least) + w->tb);
             }
         }
     }
-    /* Split branch: Fck(a), Fn(a+1..j-1), P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]) */
+    /* Split branch: Fck(a), Fn(a+1..j-1), P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]),
+     * from x[a] + fwd_tmp[a], which lb may be below (an option's need) */
+    mlow = smax(lb, p->fa[a]);
     nb = (top - lb) / SKIP + 1;
     for (b = 0; b < nb; b++)
         bmax[b] = buf[SKIP * b];

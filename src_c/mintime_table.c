@@ -9,10 +9,13 @@
  * (sizes in slots, remat/solver/solve.py Note [The recurrence]). For one pair it is
  * a non-increasing step function of m: infinite below lo(a, t) and constant
  * from hi(a, t) on, hi being the headroom that recording every stage of a..t
- * needs (nothing beats that: every stage is recorded and backwarded once in
- * any schedule). So a pair stores only m in [lb, top], lb = x[a] + fwd_tmp[a]
- * (both branches need it) and top = min(hi, M); a read above top returns the
- * value at top.
+ * needs, whichever of its ways (remat/solver/option.py Note [Options]) each
+ * stage is recorded with (nothing beats recording each with its fastest way:
+ * every stage is recorded and backwarded once in any schedule; that time,
+ * summed, is the row's `all`, a bound below its every value). So a pair
+ * stores only m in [lb, top], lb the least of x[a] + fwd_tmp[a] (what the
+ * split branch needs) and the needs of a's ways, and top = min(hi, M); a read
+ * above top returns the value at top.
  *
  * Order and layout: sweeps a = n..1, each over t = a..n (Note [Threads]). P(a, t) reads
  * P(a+1, t) and P(j, t), j > a (earlier sweeps), and P(a, j-1), j-1 < t
@@ -74,16 +77,21 @@ ll remat_layout(table *T, int full, ll limit, ll *scratch, ll *summaries, ll *sw
         double all = 0.0;
         for (a = t; a >= 1; a--) {
             row *r = &T->rows[pidx(a, t)];
-            ll h = fall_need(p, a, t);
-            if (a < t) {
-                h = smax(h, sadd(hi, p->s[a]));
-                all = (p->tf[a] + all) + p->tb[a];
-            } else {
-                all = p->tf[a] + p->tb[a];
+            ll h = 0, q, best = p->first[a];
+            /* hi: what recording a..t needs with any of the ways; all: the time of the
+             * fastest ways (Note [Tables]) */
+            for (q = p->first[a]; q < p->first[a + 1]; q++) {
+                const way *w = &p->ways[q];
+                h = smax(h, fall_need(p, w, t));
+                if (a < t)
+                    h = smax(h, sadd(hi, w->s));
+                if (w->tf + w->tb < p->ways[best].tf + p->ways[best].tb)
+                    best = q;
             }
+            all = a < t ? (p->ways[best].tf + all) + p->ways[best].tb : p->ways[best].tf + p->ways[best].tb;
             hi = smin(h, sadd(M, 1));
             r->all = all;
-            r->lb = full ? 0 : p->fa[a];
+            r->lb = full ? 0 : p->lb[a];
             r->top = full ? M : smin(hi, M);
             r->lo = LLONG_MAX;
             r->least = INF;
@@ -140,14 +148,12 @@ static void compute_row_naive(const table *T, ll a, ll t, double *buf)
     const double *f = (t == p->n) ? p->tf : p->tn;
     for (m = 0; m <= M; m++) {
         double best = INF, fsum = 0.0;
-        if (m >= fall_need(p, a, t)) {
-            if (a == t) {
-                best = p->tf[a] + p->tb[a];
-            } else {
-                double c = value(T, a + 1, t, m - p->s[a]);
-                if (c < INF)
-                    best = (p->tf[a] + c) + p->tb[a];
-            }
+        ll q;
+        for (q = p->first[a]; q < p->first[a + 1]; q++) {   /* Fall branch, each way */
+            const way *w = &p->ways[q];
+            double c = a < t ? value(T, a + 1, t, m - w->s) : 0.0;
+            if (m >= fall_need(p, w, t) && c < INF && (w->tf + c) + w->tb < best)
+                best = (w->tf + c) + w->tb;
         }
         if (a < t && p->fa[a] <= m) {
             for (j = a + 1; j <= t; j++) {

@@ -20,11 +20,30 @@
 /* v / slot rounded up (C division truncates: up for v < 0, down for v > 0). */
 static ll units(ll v, ll slot) { return v / slot + (v > 0 && v % slot != 0); }
 
+/* What B(k) needs of a way keeping s with transient bt (bt >= -x[k], check_chain):
+ * s + x[k] + x[k-1] + bt, and at k = n at least s + x[k], the level Loss reaches,
+ * which B(n) starts from (remat/solver/solve.py Note [The recurrence]). */
+static ll bneed(const problem *p, ll k, ll s, ll bt)
+{
+    ll need = sadd(sadd(s, p->x[k]), p->x[k - 1]);
+    need = bt >= 0 ? sadd(need, bt) : need + bt;   /* (need may have saturated) */
+    return k == p->n ? smax(need, sadd(s, p->x[k])) : need;
+}
+
+/* Options of stage k (1-based) in the chain's option arrays: [*lo, *hi). */
+static void option_range(const remat_chain *c, ll k, ll *lo, ll *hi)
+{
+    *lo = c->option_first ? c->option_first[k - 1] : 0;
+    *hi = c->option_first ? c->option_first[k] : 0;
+}
+
 int remat_problem_init(problem *p, const remat_chain *c, ll slot)
 {
-    ll n = c->length, k;
+    ll n = c->length, k, q, lo, hi, options = c->option_first ? c->option_first[n] : 0;
     p->n = n;
-    p->mem = malloc((size_t)(n + 1) * (10 * sizeof(ll) + 3 * sizeof(double)));
+    /* (12 arrays of n + 1 ll, first's n + 2, 3 of doubles, then the ways: all 8-byte aligned) */
+    p->mem = malloc((size_t)(n + 1) * (12 * sizeof(ll) + 3 * sizeof(double)) + sizeof(ll)
+                    + (size_t)(n + 1 + options) * sizeof(way));
     if (!p->mem)
         return REMAT_E_NOMEM;
     p->x = (ll *)p->mem;
@@ -40,6 +59,10 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
     p->tf = (double *)(void *)(p->fdw + (n + 1));
     p->tn = p->tf + (n + 1);
     p->tb = p->tn + (n + 1);
+    p->lb = (ll *)(void *)(p->tb + (n + 1));
+    p->first = p->lb + (n + 1);
+    p->ways = (way *)(void *)(p->first + (n + 2));
+    p->lb[0] = p->first[0] = 0;
     p->x[0] = units(c->input_bytes, slot);
     p->s[0] = p->ft[0] = p->bt[0] = p->fa[0] = p->cond[0] = p->fneed[0] = p->bneed[0] = 0;
     p->fd[0] = p->fdw[0] = 0;
@@ -63,13 +86,30 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
         p->fa[k] = sadd(p->x[k], p->ft[k]);
         p->cond[k] = sadd(p->x[k - 1], p->fa[k]);
         p->fneed[k] = smax(p->s[k], p->fa[k]);
-        /* bt[k] >= -x[k] (check_chain); at k = n, B(k) starts from the level Loss
-         * reaches, a-bar^n and the gradient of a^n (remat/solver/solve.py Note [The
-         * recurrence]) */
-        p->bneed[k] = sadd(sadd(p->s[k], p->x[k]), p->x[k - 1]) + p->bt[k];
-        if (k == n)
-            p->bneed[k] = smax(p->bneed[k], sadd(p->s[k], p->x[k]));
+        p->bneed[k] = bneed(p, k, p->s[k], p->bt[k]);
     }
+    /* stage k's ways: the base record, then its options (remat/solver/option.py Note [Options]) */
+    for (k = 1, q = 0; k <= n; k++) {
+        way *w = &p->ways[q];
+        p->first[k] = q;
+        w->s = p->s[k];
+        w->fneed = p->fneed[k];
+        w->bneed = p->bneed[k];
+        w->tf = p->tf[k];
+        w->tb = p->tb[k];
+        p->lb[k] = smin(p->fa[k], w->fneed);
+        option_range(c, k, &lo, &hi);
+        for (q++; lo < hi; lo++, q++) {
+            w = &p->ways[q];
+            w->s = units(c->option_saved_bytes[lo], slot);
+            w->fneed = smax(w->s, sadd(p->x[k], units(c->option_fwd_tmp[lo], slot)));
+            w->bneed = bneed(p, k, w->s, units(c->option_bwd_tmp[lo], slot));
+            w->tf = c->option_fwd_time[lo];
+            w->tb = c->option_bwd_time[lo];
+            p->lb[k] = smin(p->lb[k], w->fneed);
+        }
+    }
+    p->first[n + 1] = n + options;
     return REMAT_OK;
 }
 
@@ -80,7 +120,7 @@ enum { TASK = 5 };
 
 typedef struct {
     int kind, drop;
-    ll a, t, m;
+    ll a, t, m;   /* for a pending B(a), t is the way it backwards */
 } item;
 
 typedef struct {
@@ -93,19 +133,24 @@ typedef struct {
     ll depth, max_depth;
 } emitter;
 
-static void put(emitter *e, int code, ll stage)
+/* Writes op `code` on `stage`; a Fall or B with the way of index q in p->ways. */
+static void put(emitter *e, int code, ll stage, ll q)
 {
     const problem *p = e->p;
     if (e->n < e->cap) {
         e->out->codes[e->n] = code;
         e->out->stages[e->n] = (int)stage;
+        if (e->out->options)
+            e->out->options[e->n] = (code == REMAT_OP_FALL) ? (int)(q - p->first[stage]) : 0;
     }
     e->n++;
     if (code == REMAT_OP_LOSS)
         e->forward = 0;
     else if (code == REMAT_OP_B)
-        e->time += p->tb[stage];
-    else if (code == REMAT_OP_FALL || e->forward)
+        e->time += p->ways[q].tb;
+    else if (code == REMAT_OP_FALL)
+        e->time += p->ways[q].tf;
+    else if (e->forward)
         e->time += p->tf[stage];
     else
         e->time += p->tn[stage];
@@ -144,27 +189,27 @@ int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, l
         ll a = it.a, t = it.t, m = it.m, j = 0, k;
         int r;
         if (it.kind != TASK) {
-            put(&e, it.kind, a);
+            put(&e, it.kind, a, t);
             continue;
         }
         r = choose(ctx, a, t, m, it.drop, &j);
-        if (r < 0 || (r == 1 && (j <= a || j > t))) {
+        if (r < 0 || (r == 1 && (j <= a || j > t)) || (r == 0 && (j < p->first[a] || j >= p->first[a + 1]))) {
             st = REMAT_E_INTERNAL;
             break;
         }
         if (r == 0) {
-            ll m1 = m - p->s[a] + (it.drop ? p->fd[a - 1] : 0);
-            put(&e, REMAT_OP_FALL, a);
-            st = push(&e, REMAT_OP_B, a, 0, 0, 0);
+            ll m1 = m - p->ways[j].s + fall_drop(p, a, j, it.drop);
+            put(&e, REMAT_OP_FALL, a, j);
+            st = push(&e, REMAT_OP_B, a, j, 0, 0);
             if (st == REMAT_OK && a == t && t == p->n)
                 st = push(&e, REMAT_OP_LOSS, 0, 0, 0, 0);
             else if (st == REMAT_OK && a < t)
-                st = push(&e, TASK, a + 1, t, smin(m1, mcap), drop_after_fall(p, a, t));
+                st = push(&e, TASK, a + 1, t, smin(m1, mcap), drop_after_fall(p, a, t, j));
         } else {
             ll m2 = m - p->x[j - 1] + grad(p, t);
-            put(&e, REMAT_OP_FCK, a);
+            put(&e, REMAT_OP_FCK, a, 0);
             for (k = a + 1; k < j; k++)
-                put(&e, REMAT_OP_FN, k);
+                put(&e, REMAT_OP_FN, k, 0);
             st = push(&e, TASK, a, j - 1, smin(m2, mcap), 0);
             if (st == REMAT_OK)
                 st = push(&e, TASK, j, t, m - p->x[j - 1], drop_after_split(p, j, t));
@@ -183,6 +228,46 @@ int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, l
 static long long chain_drop(const long long *v, ll k)
 {
     return v ? v[k] : 0;
+}
+
+/* The options (remat_chain.option_first), as check_chain checks the stages' own
+ * fields; run after it (out_bytes are checked). */
+static int check_options(const remat_chain *c, remat_plan *out)
+{
+    const long long *first = c->option_first;
+    ll n = c->length, k, o;
+    if (!first)
+        return REMAT_OK;
+    if (first[0] != 0) {
+        out->bad_stage = 1;
+        return REMAT_E_OPTIONS;
+    }
+    for (k = 1; k <= n; k++) {
+        /* first[k - 1] is in 0..(k - 1) * REMAT_MAX_OPTIONS here: no overflow */
+        if (first[k] < first[k - 1] || first[k] - first[k - 1] > REMAT_MAX_OPTIONS) {
+            out->bad_stage = k;
+            return REMAT_E_OPTIONS;
+        }
+    }
+    if (first[n] > 0 && (!c->option_fwd_time || !c->option_bwd_time || !c->option_saved_bytes
+                         || !c->option_fwd_tmp || !c->option_bwd_tmp || !out->options))
+        return REMAT_E_NULL;
+    for (k = 1; k <= n; k++) {
+        for (o = first[k - 1]; o < first[k]; o++) {
+            double tf = c->option_fwd_time[o], tb = c->option_bwd_time[o];
+            ll s = c->option_saved_bytes[o], ft = c->option_fwd_tmp[o], bt = c->option_bwd_tmp[o];
+            if (!(tf >= 0.0 && tf <= REMAT_MAX_TIME && tb >= 0.0 && tb <= REMAT_MAX_TIME)) {
+                out->bad_stage = k;
+                return REMAT_E_TIME;
+            }
+            if (s < 0 || s >= REMAT_MAX_BYTES || ft < 0 || ft >= REMAT_MAX_BYTES
+                || bt < -c->out_bytes[k - 1] || bt >= REMAT_MAX_BYTES) {
+                out->bad_stage = k;
+                return REMAT_E_SIZE;
+            }
+        }
+    }
+    return REMAT_OK;
 }
 
 static int check_chain(const remat_chain *c, remat_plan *out)
@@ -234,7 +319,7 @@ static int check_chain(const remat_chain *c, remat_plan *out)
             }
         }
     }
-    return REMAT_OK;
+    return check_options(c, out);
 }
 
 int remat_solve(const remat_chain *chain, long long budget, long long slots, int mode,
@@ -274,7 +359,7 @@ const char *remat_strerror(int status)
     case REMAT_INFEASIBLE:
         return "no persistent schedule fits in the budget";
     case REMAT_E_NULL:
-        return "a required pointer (chain, plan or one of the chain's arrays) is NULL";
+        return "a required pointer (chain, plan, one of the chain's arrays, or the plan's options where a stage has options) is NULL";
     case REMAT_E_LENGTH:
         return "the chain length must be between 1 and 10,000,000 stages";
     case REMAT_E_TIME:
@@ -297,6 +382,8 @@ const char *remat_strerror(int status)
         return "out of memory while allocating the solver's tables";
     case REMAT_E_OVERFLOW:
         return "the chain needs more than 2^62 bytes; a size is far too large";
+    case REMAT_E_OPTIONS:
+        return "option_first must count up from 0, by at most 64 options a stage";
     case REMAT_E_INTERNAL:
         return "internal error in the solver; please report this bug with the chain's costs";
     default:

@@ -27,7 +27,8 @@ enum {
     REMAT_E_TOO_LARGE = 11,  /* the tables would exceed max_table_bytes */
     REMAT_E_NOMEM = 12,      /* an allocation failed */
     REMAT_E_OVERFLOW = 13,   /* the least memory exceeds 2^62 bytes */
-    REMAT_E_INTERNAL = 14    /* an impossibility: a bug */
+    REMAT_E_OPTIONS = 14,    /* option_first does not count up from 0 by 0..REMAT_MAX_OPTIONS a stage */
+    REMAT_E_INTERNAL = 15    /* an impossibility: a bug */
 };
 
 enum {
@@ -59,12 +60,26 @@ typedef struct {
      * a-bar^i (0 or fwd_drop); remat/solver/schedule.py Note [Accounting] 6 */
     const long long *fwd_drop;
     const long long *fwd_drop_whole;
+    /* NULL, or L + 1 entries counting up from 0: the options of stage k (1-based),
+     * other ways to record it (remat/solver/option.py Note [Options]), are entries
+     * option_first[k-1] .. option_first[k] - 1 of the five arrays after it, option 1
+     * first, at most REMAT_MAX_OPTIONS a stage; those arrays may be NULL where no
+     * stage has options. Sizes and times as the stage's own (bwd_tmp down to
+     * -out_bytes of the stage). */
+    const long long *option_first;
+    const double *option_fwd_time;
+    const double *option_bwd_time;
+    const long long *option_saved_bytes;
+    const long long *option_fwd_tmp;
+    const long long *option_bwd_tmp;
 } remat_chain;
 
 typedef struct {
     long long capacity;   /* in: entries in codes and stages */
     int *codes;           /* out: op codes (REMAT_OP_*) */
     int *stages;          /* out: 1-based stage of each op (0 for Loss) */
+    int *options;         /* out: the option each op records with (0 but for a Fall with an
+                             option); NULL only where no stage has options */
     long long n_ops;      /* out: ops written; with REMAT_E_CAPACITY, the capacity needed */
     double time;          /* out: predicted time of the schedule */
     long long slot_bytes; /* out: bytes per slot (MIN_TIME), 1 for MIN_MEMORY */
@@ -80,5 +95,6 @@ const char *remat_strerror(int status);
 #define REMAT_MAX_BYTES (1LL << 62)
 #define REMAT_MAX_LENGTH 10000000LL
 #define REMAT_MAX_TIME 1e18
+#define REMAT_MAX_OPTIONS 64   /* remat/solver/option.py MAX_OPTIONS */
 
 #endif

@@ -4,7 +4,9 @@ Dijkstra over simulate's states (remat/solver/schedule.py Note [Accounting]): th
 least time of any schedule whose peak stays within the budget. With
 ``persistent=True`` it keeps to persistent schedules: ``Fn(i)`` may only
 follow ``Fn(i-1)`` or ``Fck(i-1)``, so a value that outlives the op after
-the one that made it is kept until its last use.
+the one that made it is kept until its last use. A stage with options
+(``Costs.options``) may be recorded with any of them (rule 9 of Note
+[Accounting]).
 """
 
 import heapq
@@ -20,9 +22,14 @@ def best_schedule(costs, budget, persistent):
     s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
     tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
     fd, fdw = (0,) + costs.fwd_drop, (0,) + costs.fwd_drop_whole
+    # ways[i-1]: (s, fwd_tmp, bwd_tmp, fwd_time, bwd_time) of each way to record stage i,
+    # option 0 (the base record) first
+    ways = [((s[i], ft[i], bt[i], tf[i], tb[i]),) + tuple(
+        (o.saved_bytes, o.fwd_tmp, o.bwd_tmp, o.fwd_time, o.bwd_time) for o in costs.options[i]) for i in range(n)]
     # state: (forward?, next_fwd, grad, alone bitmask, whole bitmask, previous op,
-    # gone bitmask: a^j let go in the forward phase, rule 6 of Note [Accounting])
-    start = (True, 1, -1, 1, 0, None, 0)
+    # gone bitmask: a^j let go in the forward phase, rule 6 of Note [Accounting],
+    # and the option each stage's held a-bar was recorded with, 0 where none is held)
+    start = (True, 1, -1, 1, 0, None, 0, (0,) * (n + 1))
     if x[0] + costs.held_bytes > budget:
         return math.inf, None
     dist = {start: 0.0}
@@ -33,17 +40,19 @@ def best_schedule(costs, budget, persistent):
         d, _, st = heapq.heappop(heap)
         if d > dist.get(st, math.inf):
             continue
-        forward, nf, grad, alone, whole, prev, gone = st
+        forward, nf, grad, alone, whole, prev, gone, rec = st
         if not forward and grad == 0:
             ops = []
             while st in back:
                 st, op = back[st]
                 ops.append(op)
             return d, tuple(reversed(ops))
-        mem = _held(x, s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1) + costs.held_bytes
+        held_s = [ways[j - 1][rec[j]][0] for j in range(1, n + 1)]
+        mem = _held(x, held_s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1) \
+            + costs.held_bytes
         moves = []
         if forward and nf == n + 1 and mem + x[n] <= budget:
-            moves.append((Loss, 0.0, (False, nf, n, alone, whole, None, gone)))
+            moves.append((Loss, 0.0, (False, nf, n, alone, whole, None, gone, rec)))
         stages = [nf] if forward and nf <= n else ([] if forward else range(1, grad + 1))
         for i in stages:
             if costs.tail and i == n and not forward:
@@ -53,25 +62,31 @@ def best_schedule(costs, budget, persistent):
             if not have_in or have_out:
                 continue
             nf2 = nf + 1 if forward else nf
-            if mem + max(s[i - 1], x[i] + ft[i - 1]) <= budget:
-                g2 = gone
-                if forward and i > 1 and (fdw[i - 1] if (whole >> (i - 1)) & 1 else fd[i - 1]):
+            for q, (sq, ftq, _, tfq, _) in enumerate(ways[i - 1]):
+                if mem + max(sq, x[i] + ftq) > budget:
+                    continue
+                g2 = gone   # (rule 9: an option lets nothing go, nor does an a-bar of one)
+                if forward and i > 1 and q == 0 and (
+                        (fdw[i - 1] if rec[i - 1] == 0 else 0) if (whole >> (i - 1)) & 1 else fd[i - 1]):
                     g2 |= 1 << (i - 1)
-                moves.append((Fall(i), tf[i - 1], (forward, nf2, grad, alone, whole | (1 << i), "all", g2)))
+                rec2 = rec[:i] + (q,) + rec[i + 1:]
+                moves.append((Fall(i, option=q), tfq, (forward, nf2, grad, alone, whole | (1 << i), "all", g2, rec2)))
             if mem + x[i] + ft[i - 1] <= budget and not (costs.tail and i == n):
                 t = tf[i - 1] if forward else tn[i - 1]
-                moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i), gone)))
+                moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i), gone, rec)))
                 if not persistent or prev == ("f", i - 1):
                     moves.append((Fn(i), t, (forward, nf2, grad, (alone | (1 << i)) & ~(1 << (i - 1)), whole,
-                                             ("f", i), gone)))
+                                             ("f", i), gone, rec)))
         if not forward and grad >= 1:
             i = grad
             have_in = (alone >> (i - 1)) & 1 or (whole >> (i - 1)) & 1
             back_in = fd[i] if (gone >> i) & 1 else 0   # rule 6: B(i)'s peak adds it back
-            if (whole >> i) & 1 and have_in and mem + back_in + x[i - 1] + bt[i - 1] <= budget:
+            _, _, btq, _, tbq = ways[i - 1][rec[i]]
+            if (whole >> i) & 1 and have_in and mem + back_in + x[i - 1] + btq <= budget:
                 a2 = alone & ~(1 << i) & ~(1 << (i - 1))
                 w2 = whole & ~(1 << i)
-                moves.append((B(i), tb[i - 1], (False, nf, i - 1, a2, w2, "b", gone & (a2 | w2))))
+                rec2 = rec[:i] + (0,) + rec[i + 1:]
+                moves.append((B(i), tbq, (False, nf, i - 1, a2, w2, "b", gone & (a2 | w2), rec2)))
         for op, cost, nxt in moves:
             nd = d + cost
             if nd < dist.get(nxt, math.inf):

@@ -1,7 +1,8 @@
 """Random chain costs for the solver tests (tests only): small random times and
-sizes, some forward-phase drops, some tails."""
+sizes, some forward-phase drops, some tails; and random options (random_options)."""
 
 from remat.solver.costs import Costs
+from remat.solver.option import Option
 
 
 def random_costs(rng, n, size=20, zero_times=False, tail=None):
@@ -38,3 +39,24 @@ def unheld(costs, budget):
     less what was: the C solver's problem (``solve`` takes held_bytes off the
     budget before calling it)."""
     return Costs(**{**costs.to_dict(), "held_bytes": 0, "tail_kept": 0}), budget - costs.held_bytes
+
+
+def random_options(rng, costs, most=3):
+    """``costs`` with 0 to ``most`` random options on each stage but a tail
+    (Costs.options): most keep less than the stage's record and take longer in
+    its backward, as a real option does; some keep more, or are faster, which
+    the solvers must weigh all the same."""
+    options = []
+    for i in range(costs.length):
+        listed = []
+        for _ in range(0 if costs.tail and i == costs.length - 1 else rng.randint(0, most)):
+            out, saved = costs.out_bytes[i], costs.saved_bytes[i]
+            odd = rng.random() < 0.2
+            listed.append(Option(
+                saved_bytes=rng.randint(out, saved + (out + 5 if odd else 0)),
+                fwd_time=costs.fwd_time[i] * rng.uniform(0.5 if odd else 0.9, 1.1),
+                bwd_time=costs.bwd_time[i] * rng.uniform(0.5 if odd else 1.0, 2.0),
+                fwd_tmp=rng.randint(0, costs.fwd_tmp[i] + 2),
+                bwd_tmp=rng.randint(-out, max(costs.bwd_tmp[i], 0) + saved - out + 2)))
+        options.append(listed)
+    return Costs(**{**costs.to_dict(), "options": options})

@@ -1,7 +1,8 @@
 """Pure-Python reference of the persistent dynamic program (tests only).
 
 It is the readable twin of src_c/solver.c: same recurrence, same slot
-rounding, no speed tricks. See remat/solver/solve.py Note [The recurrence].
+rounding, no speed tricks. See remat/solver/solve.py Note [The recurrence], and
+remat/solver/option.py Note [Options] for the stages' other ways to record.
 """
 
 import functools
@@ -35,6 +36,11 @@ def reference_optimal(costs, budget_units, units):
     # held on its own or (whole) inside a-bar^k; sizes here are already whole units
     fd = (0,) + costs.fwd_drop
     fdw = (0,) + costs.fwd_drop_whole
+    # ways[k]: (option, s, fwd_tmp, bwd_tmp, fwd_time, bwd_time) of each way to record
+    # stage k, option 0 (the base record) first
+    ways = [()] + [((0, s[k], ft[k], bt[k], tf[k], tb[k]),) + tuple(
+        (q, o.saved_bytes, o.fwd_tmp, o.bwd_tmp, o.fwd_time, o.bwd_time) for q, o in enumerate(costs.options[k - 1], 1))
+        for k in range(1, n + 1)]
     sys.setrecursionlimit(max(10000, 50 * n * n))
 
     @functools.lru_cache(maxsize=None)
@@ -44,16 +50,17 @@ def reference_optimal(costs, budget_units, units):
         if m < 0:
             return INF, None
         g = x[t] if t < n else 0
-        r = fd[a - 1] if drop else 0
         best, choice = INF, None
-        loss = s[a] + x[a] if a == n else 0   # the level Loss reaches, which B(L) starts from
-        if max(s[a], x[a] + ft[a]) <= m and max(s[a] + x[a] + x[a - 1] + bt[a], loss) <= m + g + r:
-            if a == t:
-                best, choice = tf[a] + tb[a], ("all",)
-            else:
-                c = solve(a + 1, t, m - s[a] + r, t == n and fdw[a] > 0)[0]
-                if c < INF:
-                    best, choice = tf[a] + c + tb[a], ("all",)
+        for q, sq, ftq, btq, tfq, tbq in ways[a]:
+            r = fd[a - 1] if drop and q == 0 else 0   # (an option lets nothing go)
+            loss = sq + x[a] if a == n else 0   # the level Loss reaches, which B(L) starts from
+            if max(sq, x[a] + ftq) <= m and max(sq + x[a] + x[a - 1] + btq, loss) <= m + g + r:
+                if a == t:
+                    c = 0.0
+                else:
+                    c = solve(a + 1, t, m - sq + r, t == n and fdw[a] > 0 and q == 0)[0]
+                if c < INF and tfq + c + tbq < best:
+                    best, choice = tfq + c + tbq, ("all", q)
         if a < t and x[a] + ft[a] <= m:
             fsum = 0.0
             for j in range(a + 1, t + 1):
@@ -74,12 +81,14 @@ def reference_optimal(costs, budget_units, units):
     def emit(a, t, m, out, drop=False):
         _, choice = solve(a, t, m, drop)
         if choice[0] == "all":
-            out.append(Fall(a))
+            q = choice[1]
+            out.append(Fall(a, option=q))
             if a == t:
                 if t == n:
                     out.append(Loss)
             else:
-                emit(a + 1, t, m - s[a] + (fd[a - 1] if drop else 0), out, t == n and fdw[a] > 0)
+                r = fd[a - 1] if drop and q == 0 else 0
+                emit(a + 1, t, m - ways[a][q][1] + r, out, t == n and fdw[a] > 0 and q == 0)
             out.append(B(a))
         else:
             j = choice[1]

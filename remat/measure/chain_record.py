@@ -193,9 +193,13 @@ class ChainRecord:
         last = self.stages[-1].costs if self.stages else None
         freed = last.out_freed if last is not None else None
         if freed is not None:
-            # counted there, a^L is not also in a-bar^L, nor given back at B(L)
+            # counted there, a^L is not also in a-bar^L, nor given back at B(L): under
+            # its options too (remat/solver/option.py Note [Options]: they keep a^L)
             data["saved_bytes"][-1] -= out
             data["bwd_tmp"][-1] += freed
+            for option in data.get("options", [[]])[-1]:
+                option["saved_bytes"] = max(option["saved_bytes"] - out, 0)
+                option["bwd_tmp"] += freed
         return Costs.from_dict(data)
 
     def tail_seen(self, seen):

@@ -4,6 +4,7 @@ file (``remat.chain(costs="costs.json")``), or, under torch.distributed, rank
 timings)."""
 
 import os
+import warnings
 
 import torch
 
@@ -51,6 +52,12 @@ def chain_costs(stages, input_bytes, held_bytes, path, given):
     """
     if given is not None:
         _check_given(given, stages, input_bytes, held_bytes, path)
+        if given.has_options:
+            warnings.warn(
+                f"remat: the costs in {path} list options (remat.Option: other ways to record a stage), "
+                f"which remat's runtime does not run yet; this chain plans without them (remat.solve "
+                f"plans with them)", RuntimeWarning, stacklevel=4)
+            return given.without_options()
         return given
     drop, whole = forward_drops(stages)
     costs = Costs(**{f: [getattr(s, f) for s in stages] for f in COST_FIELDS}, input_bytes=input_bytes,

@@ -9,7 +9,9 @@ memory).
 import math
 
 from ..errors import RematError, SolverError
-from .costs import MAX_BYTES, MAX_SECONDS, SIZE_FIELDS, TIME_FIELDS, least_bytes, where
+from .checks import MAX_BYTES, MAX_SECONDS, least_bytes, where
+from .costs import SIZE_FIELDS, TIME_FIELDS
+from .option import MAX_OPTIONS
 from .schedule import op_from_code
 
 try:
@@ -57,6 +59,29 @@ def _check_costs(costs):
                 )
     if not 0 <= costs.input_bytes < MAX_BYTES:
         raise SolverError(f"remat: {where('input_bytes', None)} is {costs.input_bytes}; the solver needs 0..2^62")
+    options = _options(costs)
+    if len(options) != n:
+        raise SolverError(f"remat: Costs.options has {len(options)} entries for {n} stages")
+    for i, listed in enumerate(options):
+        if len(listed) > MAX_OPTIONS:
+            raise SolverError(f"remat: {where('options', i)} lists {len(listed)} options; the solver takes "
+                              f"at most {MAX_OPTIONS} a stage")
+        for q, o in enumerate(listed):
+            for name, least, most, needs in (
+                    ("fwd_time", 0, MAX_SECONDS, "finite, non-negative times below 1e18 seconds"),
+                    ("bwd_time", 0, MAX_SECONDS, "finite, non-negative times below 1e18 seconds"),
+                    ("saved_bytes", 0, MAX_BYTES - 1, "sizes in 0..2^62"),
+                    ("fwd_tmp", 0, MAX_BYTES - 1, "sizes in 0..2^62"),
+                    ("bwd_tmp", -costs.out_bytes[i], MAX_BYTES - 1, "sizes in -out_bytes..2^62")):
+                v = getattr(o, name, None)
+                if not (isinstance(v, (int, float)) and least <= v <= most):   # (False for NaN too)
+                    raise SolverError(f"remat: {where(name, i, q)} is {v!r}; the solver needs {needs}")
+
+
+def _options(costs):
+    """``costs.options``, or none anywhere for an object that only looks like ``Costs``."""
+    options = getattr(costs, "options", None)
+    return ((),) * costs.length if options is None else options
 
 
 def _chain(costs):
@@ -79,6 +104,17 @@ def _chain(costs):
         keep.append(ffi.new("long long[]", list(costs.fwd_drop)))
         keep.append(ffi.new("long long[]", list(costs.fwd_drop_whole)))
         chain.fwd_drop, chain.fwd_drop_whole = keep[-2:]
+    options = _options(costs)
+    if any(options):   # NULL otherwise: no stage has options (solver.h)
+        first, listed = [0], [o for stage in options for o in stage]
+        for stage in options:
+            first.append(first[-1] + len(stage))
+        keep.append(ffi.new("long long[]", first))
+        keep += [ffi.new(kind + "[]", [getattr(o, name) for o in listed])
+                 for kind, name in (("double", "fwd_time"), ("double", "bwd_time"), ("long long", "saved_bytes"),
+                                    ("long long", "fwd_tmp"), ("long long", "bwd_tmp"))]
+        (chain.option_first, chain.option_fwd_time, chain.option_bwd_time, chain.option_saved_bytes,
+         chain.option_fwd_tmp, chain.option_bwd_tmp) = keep[-6:]
     return chain, keep
 
 
@@ -89,8 +125,9 @@ def _run(costs, budget, slots, mode, max_table_bytes):
     for _ in range(2):
         codes = ffi.new("int[]", capacity)
         stages = ffi.new("int[]", capacity)
+        options = ffi.new("int[]", capacity)
         plan = ffi.new("remat_plan *")
-        plan.capacity, plan.codes, plan.stages = capacity, codes, stages
+        plan.capacity, plan.codes, plan.stages, plan.options = capacity, codes, stages, options
         status = lib.remat_solve(chain, budget, slots, mode, max_table_bytes, plan)
         if status != lib.REMAT_E_CAPACITY:
             break
@@ -100,14 +137,14 @@ def _run(costs, budget, slots, mode, max_table_bytes):
         raise Infeasible(f"remat: no persistent schedule fits {budget} bytes with {slots} slots")
     if status != lib.REMAT_OK:
         raise SolverError(_message(status, plan))
-    ops = tuple(op_from_code(codes[i], stages[i]) for i in range(plan.n_ops))
+    ops = tuple(op_from_code(codes[i], stages[i], options[i]) for i in range(plan.n_ops))
     return ops, plan
 
 
 def _message(status, plan):
     text = ffi.string(lib.remat_strerror(status)).decode()
     where = ""
-    if status in (lib.REMAT_E_TIME, lib.REMAT_E_SIZE) and plan.bad_stage >= 0:
+    if status in (lib.REMAT_E_TIME, lib.REMAT_E_SIZE, lib.REMAT_E_OPTIONS) and plan.bad_stage >= 0:
         where = " (input_bytes)" if plan.bad_stage == 0 else f" (stage {plan.bad_stage})"
     return f"remat: the C solver failed: {text}{where} [status {status}]"
 

@@ -3,27 +3,26 @@
 Stage i (1..L) is at index i-1 of every list. Times are seconds, sizes bytes.
 """
 
-import collections.abc
 import json
-import math
 import numbers
 from dataclasses import MISSING, dataclass, fields
 
 from ..errors import CostsError
 from ..units import format_bytes
+from .checks import MAX_BYTES, MAX_SECONDS, check_size, check_time, entries, least_bytes, where  # noqa: F401  (MAX_*: as before)
+from .option import check_options
 
 __all__ = ["Costs"]
 
-FORMAT = "remat.costs/1"   # the "format" a costs file is written with (read: this one, or none)
+# The "format" a costs file is written with: FORMAT, or FORMAT_OPTIONS where a
+# stage has options (older remat, which cannot plan them, refuses such a file by
+# its format); read: either, or none.
+FORMAT = "remat.costs/1"
+FORMAT_OPTIONS = "remat.costs/2"
 MAX_FILE_BYTES = 64 * 2**20   # the largest costs file read (about 70 bytes a stage: some 900,000 stages)
 
 TIME_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time")
 SIZE_FIELDS = ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
-# The C solver's bounds (src_c/solver.c), which Costs enforces on creation and
-# binding.py checks again: below them its sums of times stay finite and its
-# sums of sizes fit a long long.
-MAX_SECONDS = 1e18
-MAX_BYTES = 2**62
 
 
 @dataclass(frozen=True)
@@ -65,11 +64,17 @@ class Costs:
             of the backward (``with_tail``).
         tail_kept: of ``held_bytes``, the bytes of the tail's the caller keeps
             (0 without a tail).
+        options: for each stage, a list of ``Option``: other ways to record it
+            that keep less than a-bar^i and rebuild the rest in B(i)
+            (remat/solver/option.py Note [Options]); ``Fall(i, option=k)`` runs
+            the k-th (1-based; option 0 is the base record, these fields).
+            None (the default): no options anywhere; the tail has none.
 
     Raises:
         CostsError: a list has the wrong length, a size is not a
             non-negative int (a bwd_tmp one of at least ``-out_bytes``),
-            or a time is not finite and non-negative.
+            a time is not finite and non-negative, or an option is not an
+            ``Option`` (or a dict of its fields) with such numbers.
 
     Example:
         >>> c = Costs.uniform(3, time=1.0, size=100)
@@ -90,21 +95,22 @@ class Costs:
     held_bytes: int = 0
     tail: bool = False
     tail_kept: int = 0
+    options: tuple = None
 
     def __post_init__(self):
         length = None
         for name in TIME_FIELDS + SIZE_FIELDS:
-            values = _entries(name, getattr(self, name), length)
+            values = entries(name, getattr(self, name), length)
             length = len(values)
             if name in TIME_FIELDS:
-                checked = tuple(_check_time(name, i, v) for i, v in enumerate(values))
+                checked = tuple(check_time(name, i, v) for i, v in enumerate(values))
             else:
                 leasts = least_bytes(name, self.out_bytes)
-                checked = tuple(_check_size(name, i, v, 0 if leasts is None else leasts[i])
+                checked = tuple(check_size(name, i, v, 0 if leasts is None else leasts[i])
                                 for i, v in enumerate(values))
             object.__setattr__(self, name, checked)
-        object.__setattr__(self, "input_bytes", _check_size("input_bytes", None, self.input_bytes))
-        object.__setattr__(self, "held_bytes", _check_size("held_bytes", None, self.held_bytes))
+        object.__setattr__(self, "input_bytes", check_size("input_bytes", None, self.input_bytes))
+        object.__setattr__(self, "held_bytes", check_size("held_bytes", None, self.held_bytes))
         object.__setattr__(self, "fwd_drop", _drops("fwd_drop", self.fwd_drop, length, self.out_bytes))
         object.__setattr__(self, "fwd_drop_whole",
                            _drops("fwd_drop_whole", self.fwd_drop_whole, length, self.fwd_drop))
@@ -113,11 +119,12 @@ class Costs:
         if self.tail and length < 2:
             raise CostsError("remat: Costs.tail is True but there is no stage before the tail; "
                              "a chain with a tail has at least two entries per list (its stages, then the tail)")
-        kept = _check_size("tail_kept", None, self.tail_kept)
+        kept = check_size("tail_kept", None, self.tail_kept)
         if kept > self.held_bytes or (kept and not self.tail):
             raise CostsError(f"remat: Costs.tail_kept is {kept}; it is part of held_bytes ({self.held_bytes}), "
                              f"and 0 without a tail")
         object.__setattr__(self, "tail_kept", kept)
+        object.__setattr__(self, "options", check_options(self.options, self.out_bytes, self.tail))
 
     @property
     def length(self):
@@ -145,6 +152,8 @@ class Costs:
                             ("out_bytes", out_bytes), ("saved_bytes", max(saved_bytes, out_bytes)),
                             ("fwd_tmp", fwd_tmp), ("bwd_tmp", bwd_tmp), ("fwd_drop", 0), ("fwd_drop_whole", 0)):
             data[name] = [*data[name], value]
+        if "options" in data:
+            data["options"] = [*data["options"], []]   # (the tail has none: Note [Options] 4)
         data["held_bytes"] += kept
         data["tail"] = True
         data["tail_kept"] = kept
@@ -165,13 +174,39 @@ class Costs:
         data = self.to_dict()
         tail = {name: data[name].pop() for name in ("fwd_time", "bwd_time", "out_bytes", "saved_bytes",
                                                        "fwd_tmp", "bwd_tmp")}
-        for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole"):
-            data[name].pop()
+        for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole", "options"):
+            if name in data:
+                data[name].pop()
         tail["kept"] = self.tail_kept
         data["held_bytes"] -= tail["kept"]
         data["tail"] = False
         data["tail_kept"] = 0
         return Costs.from_dict(data), tail
+
+    @property
+    def has_options(self):
+        """Some stage has options (``Costs.options``)."""
+        return any(self.options)
+
+    def with_options(self, options):
+        """These costs with ``options[k]``, a list of ``Option``, as the options of
+        stage k (1-based, as in ``Fall(k, option=...)``) in place of its own; the
+        other stages keep theirs."""
+        listed = list(self.options)
+        for k, stage_options in dict(options).items():
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= self.length:
+                raise CostsError(f"remat: with_options takes stage numbers 1..{self.length}, got {k!r}")
+            listed[k - 1] = stage_options
+        return Costs.from_dict({**self.to_dict(), "options": listed})
+
+    def without_options(self):
+        """These costs with no options anywhere (each stage's base record), or these
+        if they have none."""
+        if not self.has_options:
+            return self
+        data = self.to_dict()
+        del data["options"]
+        return Costs.from_dict(data)
 
     def sizes(self):
         """Return x[0..L]: the input size followed by each stage's output size."""
@@ -192,8 +227,14 @@ class Costs:
         )
 
     def to_dict(self):
-        """A JSON-ready dict of every field."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        """A JSON-ready dict of every field; ``options`` (each a dict of its fields)
+        only where some stage has them, so that costs without options read as
+        before."""
+        data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in fields(self) if f.name != "options"}
+        if self.has_options:
+            data["options"] = [[o.to_dict() for o in stage] for stage in self.options]
+        return data
 
     @classmethod
     def from_dict(cls, data):
@@ -201,10 +242,11 @@ class Costs:
         if not isinstance(data, dict):
             raise CostsError(f"remat: costs must be a JSON object, got {type(data).__name__}")
         form = data.get("format", FORMAT)
-        if form != FORMAT:
+        if form not in (FORMAT, FORMAT_OPTIONS):
             raise CostsError(
-                f"remat: the costs record is in format {form!r}, and this remat reads {FORMAT!r} (written by "
-                f"another version of remat?); delete the file to measure again")
+                f"remat: the costs record is in format {form!r}, and this remat reads {FORMAT!r} (or "
+                f"{FORMAT_OPTIONS!r}, with options; written by another version of remat?); delete the file "
+                f"to measure again")
         names = {f.name for f in fields(cls)}
         optional = {f.name for f in fields(cls) if f.default is not MISSING}   # absent from older files
         missing, extra = names - optional - set(data), set(data) - names - {"format"}
@@ -218,7 +260,7 @@ class Costs:
     def save(self, path):
         """Write the costs to ``path`` as JSON."""
         with open(path, "w") as fh:
-            json.dump({"format": FORMAT, **self.to_dict()}, fh, indent=1)
+            json.dump({"format": FORMAT_OPTIONS if self.has_options else FORMAT, **self.to_dict()}, fh, indent=1)
 
     @classmethod
     def load(cls, path):
@@ -259,39 +301,11 @@ class Costs:
                 f"{format_bytes(self.saved_bytes[i]):>11} {format_bytes(self.fwd_tmp[i]):>11} "
                 f"{format_bytes(self.bwd_tmp[i]):>11}"
             )
+            for q, o in enumerate(self.options[i], 1):
+                rows.append(
+                    f"{f'o{q}':>5} {o.fwd_time * 1e3:9.3f} {'':>9} {o.bwd_time * 1e3:9.3f} {'':>11} "
+                    f"{format_bytes(o.saved_bytes):>11} {format_bytes(o.fwd_tmp):>11} {format_bytes(o.bwd_tmp):>11}")
         return "\n".join(rows)
-
-
-def where(name, i):
-    """How an error names a field's entry: ``Costs.name[i] (stage i+1)``, or
-    ``Costs.name`` for a chain-wide field (i None)."""
-    return f"Costs.{name}" if i is None else f"Costs.{name}[{i}] (stage {i + 1})"
-
-
-def least_bytes(name, out_bytes):
-    """The least value of each entry of size field ``name``, stage by stage: a
-    backward may give back its stage's output (``bwd_tmp`` down to
-    ``-out_bytes``); None where it is 0 throughout (every other size)."""
-    return [-o for o in out_bytes] if name == "bwd_tmp" else None
-
-
-def _entries(name, raw, length=None):
-    """A per-stage field as a tuple: from a list, a tuple or another sequence of
-    numbers (a NumPy array), not from a mapping, a set or a string; ``length``
-    entries if given."""
-    if isinstance(raw, (str, bytes, collections.abc.Mapping, collections.abc.Set)):
-        raise CostsError(f"remat: Costs.{name} must be a list with one entry per stage, got {type(raw).__name__}")
-    try:
-        values = tuple(raw)
-    except TypeError:
-        raise CostsError(f"remat: Costs.{name} must be a list with one entry per stage, "
-                         f"got {type(raw).__name__}") from None
-    if length is not None and len(values) != length:
-        raise CostsError(
-            f"remat: Costs.{name} has {len(values)} entries but fwd_time has {length}; "
-            f"every per-stage list needs one entry per stage"
-        )
-    return values
 
 
 def _drops(name, raw, length, bound):
@@ -299,7 +313,7 @@ def _drops(name, raw, length, bound):
     fwd_drop) checked; None: nothing dropped."""
     if raw is None:
         return (0,) * length
-    checked = tuple(_check_size(name, i, v) for i, v in enumerate(_entries(name, raw, length)))
+    checked = tuple(check_size(name, i, v) for i, v in enumerate(entries(name, raw, length)))
     for i, v in enumerate(checked):
         bad = v > bound[i] if name == "fwd_drop" else v not in (0, bound[i])
         if bad or (v and i == length - 1):
@@ -308,34 +322,3 @@ def _drops(name, raw, length, bound):
                 f"remat: {where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
                 f"the last stage (no stage after it lets a^L go)")
     return checked
-
-
-def _check_time(name, i, v):
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise CostsError(f"remat: {where(name, i)} must be a number of seconds, got {v!r}")
-    v = float(v)
-    if not math.isfinite(v) or v < 0:
-        raise CostsError(f"remat: {where(name, i)} is {v}; times must be finite and non-negative")
-    if v > MAX_SECONDS:
-        raise CostsError(f"remat: {where(name, i)} is {v} seconds, beyond any real run; check the unit")
-    return v
-
-
-def _check_size(name, i, v, least=0):
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-        v = int(v)   # (a NumPy integer)
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer() and v >= least:
-            v = int(v)
-        elif least:
-            raise CostsError(f"remat: {where(name, i)} must be an int of bytes, got {v!r}")
-        else:
-            raise CostsError(f"remat: {where(name, i)} must be a non-negative int of bytes, got {v!r}")
-    if v < least:
-        if least:
-            raise CostsError(f"remat: {where(name, i)} is {v}; it may give back the stage's output "
-                             f"({-least} bytes, out_bytes) but no more")
-        raise CostsError(f"remat: {where(name, i)} is {v}; sizes must be non-negative")
-    if v >= MAX_BYTES:
-        raise CostsError(f"remat: {where(name, i)} is {v} bytes, beyond any real device; check the unit")
-    return int(v)

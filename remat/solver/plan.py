@@ -18,6 +18,10 @@ class Plan:
         costs: the costs it was solved on (what ``explain()`` shows).
         modes: ``modes[k]`` is the op class stage k runs with in the forward
             phase (``Fn``, ``Fck`` or ``Fall``); ``modes[0]`` is None.
+        options: ``options[k]`` is the option stage k's forward-phase ``Fall``
+            records with (``Fall.option``: 0, the base record, for every stage
+            of costs without ``Costs.options``, and for ``Fn``/``Fck``);
+            ``options[0]`` is None. A ``Fall`` of ``backward`` carries its own.
         backward: the ops after ``Loss``. Ops on the chain's tail
             (``Costs.tail``) are left out of both: the caller runs it.
         fall_at: stage -> index in ``backward`` of the ``Fall`` that rebuilds it.
@@ -28,6 +32,7 @@ class Plan:
     modes: tuple
     backward: tuple
     fall_at: dict
+    options: tuple = ()
 
     @classmethod
     def of(cls, schedule, costs):
@@ -37,5 +42,7 @@ class Plan:
             ops = tuple(op for op in ops if op.stage != costs.length)
         split = ops.index(Loss)
         backward = ops[split + 1:]
-        return cls(schedule, costs, (None, *(type(op) for op in ops[:split])), backward,
-                   {op.stage: j for j, op in enumerate(backward) if type(op) is Fall})
+        forward = ops[:split]
+        return cls(schedule, costs, (None, *(type(op) for op in forward)), backward,
+                   {op.stage: j for j, op in enumerate(backward) if type(op) is Fall},
+                   (None, *(op.option if type(op) is Fall else 0 for op in forward)))

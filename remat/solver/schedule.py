@@ -38,10 +38,16 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
 8. Time: ``Fall`` costs fwd_time; ``Fn``/``Fck`` cost fwd_time in the forward
    phase (it records the graph: docs/how-it-works.md, "The schedule") and
    fwd_nograd_time afterwards; ``B`` costs bwd_time.
+9. Options (remat/solver/option.py Note [Options]): ``Fall(i, option=o)``, o > 0,
+   is rule 3 with option o's saved_bytes, fwd_tmp and fwd_time; the ``B(i)``
+   of the a-bar^i it keeps is rule 5 with its bwd_tmp and bwd_time, and frees
+   its saved_bytes. Rule 6 lets nothing go at such a ``Fall(i)``, nor of an
+   a^i inside such an a-bar^i.
 
 A schedule is invalid if it uses a value that is not held, computes a value
 that is already held, recomputes a stage after its backward, runs the
-forward phase out of order or ends before ``B(1)``.
+forward phase out of order, ends before ``B(1)`` or records a stage with an
+option it does not have.
 """
 
 from dataclasses import dataclass
@@ -77,10 +83,20 @@ class Fck(_StageOp):
     code = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Fall(_StageOp):
-    """Forward stage ``stage`` recording the graph: keep its input and a-bar."""
+    """Forward stage ``stage`` recording the graph: keep its input and a-bar; with
+    ``option`` k > 0, the record of the stage's k-th option (``Costs.options``,
+    remat/solver/option.py Note [Options]) in place of a-bar. ``str`` shows the
+    option where there is one ("Fall3:o1")."""
+    option: int = 0
     code = 2
+
+    def __str__(self):
+        return f"Fall{self.stage}:o{self.option}" if self.option else f"Fall{self.stage}"
+
+    def __repr__(self):
+        return f"Fall(stage={self.stage!r}, option={self.option!r})" if self.option else f"Fall(stage={self.stage!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +124,10 @@ Loss = _LossOp()
 _BY_CODE = (Fn, Fck, Fall, B)
 
 
-def op_from_code(code, stage):
-    """The op for a (code, stage) pair as the C solver returns them."""
+def op_from_code(code, stage, option=0):
+    """The op for a (code, stage, option) as the C solver returns them."""
+    if code == 2 and option:
+        return Fall(stage, option)
     return Loss if code == 4 else _BY_CODE[code](stage)
 
 
@@ -249,8 +267,8 @@ class _Run:
     checks what it needs, then updates them.
     """
 
-    __slots__ = ("n", "x", "s", "ft", "bt", "tf", "tn", "tb", "fd", "fdw", "gone", "alone", "whole",
-                 "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
+    __slots__ = ("n", "x", "s", "ft", "bt", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
+                 "whole", "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
 
     def __init__(self, costs):
         n = self.n = costs.length
@@ -258,6 +276,8 @@ class _Run:
         self.s, self.ft, self.bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
         self.tf, self.tn, self.tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
         self.fd, self.fdw = costs.fwd_drop, costs.fwd_drop_whole
+        self.options = costs.options
+        self.rec = [0] * (n + 1)         # the option the held a-bar^j was recorded with (rule 9)
         self.gone = [0] * (n + 1)        # bytes of a^j let go in the forward phase (rule 6)
         self.alone = [False] * (n + 1)   # a^j held on its own
         self.whole = [False] * (n + 1)   # a-bar^j held (index 0 unused)
@@ -294,13 +314,17 @@ class _Run:
         if not (alone[i - 1] or whole[i - 1]):
             _bad(pos, op, f"a^{i - 1} is not held")
         mem = self.mem
-        during = self.during = mem + gone[i] + x[i - 1] + self.bt[i - 1]
+        s, bt, tb = self.s[i - 1], self.bt[i - 1], self.tb[i - 1]
+        if self.rec[i]:   # (rule 9)
+            o = self.options[i - 1][self.rec[i] - 1]
+            s, bt, tb = o.saved_bytes, o.bwd_tmp, o.bwd_time
+        during = self.during = mem + gone[i] + x[i - 1] + bt
         if during > self.peak:
             self.peak = during
-        self.time += self.tb[i - 1]
+        self.time += tb
         whole[i] = False
         alone[i] = False
-        mem -= self.s[i - 1] - gone[i] + x[i]
+        mem -= s - gone[i] + x[i]
         gone[i] = 0
         if alone[i - 1]:
             alone[i - 1] = False
@@ -328,13 +352,23 @@ class _Run:
             _bad(pos, op, f"a^{i} is computed while already held")
         mem = self.mem
         if code == 2:
-            during = mem + max(self.s[i - 1], x[i] + self.ft[i - 1])
-            self.time += self.tf[i - 1]
+            s, ft, tf = self.s[i - 1], self.ft[i - 1], self.tf[i - 1]
+            option = getattr(op, "option", 0)
+            if option:   # (rule 9)
+                listed = self.options[i - 1]
+                if isinstance(option, bool) or not isinstance(option, int) or not 0 < option <= len(listed):
+                    _bad(pos, op, f"stage {i} has no option {option!r} (Costs.options lists {len(listed)} for it)")
+                o = listed[option - 1]
+                s, ft, tf = o.saved_bytes, o.fwd_tmp, o.fwd_time
+            during = mem + max(s, x[i] + ft)
+            self.time += tf
             whole[i] = True
-            mem += self.s[i - 1]
-            if forward and i > 1:
+            self.rec[i] = option
+            mem += s
+            if forward and i > 1 and not option:   # (rule 9: an option lets nothing go)
                 gone = self.gone
-                drop = self.fdw[i - 2] if whole[i - 1] else self.fd[i - 2] if alone[i - 1] else 0
+                drop = (self.fdw[i - 2] if not self.rec[i - 1] else 0) if whole[i - 1] else \
+                    self.fd[i - 2] if alone[i - 1] else 0
                 if drop and not gone[i - 1]:
                     gone[i - 1] = drop
                     mem -= drop

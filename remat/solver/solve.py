@@ -21,12 +21,20 @@ With g = x[t] if t < L else 0, and forward cost f_k = fwd_time[k] if t = L
   s[L] + x[L] <= m: ``Loss`` holds a-bar^L with the gradient of a^L, more
   than B(L)'s peak where bwd_tmp[L] < -x[L-1] (a stage that gives its output
   back, Costs.bwd_tmp); elsewhere the ops before B(a) held as much. For a = t
-  the middle call is empty.
+  the middle call is empty. With options (remat/solver/option.py Note
+  [Options]) there is one Fall branch per way to record stage a: Fall(a,
+  option=o), P(a+1, t, m - s_o), B(a), the same conditions with option o's
+  saved_bytes, fwd_tmp and bwd_tmp, at fwd_time_o + bwd_time_o; P is the least
+  over them and the checkpoint branch. B(a)'s condition uses bwd_tmp_o because
+  the persistent schedule holds a^(a-1), which the option's backward rebuilds
+  from, from Fall(a) to B(a): nothing else changes.
 * Drops (forward phase, t = L; Note [Accounting] 6 in remat/solver/schedule.py): in
   P(a, L) whose caller holds a^(a-1) on its own with fwd_drop[a-1] > 0, or
   inside a-bar^(a-1) with fwd_drop_whole[a-1] > 0, a Fall(a) lets go of
   r = fwd_drop[a-1] of it: the rest of the Fall branch has headroom m - s[a]
-  + r and B(a) needs its condition with m + g + r. The checkpoint branch is
+  + r and B(a) needs its condition with m + g + r. Only the base record's
+  Fall(a) does, and only after the base record of stage a-1 when a^(a-1) is
+  inside a-bar^(a-1): an option's backward may read both (Note [Options] 3). The checkpoint branch is
   unchanged (Fck(a) keeps a^(a-1)); its P(j, L) drops after Fn/Fck(j-1) as
   above. Sizes dropped round down to slots.
 * Checkpoint branch, for j in a+1..t: Fck(a), Fn(a+1) .. Fn(j-1),
@@ -37,41 +45,24 @@ The top call is P(1, L, budget - x[0] - held_bytes). Sizes are rounded *up* to s
 ``ceil(budget / slots)`` bytes and the budget down, so a schedule that fits in
 slots fits in bytes. The C solver (src_c/solver.c) computes this table;
 tests/reference_solver.py is its plain Python twin.
-
-Note [A bound on any schedule]
-------------------------------
-In any schedule each stage i runs forward before ``Loss`` (the loss needs the
-chain's output), and ``B(i)`` needs a-bar^i from a ``Fall(i)``. Either that
-``Fall(i)`` ran before ``Loss`` and its a-bar^i is held from then until
-``B(i)`` (less what rule 6 of Note [Accounting] lets go of a^i,
-``fwd_drop_whole``: its weight), or it runs after, and stage i runs forward at
-least twice: min(fwd_time, fwd_nograd_time) more than in plain PyTorch's
-schedule (its gain). Call the first kind kept. With a^0 and ``held_bytes``
-held throughout, the kept stages' weights fit in the budget at ``Loss``, and
-at each ``B(i)`` so do the kept stages before i together with what ``B(i)``
-itself holds (a-bar^i, the gradients of a^i and a^(i-1), ``bwd_tmp``). The
-least extra time is then a knapsack under nested capacities (one per prefix
-of the chain); its fractional relaxation is a polymatroid, which the greedy
-order, by gain per byte, solves exactly, and that bounds every schedule from
-below. On a chain of like blocks whose a-bar dwarfs their output, the bound
-at checkpoint_sequential's peak is checkpoint_sequential's own time, to
-within the bytes its segment inputs take: no schedule can be much faster
-there (benchmarks/README.md).
 """
 
 import math
 import re
 import warnings
 
+from .bound import time_bound
 from .costs import MAX_BYTES, Costs
+from .option import Option
 from ..errors import BudgetError, RematError, SolverError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from ..units import format_bytes
 
-__all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget", "time_bound"]
+__all__ = ["solve", "discretise", "ALGORITHMS", "minimum_budget", "time_bound", "fastest"]
 
 ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(k)")
 DEFAULT_SLOTS = 500
+REFINE = (1, 4, 16)   # the factors of slots the table is tried with, in turn (_solver_ops)
 
 
 def discretise(costs, slot):
@@ -86,6 +77,8 @@ def discretise(costs, slot):
         tail=costs.tail, tail_kept=up(costs.tail_kept),
         # what is let go rounds down: held less dropped stays at least the bytes
         fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
+        options=[[Option(up(o.saved_bytes), o.fwd_time, o.bwd_time, up(o.fwd_tmp), up(o.bwd_tmp)) for o in stage]
+                 for stage in costs.options],
     )
 
 
@@ -97,6 +90,19 @@ def slot_size(budget, slots):
 def store_all(n):
     """Plain PyTorch: record every stage, recompute nothing."""
     return tuple(Fall(i) for i in range(1, n + 1)) + (Loss,) + tuple(B(i) for i in range(n, 0, -1))
+
+
+def fastest(costs):
+    """Record every stage with its fastest way (least fwd_time + bwd_time, the base
+    record among equals; remat/solver/option.py Note [Options]), recompute nothing:
+    no schedule is faster. ``store_all`` where no option is faster."""
+    ops = list(store_all(costs.length))
+    for i, listed in enumerate(costs.options):
+        times = [costs.fwd_time[i] + costs.bwd_time[i]] + [o.fwd_time + o.bwd_time for o in listed]
+        best = times.index(min(times))
+        if best:
+            ops[i] = Fall(i + 1, option=best)
+    return tuple(ops)
 
 
 def periodic(n, k, tail=False):
@@ -227,8 +233,11 @@ def _solve_optimal(costs, budget, slots):
     (docs/how-it-works.md, "Slots", lists the steps)."""
     n = costs.length
     full = simulate(costs, store_all(n))
-    if full.peak <= budget:
-        return Schedule(store_all(n), full.time, full.peak, "optimal", budget, None, costs.tail)
+    quick = store_all(n), full
+    if costs.has_options:
+        quick = fastest(costs), simulate(costs, fastest(costs))
+    if quick[1].peak <= budget:
+        return Schedule(quick[0], quick[1].time, quick[1].peak, "optimal", budget, None, costs.tail)
     from . import binding as _c_solver
 
     # the C solver plans the activations: what is held through the step comes off the budget
@@ -243,23 +252,30 @@ def _solve_optimal(costs, budget, slots):
             f"{format_bytes(least)} ({least} bytes; storing everything needs "
             f"{format_bytes(full.peak)}); raise the budget or split the largest stage", least
         )
-    ops, slot = _solver_ops(costs, budget - held, slots)
+    factors, plain_ops = REFINE, None
+    if costs.has_options:
+        factors, plain_ops = _as_without_options(costs, budget - held, slots)
+    ops, slot = _solver_ops(costs, budget - held, slots, factors)
     sim = simulate(costs, ops)
     _check_fits(sim, budget)
+    if costs.has_options:   # (what the chain without options would return competes: _as_without_options)
+        others = [(o, simulate(costs, o)) for o in (store_all(n), plain_ops) if o is not None]
+        ops, sim = min([(ops, sim)] + [o for o in others if o[1].peak <= budget], key=lambda c: c[1].time)
     ops, sim = _at_least_periodic(costs, budget, ops, sim)
     return Schedule(ops, sim.time, sim.peak, "optimal", budget, slot, costs.tail)
 
 
-def _solver_ops(costs, room, slots):
+def _solver_ops(costs, room, slots, factors=None):
     """The C solver's ops for ``room`` bytes, and the slot size it used (None for
     the exact least-memory schedule).
 
     Rounding sizes up to slots can make a budget just above the minimum look
-    infeasible: refine the slots a few times, then fall back to the exact
-    least-memory schedule, which fits by construction."""
+    infeasible: refine the slots a few times (``factors`` of ``slots``, by
+    default ``REFINE``), then fall back to the exact least-memory schedule,
+    which fits by construction."""
     from . import binding as _c_solver
 
-    for factor in (1, 4, 16):
+    for factor in REFINE if factors is None else factors:
         attempt = slots * factor
         try:
             ops, _, slot = _c_solver.optimal(costs, room, attempt)
@@ -273,6 +289,32 @@ def _solver_ops(costs, room, slots):
             break
         return ops, slot
     return _c_solver.least_memory(costs)[0], None
+
+
+def _as_without_options(costs, room, slots):
+    """Where ``_solver_ops`` would find the schedule of ``costs`` without their
+    options: the factors of ``slots`` from the first whose table that chain fits
+    in (its least memory in those slots, a far cheaper dynamic program, within
+    ``room``), and, where it fits in none, its least-memory schedule (else None).
+
+    Options only add choices at one slot size. Solved from that slot size on,
+    the chain with options is no slower than without them, where otherwise its
+    table might fit coarser slots than theirs and miss what their finer slots
+    find; where that chain falls back to its least-memory schedule (or stores
+    everything, which the table's rounding may shut out), that schedule competes."""
+    from . import binding as _c_solver
+
+    plain = costs.without_options()
+    try:
+        for k, factor in enumerate(REFINE):
+            slot = slot_size(room, slots * factor)
+            if _c_solver.least_memory(discretise(plain, slot))[1] <= room // slot:
+                return REFINE[k:], None
+            if slot == 1:
+                break
+        return REFINE, _c_solver.least_memory(plain)[0]
+    except SolverError:   # (tables too large: solved as they come, no promise)
+        return REFINE, None
 
 
 def _at_least_periodic(costs, budget, ops, sim):
@@ -320,40 +362,3 @@ def _check_fits(sim, budget):
             f"remat: the solver returned a schedule peaking at {sim.peak} bytes over the budget "
             f"of {budget}; please report this bug with the chain's costs"
         )
-
-
-def time_bound(costs, budget):
-    """A lower bound on the time of any schedule of ``costs`` within ``budget``,
-    persistent or not (Note [A bound on any schedule]); inf if none fits.
-
-    Example:
-        >>> c = Costs.uniform(4, time=1.0, size=1, saved=10)
-        >>> time_bound(c, 44)   # store-all's peak: store-all's time
-        12.0
-        >>> time_bound(c, 24)   # room for about two a-bar: the rest run twice
-        13.9
-    """
-    n = costs.length
-    x, s, bt = costs.sizes(), costs.saved_bytes, costs.bwd_tmp
-    tf, tn = costs.fwd_time, costs.fwd_nograd_time
-    room = budget - costs.input_bytes - costs.held_bytes
-    # rooms[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
-    # held from the forward phase; rooms[n]: what Loss leaves for all of them
-    rooms = [room - (s[i] + x[i + 1] + x[i] + bt[i]) for i in range(n)] + [room]
-    gains = [min(tf[i], tn[i]) for i in range(n)]
-    weights = [max(s[i] - (costs.fwd_drop_whole[i] if i < n - 1 else 0), 0) for i in range(n)]
-    chain = range(n)
-    if costs.tail:   # (it runs once, recorded: held at Loss, never run again)
-        rooms[n] -= weights[n - 1]
-        chain = range(n - 1)
-    if min(rooms) < 0:
-        return math.inf
-    saved = 0.0
-    for i in sorted(chain, key=lambda i: -gains[i] / weights[i] if weights[i] > 0 else -math.inf):
-        share = min(weights[i], min(rooms[i + 1:]))   # (B of every later stage, and Loss)
-        if share <= 0 and weights[i] > 0:
-            continue
-        saved += gains[i] * (share / weights[i] if weights[i] > 0 else 1.0)
-        for j in range(i + 1, n + 1):
-            rooms[j] -= share
-    return math.fsum(tf) + math.fsum(costs.bwd_time) + max(math.fsum(gains[i] for i in chain) - saved, 0.0)

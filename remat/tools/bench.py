@@ -187,7 +187,7 @@ def summarise(result):
         "mean_overhead_reduction_by_baseline": {k: statistics.mean(v) for k, v in kinds.items()},
         "mean_overhead_reduction_predicted": statistics.mean(predicted) if predicted else None,
         # the most any schedule could reduce it by, on the run's costs (Note [A bound on
-        # any schedule] in remat/solver/solve.py)
+        # any schedule] in remat/solver/bound.py)
         "mean_overhead_reduction_bound": statistics.mean(bound) if bound else None,
         "repeat_noise": overhead(cs[0]) if cs and cs[0]["segments"] == 1 else None,
         "all_under_budget": all(r["peak_bytes"] <= r["budget"] for r in remat),

@@ -148,3 +148,26 @@ def test_costs_file_that_never_ends_is_refused(tmp_path, monkeypatch):
     path.write_text(" " * 100)
     with pytest.raises(CostsError, match="is not valid JSON"):
         Costs.load(str(path))
+
+
+def test_costs_file_with_options_is_planned_without_them(tmp_path):
+    """A costs file that lists options (remat.Option), which the runtime does not run
+    yet, is read with a warning that says so; the chain plans without them and
+    runs as before."""
+    import torch.nn as nn
+
+    import remat
+    from remat.solver.option import Option
+
+    path = str(tmp_path / "costs.json")
+    layers = [remat.stage(nn.Linear(16, 16)) for _ in range(3)]
+    want = costs_file_step(layers, path)
+    costs = Costs.load(path)
+    keep_less = Option(saved_bytes=costs.out_bytes[0], fwd_time=costs.fwd_time[0], bwd_time=2 * costs.bwd_time[0],
+                       fwd_tmp=0, bwd_tmp=0)
+    costs.with_options({1: [keep_less]}).save(path)
+    remat.clear_cache()
+    with pytest.warns(RuntimeWarning, match=r"list options .* does not run yet; this chain plans without them"):
+        got = costs_file_step(layers, path)
+    assert got.equal(want)
+    assert not remat.explain().costs.has_options and Costs.load(path).has_options

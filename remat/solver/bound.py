@@ -1,0 +1,104 @@
+"""``time_bound``: how fast any schedule of a chain can be within a budget,
+persistent or not (the benchmarks hold remat's schedules to it).
+
+Note [A bound on any schedule]
+------------------------------
+In any schedule each stage i runs forward before ``Loss`` (the loss needs the
+chain's output), and ``B(i)`` needs a-bar^i from a ``Fall(i)``. Either that
+``Fall(i)`` ran before ``Loss`` and its a-bar^i is held from then until
+``B(i)`` (less what rule 6 of Note [Accounting] lets go of a^i,
+``fwd_drop_whole``: its weight), or it runs after, and stage i runs forward at
+least twice: min(fwd_time, fwd_nograd_time) more than in plain PyTorch's
+schedule (its gain). Call the first kind kept. With a^0 and ``held_bytes``
+held throughout, the kept stages' weights fit in the budget at ``Loss``, and
+at each ``B(i)`` so do the kept stages before i together with what ``B(i)``
+itself holds (a-bar^i, the gradients of a^i and a^(i-1), ``bwd_tmp``). The
+least extra time is then a knapsack under nested capacities (one per prefix
+of the chain); its fractional relaxation is a polymatroid, which the greedy
+order, by gain per byte, solves exactly, and that bounds every schedule from
+below. On a chain of like blocks whose a-bar dwarfs their output, the bound
+at checkpoint_sequential's peak is checkpoint_sequential's own time, to
+within the bytes its segment inputs take: no schedule can be much faster
+there (benchmarks/README.md).
+
+With options (remat/solver/option.py Note [Options]) a stage is recorded and
+backwarded at least once with one of its ways, so its least time is that of
+its fastest way; kept with way o it weighs that way's saved bytes (an option
+lets nothing go) and takes its time over the fastest, not kept it takes the
+gain. Each stage's choices are points (weight, extra time); the relaxation
+may mix any two, so only their lower convex hull counts: from weight 0 down to
+the fastest way, segments of falling gain per byte. The extra time is then a
+concave function of each stage's bytes kept, over the same polymatroid, and
+the greedy order over all stages' segments still solves it exactly (a stage's
+segments come in their own order). Without options each stage has one
+segment, its gain over its weight, as above.
+"""
+
+import math
+
+__all__ = ["time_bound"]
+
+
+def time_bound(costs, budget):
+    """A lower bound on the time of any schedule of ``costs`` within ``budget``,
+    persistent or not (Note [A bound on any schedule]); inf if none fits.
+
+    Example:
+        >>> from remat import Costs
+        >>> c = Costs.uniform(4, time=1.0, size=1, saved=10)
+        >>> time_bound(c, 44)   # store-all's peak: store-all's time
+        12.0
+        >>> time_bound(c, 24)   # room for about two a-bar: the rest run twice
+        13.9
+    """
+    n = costs.length
+    x = costs.sizes()
+    tf, tn = costs.fwd_time, costs.fwd_nograd_time
+    # each stage's ways to record it: (saved, bwd_tmp, fwd_time, bwd_time), the base record first
+    ways = [[(costs.saved_bytes[i], costs.bwd_tmp[i], tf[i], costs.bwd_time[i])]
+            + [(o.saved_bytes, o.bwd_tmp, o.fwd_time, o.bwd_time) for o in costs.options[i]] for i in range(n)]
+    fastest = [min(w, key=lambda way: way[2] + way[3]) for w in ways]   # (the first of equals)
+    room = budget - costs.input_bytes - costs.held_bytes
+    # rooms[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
+    # held from the forward phase (with the way that leaves most); rooms[n]: what Loss leaves for all of them
+    rooms = [room - min(s + x[i + 1] + x[i] + bt for s, bt, _, _ in ways[i]) for i in range(n)] + [room]
+    chain = range(n)
+    if costs.tail:   # (it runs once, recorded: held at Loss, never run again)
+        rooms[n] -= max(costs.saved_bytes[n - 1], 0)
+        chain = range(n - 1)
+    if min(rooms) < 0:
+        return math.inf
+    tops, segments = [], []
+    for i in chain:
+        drop = costs.fwd_drop_whole[i] if i < n - 1 else 0
+        best = fastest[i][2] + fastest[i][3]
+        points = [(0, min(tf[i], tn[i]))] + [
+            (max(s - (drop if q == 0 else 0), 0), (f + b) - best if (s, bt, f, b) != fastest[i] else 0.0)
+            for q, (s, bt, f, b) in enumerate(ways[i])]
+        hull = _lower_hull(points)
+        tops.append(hull[0][1])
+        segments += [(i, e0 - e1, w1 - w0) for (w0, e0), (w1, e1) in zip(hull, hull[1:])]
+    saved = 0.0
+    for i, gain, weight in sorted(segments, key=lambda seg: -seg[1] / seg[2]):
+        share = min(weight, min(rooms[i + 1:]))   # (B of every later stage, and Loss)
+        if share <= 0:
+            continue
+        saved += gain * (share / weight)
+        for j in range(i + 1, n + 1):
+            rooms[j] -= share
+    return (math.fsum(fastest[i][2] for i in range(n)) + math.fsum(fastest[i][3] for i in range(n))
+            + max(math.fsum(tops) - saved, 0.0))
+
+
+def _lower_hull(points):
+    """The lower convex hull of points (weight, extra time) from weight 0 to the
+    least extra time: weights rising, extra times falling, gain per byte falling."""
+    hull = []
+    for w, e in sorted(points):
+        if hull and e >= hull[-1][1]:
+            continue   # (no lower than a lighter point)
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (e - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (w - hull[-2][0])) <= 0:
+            hull.pop()   # (on or above the line from the one before to this one)
+        hull.append((w, e))
+    return hull
