@@ -35,13 +35,16 @@ saved tensors kept, room to measure a stage like the largest so far, an
 input more (a rebuild's) and the tail: past that only every ``spacing``-th
 stage's is held, the spacing doubling as often as needed (``thin_inputs``),
 and the backward rebuilds a stage from the nearest input held below it. What
-the first call cannot hold to the budget is measuring a stage itself: its
-measured backward holds the stage's whole graph (retain_graph, for the real
-backward), which a training step's backward lets go as it goes, and the
-parameters' gradients in buffers of their own (``GradPool``), where a step
-adds them into the resident ones. Within those bytes of the minimum (its
-saved tensors and its parameters' size), the measuring call may go over the
-budget by up to them (tests/measure/test_first_call_budget.py).
+the first call cannot hold to the budget is measuring a stage itself. Its
+measured backward runs on the real forward's graph (retain_graph, for the
+real backward), but where the call keeps none of the saved tensors it lets
+each go once read for the last time, as a step's backward does
+(``_Releases``, remat/measure/stage_backward.py; on CPU), and the gradient it
+hands the stage is the engine's only. The parameters' gradients are added
+into a buffer of their own (``GradPool``), where a step adds them into the
+resident ones: within the size of a stage's largest parameter of the
+minimum, the measuring call may go over the budget by up to that
+(tests/measure/test_first_call_budget.py).
 """
 
 import weakref

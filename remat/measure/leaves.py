@@ -71,31 +71,35 @@ class Upstream:
 
 class GradPool:
     """Buffers that stand in for parameters' ``.grad`` in the measuring backwards of
-    one chain, reused from stage to stage. What is added into them is thrown
-    away, so they are zeroed once, when made: fresh zeros for every stage cost a
-    first call the allocation and page faults of all its parameters' size."""
+    one chain, reused from stage to stage: a gradient is added into one as
+    AccumulateGrad adds it into a resident ``.grad`` (the time counts), and what
+    is added is thrown away. So they are zeroed once, when made (fresh zeros for
+    every stage cost a first call the allocation and page faults of all its
+    parameters' size), and they all share one buffer the size of the largest
+    parameter: a step adds into gradients that are resident, which the budget
+    does not count, and buffers of all a stage's parameters at once were that
+    much over it in the measuring call (Note [Measuring within the budget],
+    remat/measure/holding.py)."""
 
     def __init__(self):
         self._flat = {}
 
     def grads(self, params):
-        """A buffer shaped like each of ``params``; buffers of one call do not overlap."""
+        """A buffer shaped like each of ``params``, all views of one (their values are
+        garbage: only the time of adding into them counts)."""
         need = {}
         for p in params:
             if p.layout == torch.strided and p.is_contiguous():
-                need[(p.dtype, p.device)] = need.get((p.dtype, p.device), 0) + p.numel()
+                need[(p.dtype, p.device)] = max(need.get((p.dtype, p.device), 0), p.numel())
         for (dtype, device), n in need.items():
             flat = self._flat.get((dtype, device))
             if flat is None or flat.numel() < n:
                 self._flat[(dtype, device)] = torch.zeros(n, dtype=dtype, device=device)
-        offsets = dict.fromkeys(need, 0)
         out = []
         for p in params:
             key = (p.dtype, p.device)
             if key in need and p.layout == torch.strided and p.is_contiguous():
-                start = offsets[key]
-                offsets[key] = start + p.numel()
-                out.append(self._flat[key][start:start + p.numel()].view(p.shape))
+                out.append(self._flat[key][:p.numel()].view(p.shape))
             else:
                 out.append(torch.zeros_like(p))
         return out

@@ -151,7 +151,9 @@ class Measurer:
             if self.grad_pool is None:
                 self.grad_pool = GradPool()
             twin = Twin(self.twins, ident, call, x)
-            probe = instrumented_run(call, ident, x, rng0, hooks, anchor, self.grad_pool, self.upstream, twin)
+            release = not self.holding.keep_all
+            probe = instrumented_run(call, ident, x, rng0, hooks, anchor, self.grad_pool, self.upstream, twin,
+                                     release=release)
             twin.keep(probe)
         else:   # costs come from a file: learn only what replay needs, from this forward
             probe, *_ = observed_forward(call, ident, x, Instrument(exclude=[x], sources=[x]), hooks, kept, rng0,
@@ -255,7 +257,7 @@ class Measurer:
         state = [t for t, _ in probe.writes]
         for t, old in probe.writes:
             self.originals.setdefault(storage_key(t), (t, old))
-        call.meta = tuple((t.shape, t.dtype, t.device) for t in kept)
+        call.meta = probe.meta if probe.meta is not None else tuple((t.shape, t.dtype, t.device) for t in kept)
         call.state = state
         call.before = [old for _, old in probe.writes] if probe.reads_state else None
         if probe.reads_state:

@@ -138,7 +138,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     return probe, StageGraph(stop, side, [p for p in params if id(p) not in upstream.leaves], saved, keys)
 
 
-def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=None):
+def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=None, release=False):
     """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
     ``Instrument``, then its backward on that graph.
 
@@ -154,6 +154,10 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=N
         twin: a ``Twin`` (Note [Twin stages], remat/measure/twins.py): given what
             run 1 showed, it may name a stage measured before whose run 2 this
             one takes instead of running its own.
+        release: the call keeps none of the stage's saved tensors for its own
+            backward: run 2 lets each go once the backward has read it for the
+            last time, as a training step's does (Note [Measuring within the
+            budget], remat/measure/holding.py).
 
     Returns:
         A ``Probe`` (remat/measure/record.py) with the stage's costs.
@@ -173,6 +177,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=N
     except InputWritten:
         raise input_modified(call.index, call.name) from None
     fwd_time = inst.op_seconds
+    probe.meta = tuple((t.shape, t.dtype, t.device) for t in saved)
     check_output(call, probe.out, x, version)
     act = first(probe.out)
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
@@ -204,7 +209,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=N
     if donor is not None:
         probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or graph.params):
-        bwd_delta, in_grad = run_backward(call, act, x, graph, inst, probe, pool, anchor)
+        bwd_delta, in_grad = run_backward(call, act, x, graph, inst, probe, pool, anchor, release)
     del act
     # the real forward's writes stay (as one plain forward's); the backward's are undone
     with torch.no_grad():

@@ -79,6 +79,7 @@ class Probe:
     saved_cached: int = 0         # saved bytes a cache keeps (autocast's casts of the weights)
     grad_layout: tuple = None     # strides of its output's gradient in run 2
     input_grad_layout: tuple = None   # strides of the gradient its backward handed its input
+    meta: tuple = None            # (shape, dtype, device) of each tensor it saved, in order
 
     def run2(self):
         """The results of run 2 a twin (Note [Twin stages], remat/measure/twins.py)

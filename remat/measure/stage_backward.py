@@ -16,7 +16,7 @@ from .timing import Timer
 __all__ = ["backward_again", "node_of", "run_backward"]
 
 
-def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None):
+def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None, release=False):
     """Run 2 of Note [Measuring a stage] (remat/measure/profile.py): the stage's backward on
     the real forward's graph, kept for the real backward, metered as one that
     frees its graph runs it (``_Releases``). Sets ``probe``'s bwd_time, grad_layout
@@ -29,6 +29,7 @@ def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None):
             buffers from ``pool``, or None), what it saved.
         inst: the forward's meter.
         anchor: the stage's anchor (``instrumented_run``).
+        release: let each saved tensor go once read for the last time (``_Releases``).
 
     Returns:
         (the backward's peak above its start, the bytes of the gradients of the
@@ -36,8 +37,10 @@ def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None):
     """
     cuda, side, params = act.is_cuda, graph.side, graph.params
     # the meter is off between the two runs: what is made here is no stage's
-    grad_out = torch.ones_like(act)
-    probe.grad_layout = grad_out.stride()
+    # (the gradient handed in takes no memory: the one the engine holds, below, is the
+    # step's; two were one output's bytes over what a step holds)
+    grad_out = torch.ones((), dtype=act.dtype, device=act.device).expand(act.shape)
+    probe.grad_layout = torch.empty_like(act, device="meta").stride()
     # side inputs needing grad: their gradients are taken at their edges as x's is
     # (what the stage adds into the sum the engine holds: remat/measure/measuring.py
     # side_grads), their nodes (before the chain, or a leaf's AccumulateGrad) not run
@@ -46,7 +49,7 @@ def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None):
     hook = x.register_hook(lambda g: setattr(probe, "input_grad_layout", g.stride())) if x.requires_grad else None
     # a training step hands the stage a gradient only the engine holds, which
     # it may add into in place (a residual's sum): so does a copy made here
-    relay = act.register_hook(_engine_owned)
+    relay = act.register_hook(lambda _g, like=act: torch.ones_like(like))   # (laid out as the output)
     with StepGrads(params, pool) as grads:
         inst.ignore_writes(grads)   # AccumulateGrad adds into them: no state to put back
         if cuda:
@@ -55,7 +58,7 @@ def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None):
             base_b = torch.cuda.memory_allocated()
         released = None
         if not cuda:
-            released = _Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor)
+            released = _Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor, release)
             inst.open_window(released.held)
         ops_before = inst.op_seconds
         try:
@@ -96,11 +99,14 @@ class _Releases:
     let go once the node unpacking its last handle has run, as ``_unpack`` and
     autograd do (Note [The life of a saved tensor] 2 in remat/runtime/executor.py).
     ``held`` is their bytes at the start. Without the engine's keep-graph query
-    (old PyTorch) the runtime keeps them to the stage's end, and so does this."""
+    (old PyTorch) the runtime keeps them to the stage's end, and so does this.
+    With ``free``, the storages also go for real (their tensors dropped from
+    ``saved``, the anchor's list), where the call keeps none of them."""
 
-    def __init__(self, act, stop, saved, sizes, out_key, inst, anchor):
+    def __init__(self, act, stop, saved, sizes, out_key, inst, anchor, free=False):
         self.inst, self.anchor, self.saved = inst, anchor, saved
         self.left, self.pending, self.hooks = {}, [], []
+        self.where = {} if free else None   # storage -> the indices of ``saved`` holding it
         if not RELEASES or anchor is None or act.grad_fn is None:
             self.held = 0
             return
@@ -108,6 +114,9 @@ class _Releases:
             key = storage_key(t)
             if key in sizes and key != out_key:
                 self.left[key] = self.left.get(key, 0) + 1
+        if self.where is not None:
+            for i, t in enumerate(saved):
+                self.where.setdefault(storage_key(t), []).append(i)
         self.held = sum(sizes[k] for k in self.left)
         anchor.observe = self.pending.append
         for node in walk([act.grad_fn], stop):
@@ -117,12 +126,18 @@ class _Releases:
 
     def _ran(self, *_):
         for i in self.pending:
-            key = storage_key(self.saved[i])
+            t = self.saved[i]
+            if t is None:
+                continue
+            key = storage_key(t)
             n = self.left.get(key)
             if n is not None:
                 self.left[key] = n - 1
                 if n == 1:
                     self.inst.release(self.sizes[key])
+                    if self.where is not None:
+                        for j in self.where[key]:
+                            self.saved[j] = None
         self.pending.clear()
 
     def close(self):
