@@ -39,12 +39,13 @@ the first call cannot hold to the budget is measuring a stage itself. Its
 measured backward runs on the real forward's graph (retain_graph, for the
 real backward), but where the call keeps none of the saved tensors it lets
 each go once read for the last time, as a step's backward does
-(``_Releases``, remat/measure/stage_backward.py; on CPU), and the gradient it
-hands the stage is the engine's only. The parameters' gradients are added
-into a buffer of their own (``GradPool``), where a step adds them into the
-resident ones: within the size of a stage's largest parameter of the
-minimum, the measuring call may go over the budget by up to that
-(tests/measure/test_first_call_budget.py).
+(``_Releases``, remat/measure/stage_backward.py; on CPU), the gradient it
+hands the stage is the engine's only, and the parameters' gradients are let
+go as they come (a step adds them into resident ones, which the budget does
+not count: buffers standing in for those would count). So the first call
+stays under the budget (tests/measure/test_first_call_budget.py); on CUDA,
+where the saved tensors are held through that backward, within a stage's
+saved bytes of it.
 """
 
 import weakref

@@ -152,8 +152,7 @@ class Measurer:
                 self.grad_pool = GradPool()
             twin = Twin(self.twins, ident, call, x)
             release = not self.holding.keep_all
-            probe = instrumented_run(call, ident, x, rng0, hooks, anchor, self.grad_pool, self.upstream, twin,
-                                     release=release)
+            probe = instrumented_run(call, ident, x, rng0, hooks, anchor, self.upstream, twin, release=release)
             twin.keep(probe)
         else:   # costs come from a file: learn only what replay needs, from this forward
             probe, *_ = observed_forward(call, ident, x, Instrument(exclude=[x], sources=[x]), hooks, kept, rng0,

@@ -16,10 +16,14 @@ this order:
    another order); the meter refuses an op about to write the input (a
    StageError, the input untouched).
 2. The stage's backward on that graph (``retain_graph``), still metered:
-   bwd_tmp and bwd_time. It runs as a training step runs it: parameter
-   gradients are added into ``.grad`` buffers swapped in for the run and out
-   after (``GradPool``, remat/measure/leaves.py); the gradient of the input is made
-   and held to the end, not kept. The engine takes the gradients at the
+   bwd_tmp and bwd_time. It runs as a training step runs it, but for the
+   parameters' gradients, which are let go as they come: a step adds each into
+   a resident ``.grad``, which the budget does not count, and buffers standing
+   in for them would (Note [Measuring within the budget],
+   remat/measure/holding.py); that add, the same in every schedule, is in the
+   times the next calls refine (Note [Timing the second call]). Saved tensors
+   the call keeps none of go once read for the last time; the gradient of the
+   input is made and held to the end, not kept. The engine takes the gradients at the
    edges of the input and of the parameters (``_backward``, remat/measure/stage_backward.py), so the input's
    node, the previous stage's, does not run, nor do AccumulateGrad and its
    hooks (FSDP1's post-backward); the input's and parameters' own hooks are
@@ -138,7 +142,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     return probe, StageGraph(stop, side, [p for p in params if id(p) not in upstream.leaves], saved, keys)
 
 
-def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=None, release=False):
+def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, release=False):
     """Runs 1 and 2 of Note [Measuring a stage]: the stage's real forward under
     ``Instrument``, then its backward on that graph.
 
@@ -146,7 +150,6 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=N
         rng0: the RNG state the stage starts from (``capture_rng``).
         hooks: the saved-tensor hooks of the real forward, whose pack hook
             appends to ``anchor.saved`` and whose unpack hook reads it.
-        pool: a ``GradPool`` for the parameters' gradients.
         upstream: an ``Upstream`` that has taken in ``x`` and the side inputs.
         anchor: the stage's anchor, whose unpacked tensors a backward that
             frees its graph lets go one by one (remat/runtime/executor.py); the
@@ -209,7 +212,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, pool, upstream, twin=N
     if donor is not None:
         probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or graph.params):
-        bwd_delta, in_grad = run_backward(call, act, x, graph, inst, probe, pool, anchor, release)
+        bwd_delta, in_grad = run_backward(call, act, x, graph, inst, probe, anchor, release)
     del act
     # the real forward's writes stay (as one plain forward's); the backward's are undone
     with torch.no_grad():

@@ -16,7 +16,7 @@ from .timing import Timer
 __all__ = ["backward_again", "node_of", "run_backward"]
 
 
-def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None, release=False):
+def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
     """Run 2 of Note [Measuring a stage] (remat/measure/profile.py): the stage's backward on
     the real forward's graph, kept for the real backward, metered as one that
     frees its graph runs it (``_Releases``). Sets ``probe``'s bwd_time, grad_layout
@@ -25,8 +25,7 @@ def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None, relea
     Args:
         act: the stage's output; ``x`` its input.
         graph: its ``StageGraph`` (remat/measure/record.py): where it ends, the
-            side inputs and leaves whose gradients it makes (their ``.grad``
-            buffers from ``pool``, or None), what it saved.
+            side inputs and leaves whose gradients it makes, what it saved.
         inst: the forward's meter.
         anchor: the stage's anchor (``instrumented_run``).
         release: let each saved tensor go once read for the last time (``_Releases``).
@@ -50,8 +49,10 @@ def run_backward(call, act, x, graph, inst, probe, pool=None, anchor=None, relea
     # a training step hands the stage a gradient only the engine holds, which
     # it may add into in place (a residual's sum): so does a copy made here
     relay = act.register_hook(lambda _g, like=act: torch.ones_like(like))   # (laid out as the output)
-    with StepGrads(params, pool) as grads:
-        inst.ignore_writes(grads)   # AccumulateGrad adds into them: no state to put back
+    # (the parameters' gradients are not added anywhere: Note [Measuring within the
+    # budget] in remat/measure/holding.py)
+    with HeldHooks(params):
+        grads = [None] * len(params)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -177,15 +178,16 @@ def _backward(out, grad, x, params, grads, side=()):
     at the edges of x and of ``params``, as ``torch.autograd.grad`` does (an input's
     node runs in ``backward``'s mode), x's held to the end as a training step holds
     it for the stage before; each parameter's is added into its buffer of ``grads``
-    by a hook, as AccumulateGrad adds into an existing ``.grad``, and leaves a zero
-    that takes no memory. The engine is called directly where PyTorch allows: the
+    by a hook, as AccumulateGrad adds into an existing ``.grad`` (dropped where its
+    buffer is None), and leaves a zero that takes no memory. The engine is called directly where PyTorch allows: the
     public call checks grad's shape with sympy, imported on first use (half a
     second of a first call, for a check that cannot fail here)."""
     zeros = {}
 
     def adder(buf):
         def add(g):
-            buf.add_(g)
+            if buf is not None:
+                buf.add_(g)
             if g.layout != torch.strided:
                 return g
             key = (g.dtype, g.device)

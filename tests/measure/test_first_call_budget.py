@@ -61,28 +61,22 @@ def test_first_call_a_new_batch_size_and_a_changing_path_keep_near_the_budget():
     assert max(peaks) <= budget, (peaks, budget)
 
 
-@given(st.integers(2, 12), st.floats(0.0, 1.0), st.sampled_from([0, 1, 4]))
+@given(st.integers(2, 12), st.floats(0.0, 1.0), st.sampled_from([0, 1, 4, 10]))
 def test_first_call_within_reach_of_the_budget(n, fraction, head):
-    """Chains of 2 to 12 blocks with a head of 0 to 4 times a block's output inside the
+    """Chains of 2 to 12 blocks with a head of 0 to 10 times a block's output inside the
     chain's block, at budgets from the minimum to storing everything: the measuring
-    call's whole-step peak stays under the budget but for what measuring a stage
-    needs beyond what its backward in a step needs: a buffer the size of its
-    largest parameter, which its gradients are added into (a step adds them into
-    resident ones); the calls after it under the budget. Before, the tail, unknown
-    while the stages ran, came on top of the stage inputs the call held (up to
-    about 1.3 times the budget), and measuring a stage held its graph through its
-    backward, a second gradient of its output and a buffer for each parameter."""
+    call's whole-step peak stays under the budget, and so do the calls after it.
+    Before, the tail, unknown while the stages ran, came on top of the stage inputs
+    the call held (up to about 1.3 times the budget), and measuring a stage held its
+    graph through its backward, a second gradient of its output and a buffer for
+    each parameter."""
     blocks = _blocks(n, d=64)
     linear = nn.Linear(64, 64 * head) if head else None
     costs = _costs(blocks, head=linear)
     low, high = minimum_budget(costs), remat.simulate(costs, store_all(costs.length)).peak
     budget = int(low + fraction * (high - low))
     peaks = [_step(blocks, budget, head=linear) for _ in range(3)]
-    measuring = max(p.numel() * p.element_size() for p in blocks[0].parameters())
-    assert peaks[0] <= budget + measuring, (peaks, budget, low, high)
-    if budget >= low + measuring:
-        assert peaks[0] <= budget, (peaks, budget, low, high)
-    assert max(peaks[1:]) <= budget, (peaks, budget)
+    assert max(peaks) <= budget, (peaks, budget, low, high)
 
 
 def test_a_stage_that_cannot_fit_raises_before_the_stages_after_it():
