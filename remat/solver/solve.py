@@ -54,6 +54,7 @@ import warnings
 from .bound import time_bound
 from .costs import MAX_BYTES, Costs
 from .option import Option
+from .progress import solving
 from ..errors import BudgetError, RematError, SolverError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from ..units import format_bytes
@@ -208,7 +209,8 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
     name, k = _parse_algorithm(algorithm, n)
     if name != "optimal":
         return _solve_fixed(costs, budget, algorithm, name, k)
-    return _solve_optimal(costs, budget, slots)
+    with solving(f"remat: solving {n:,} stages"):   # (progress past 2 s; Ctrl-C stops it)
+        return _solve_optimal(costs, budget, slots)
 
 
 def _solve_fixed(costs, budget, algorithm, name, k):
