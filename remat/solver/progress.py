@@ -16,7 +16,8 @@ press Ctrl-C.
 
 Once a solve has run ``SHOW_AFTER`` seconds (from the outermost ``solving``
 block, the whole of ``remat.solve``), the C call then running shows a tqdm bar
-on stderr, the table's rows done out of its total.
+on stderr, the table's rows done out of its total, and the steps between
+tables (a long chain's, on groups) say a line each (``phase``).
 """
 
 import contextlib
@@ -24,7 +25,7 @@ import sys
 import threading
 import time
 
-__all__ = ["solving", "run", "SHOW_AFTER", "POLL"]
+__all__ = ["solving", "phase", "run", "SHOW_AFTER", "POLL"]
 
 SHOW_AFTER = 2.0    # seconds of a solve before its progress shows
 POLL = 0.05         # seconds between looks at a running C solve
@@ -46,6 +47,14 @@ def solving(what):
     finally:
         if outer is None:
             _state.start = None
+
+
+def phase(text):
+    """Say on stderr that a solve past ``SHOW_AFTER`` seconds is now at ``text`` (the
+    steps between C tables, which show their own bars)."""
+    start = getattr(_state, "start", None)
+    if start is not None and _clock() - start >= SHOW_AFTER:
+        print(f"{_state.what}: {text}", file=sys.stderr, flush=True)
 
 
 def run(call, control, work, phase):

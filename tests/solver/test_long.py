@@ -1,7 +1,10 @@
-"""Long solves (docs/how-it-works.md, "Long chains"): Ctrl-C stops one within a
-second and leaves nothing behind; one that runs long shows its progress."""
+"""Long chains (docs/how-it-works.md, "Long chains"): solved on groups of stages
+where the exact table would take too long, valid on the stages' own costs and
+said so; Ctrl-C stops a solve within a second and leaves nothing behind; one
+that runs long shows its progress."""
 
 import _thread
+import math
 import os
 import random
 import sys
@@ -9,9 +12,15 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, strategies as st
 
-from remat.solver import progress
+from random_costs import random_costs, random_options
+from remat.chain import Explanation
+from remat.errors import BudgetError
+from remat.solver import binding as _c_solver, progress
 from remat.solver.costs import Costs
+from remat.solver.group import EXACT_WORK, cuts, exact_work, expand, group_count, grouped_costs
+from remat.solver.plan import Plan
 from remat.solver.schedule import simulate
 from remat.solver.solve import minimum_budget, solve, store_all
 
@@ -61,3 +70,115 @@ def test_a_short_solve_shows_nothing(capsys):
     costs = Costs(**make_chain(100))
     solve(costs, _mid_budget(costs))
     assert capsys.readouterr().err == ""
+
+
+def _budget_between(costs, rng, frac=None):
+    """A budget between the chain's minimum and storing everything (``frac`` of the
+    way, random if None)."""
+    lo, hi = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    return int(lo + (rng.random() if frac is None else frac) * (hi - lo))
+
+
+@given(seed=st.integers(0, 2**32), n=st.integers(2, 30))
+def test_grouped_costs_bound_their_stages(seed, n):
+    """On random chains (tails, drops, options), every schedule of a coarse chain,
+    written as its stages' ops, takes the coarse schedule's time and peaks no
+    higher on the stages' own costs (remat/solver/group.py Note [Groups])."""
+    rng = random.Random(seed)
+    costs = random_costs(rng, n)
+    if rng.random() < 0.5:
+        costs = random_options(rng, costs)
+    ranges = cuts(costs, rng.randint(1, n))
+    coarse = grouped_costs(costs, ranges)
+    assert [lo for lo, _ in ranges] == [1] + [hi + 1 for _, hi in ranges[:-1]] and ranges[-1][1] == n
+    if costs.tail:
+        assert ranges[-1] == (n, n) and coarse.tail
+    schedules = [_c_solver.least_memory(coarse)[0], store_all(coarse.length)]
+    top = simulate(coarse, store_all(coarse.length)).peak
+    for _ in range(3):
+        try:
+            schedules.append(solve(coarse, rng.randint(1, top + 5)).ops)
+        except BudgetError:
+            pass
+    for ops in schedules:
+        want, got = simulate(coarse, ops), simulate(costs, expand(ops, ranges))
+        assert got.peak <= want.peak
+        assert math.isclose(got.time, want.time, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@given(seed=st.integers(0, 2**32), n=st.integers(3, 30))
+def test_grouped_schedules_are_valid_and_never_faster(seed, n):
+    """Forced onto groups, ``solve`` returns a schedule of the L stages that fits the
+    budget on their own costs (``simulate``), that ``Plan.of`` takes, says it was
+    grouped, and is never faster than the exact optimum (1-byte slots); where 4
+    times the groups reach the stages themselves, it fits wherever the exact solve does."""
+    rng = random.Random(seed)
+    costs = random_costs(rng, n)
+    if rng.random() < 0.5:
+        costs = random_options(rng, costs)
+    budget = _budget_between(costs, rng)
+    exact = solve(costs, budget, slots=budget)   # (1-byte slots: the true optimum)
+    groups = rng.randint(1, n - 1)
+    try:
+        grouped = solve(costs, budget, groups=groups)
+    except BudgetError:
+        assert 4 * groups < n   # (the finer chain is still coarse)
+        return
+    sim = simulate(costs, grouped)
+    assert sim.peak <= budget and (grouped.time, grouped.peak) == sim
+    assert grouped.time >= exact.time - 1e-9 * max(1.0, exact.time)
+    assert grouped.length == n and grouped.tail == costs.tail
+    Plan.of(grouped, costs)
+    assert grouped.grouping is None or sum(grouped.grouping.sizes) == n
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_realistic_chains_fit_and_stay_close(seed):
+    """On a realistic chain of 120 stages at a mid budget, 30 groups fit, and are
+    within 1.5 x the exact schedule's time."""
+    costs = Costs(**make_chain(120, seed=seed))
+    budget = _mid_budget(costs)
+    exact, grouped = solve(costs, budget), solve(costs, budget, groups=30)
+    assert grouped.peak <= budget and simulate(costs, grouped).peak <= budget
+    assert exact.time - 1e-9 <= grouped.time <= 1.5 * exact.time
+    assert grouped.grouping is not None and len(grouped.grouping.sizes) <= 30
+
+
+def test_chains_the_table_handles_are_not_grouped():
+    """Up to EXACT_WORK (1,000 stages at 500 slots) the solve is exact; past it, grouped."""
+    assert exact_work(1000, 500) <= EXACT_WORK < exact_work(1001, 500)
+    costs = Costs(**make_chain(60))
+    assert solve(costs, _mid_budget(costs)).grouping is None
+
+
+def test_a_long_chain_is_grouped_and_says_so():
+    """A 3,000-stage chain solves on a few hundred groups, fits, and its summary
+    and explain()'s text say so."""
+    costs = Costs(**make_chain(3000))
+    top = simulate(costs, store_all(3000)).peak
+    schedule = solve(costs, top // 3)
+    assert schedule.grouping is not None and len(schedule.grouping.sizes) <= group_count(500)
+    assert sum(schedule.grouping.sizes) == 3000 and simulate(costs, schedule).peak <= top // 3
+    assert "groups of stages" in schedule.summary()
+    text = str(Explanation(costs, schedule, top // 3, []))
+    assert "solved on" in text and "the exact table on 3,000 stages would take" in text
+
+
+def test_a_budget_below_every_coarse_chain_says_what_it_found():
+    """Below the finest coarse chain's minimum the error names that minimum and the
+    grouping; where the finer chain is the stages themselves, the chain's minimum."""
+    costs = Costs(**make_chain(40))
+    least = minimum_budget(costs)
+    with pytest.raises(BudgetError, match="this chain's minimum") as exc:
+        solve(costs, least - 1, groups=10)
+    assert exc.value.minimum == least
+    with pytest.raises(BudgetError, match="planned on 8 groups"):
+        solve(costs, least, groups=2)
+
+
+def test_groups_must_be_a_positive_int():
+    """``groups`` is None or an int >= 1."""
+    costs = Costs.uniform(4, size=10)
+    for bad in (0, -1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="groups must be"):
+            solve(costs, 45, groups=bad)
