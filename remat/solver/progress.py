@@ -75,9 +75,8 @@ def run(call, control, work, phase):
             worker.join(POLL)
             if bar is None and worker.is_alive() and _clock() - start >= SHOW_AFTER and control.total > 0:
                 bar = _bar(control.total, f"{what}: {phase}")
-            if bar is not None:
-                bar.n = min(control.done, bar.total)
-                bar.refresh()
+            if bar is not None:   # (update: tqdm redraws at most every mininterval)
+                bar.update(min(control.done, bar.total) - bar.n)
     except BaseException:   # (KeyboardInterrupt: stop the C solve, then let it through)
         control.cancel = 1
         while worker.is_alive():
