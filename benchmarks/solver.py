@@ -151,20 +151,16 @@ def run_long(length, options):
     """In this process: ``remat.solve`` on a chain of ``length`` stages at a mid budget,
     once; prints one JSON line."""
     sys.path.insert(0, ROOT)
-    from remat.solver import binding
     from remat.solver.costs import Costs
-    from remat.solver.group import EXACT_WORK, cuts, exact_work, group_count, grouped_costs
+    from remat.solver.group import least_planned
     from remat.solver.schedule import simulate
-    from remat.solver.solve import DEFAULT_SLOTS, best_periodic, minimum_budget, solve, store_all
+    from remat.solver.solve import DEFAULT_SLOTS, best_periodic, solve, store_all
 
     t0 = time.perf_counter()
     costs = Costs(**make_chain(length, options=options))
     built = time.perf_counter() - t0
     plain = Costs(**make_chain(length))
-    if exact_work(length, DEFAULT_SLOTS) <= EXACT_WORK:
-        least = minimum_budget(plain)
-    else:   # (the least schedule remat finds: its finest coarse chain's)
-        least = binding.least_memory(grouped_costs(plain, cuts(plain, 4 * group_count(DEFAULT_SLOTS))))[1]
+    least = least_planned(plain, DEFAULT_SLOTS)   # (past the exact table: its finest coarse chain's)
     everything = simulate(costs, store_all(length))
     budget = int(math.sqrt(least * everything.peak))
     t0 = time.perf_counter()

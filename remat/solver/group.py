@@ -47,7 +47,8 @@ from typing import NamedTuple
 from .costs import Costs
 from .schedule import B, Fall, Fck, Fn, Loss
 
-__all__ = ["Grouping", "EXACT_WORK", "GROUP_WORK", "exact_work", "group_count", "cuts", "grouped_costs", "expand"]
+__all__ = ["Grouping", "EXACT_WORK", "GROUP_WORK", "exact_work", "group_count", "cuts", "grouped_costs", "expand",
+           "solve_on_groups", "least_planned"]
 
 # The exact table runs up to this L^3 x slots: L = 1,000 stages at 500 slots (about
 # 11 s on 2 cores), so chains the table used to solve are solved as before.
@@ -219,6 +220,17 @@ def solve_on_groups(costs, budget, slots, count):
     ops, sim = _at_least_periodic(costs, budget, best[0], best[1], few=True)
     grouping = Grouping(best[3], SECONDS_PER_WORK * exact_work(n, slots)) if len(best[3]) < n else None
     return Schedule(ops, sim.time, sim.peak, "optimal", budget, best[2], costs.tail, grouping)
+
+
+def least_planned(costs, slots):
+    """The least budget ``solve``'s optimal algorithm plans ``costs`` in: the chain's
+    minimum where it solves exactly, else its finest coarse chain's (4 x
+    ``group_count`` groups), the minimum its ``BudgetError`` names."""
+    from . import binding as _c_solver
+
+    if exact_work(costs.length, slots) > EXACT_WORK:
+        costs = grouped_costs(costs, cuts(costs, 4 * group_count(slots)))
+    return _c_solver.least_memory(costs)[1] + costs.held_bytes
 
 
 def _below(costs, budget, least, groups):
