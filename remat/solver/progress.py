@@ -67,7 +67,14 @@ def run(call, control, work, phase):
     start = _clock() if start is None else start
     what = getattr(_state, "what", None) or "remat: solving"
     done = []
-    worker = threading.Thread(target=lambda: done.append(call()), name="remat-solver", daemon=True)
+
+    def work():
+        try:
+            done.append((call(), None))
+        except BaseException as exc:   # (raised again on the calling thread)
+            done.append((None, exc))
+
+    worker = threading.Thread(target=work, name="remat-solver", daemon=True)
     bar = None
     worker.start()
     try:
@@ -88,7 +95,10 @@ def run(call, control, work, phase):
     finally:
         if bar is not None:
             bar.close()
-    return done[0]
+    value, exc = done[0]
+    if exc is not None:
+        raise exc
+    return value
 
 
 def _bar(total, desc):

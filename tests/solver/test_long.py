@@ -55,6 +55,39 @@ def test_ctrl_c_stops_a_solve_within_a_second():
     assert solve(small, _mid_budget(small)).peak <= _mid_budget(small)
 
 
+def test_an_interrupted_chain_call_caches_no_plan():
+    """Ctrl-C during a chain call's solve (``plan_for``) keeps no plan: the next call
+    with the same key solves again."""
+    from remat.runtime.chain_call import plan_for
+
+    big, small = Costs(**make_chain(700)), Costs(**make_chain(20))
+
+    class Entry:   # (what plan_for reads of a chain's record)
+        plans = {}
+        costs = big
+
+        def planning_costs(self, output=True):
+            return self.costs
+
+        def counts_output(self):
+            return False
+
+    entry, budget = Entry(), _mid_budget(big)
+    timer = threading.Timer(0.7, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            plan_for(entry, budget, "optimal", 500)
+            time.sleep(5)
+    finally:
+        timer.cancel()
+        timer.join()
+    assert entry.plans == {}
+    entry.costs = small
+    plan = plan_for(entry, budget, "optimal", 500)
+    assert plan.costs is small and entry.plans == {(budget, "optimal", 500): plan}
+
+
 def test_a_long_solve_shows_progress(monkeypatch, capsys):
     """Past SHOW_AFTER seconds a solve shows a bar on stderr naming its table."""
     monkeypatch.setattr(progress, "SHOW_AFTER", 0.0)
