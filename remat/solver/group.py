@@ -72,9 +72,8 @@ class Grouping(NamedTuple):
     def __str__(self):
         small, large = min(self.sizes), max(self.sizes)
         each = f"{small}" if small == large else f"{small} to {large}"
-        return (f"solved on {len(self.sizes):,} groups of {each} adjacent stages: the exact table on "
-                f"{sum(self.sizes):,} stages would take {_duration(self.exact_seconds)} "
-                f"(docs/how-it-works.md, \"Long chains\")")
+        return (f"solved on {len(self.sizes):,} groups of {each} adjacent stages: the exact table would take "
+                f"{_duration(self.exact_seconds)} (docs/how-it-works.md, \"Long chains\")")
 
 
 def _duration(seconds):

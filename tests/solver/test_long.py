@@ -98,6 +98,15 @@ def test_a_long_solve_shows_progress(monkeypatch, capsys):
     assert "remat: solving" in capsys.readouterr().err
 
 
+def test_a_long_grouped_solve_says_its_steps(monkeypatch, capsys):
+    """Past SHOW_AFTER seconds the steps of a solve on groups say a line each."""
+    monkeypatch.setattr(progress, "SHOW_AFTER", 0.0)
+    costs = Costs(**make_chain(60))
+    solve(costs, _mid_budget(costs), groups=10)
+    err = capsys.readouterr().err
+    assert "remat: solving 60 stages: planning on 10 groups of stages" in err and "checking" in err
+
+
 def test_a_short_solve_shows_nothing(capsys):
     """A solve that ends within SHOW_AFTER prints nothing."""
     costs = Costs(**make_chain(100))
@@ -194,7 +203,7 @@ def test_a_long_chain_is_grouped_and_says_so():
     assert sum(schedule.grouping.sizes) == 3000 and simulate(costs, schedule).peak <= top // 3
     assert "groups of stages" in schedule.summary()
     text = str(Explanation(costs, schedule, top // 3, []))
-    assert "solved on" in text and "the exact table on 3,000 stages would take" in text
+    assert "solved on 299 groups of" in text and "the exact table would take ~" in text
 
 
 def test_a_budget_below_every_coarse_chain_says_what_it_found():
@@ -215,3 +224,29 @@ def test_groups_must_be_a_positive_int():
     for bad in (0, -1, 2.0, True, "3"):
         with pytest.raises(ValueError, match="groups must be"):
             solve(costs, 45, groups=bad)
+
+
+def test_the_runtime_runs_a_grouped_schedule(monkeypatch):
+    """A chain solved on groups (forced: every chain past the exact table, 4 groups)
+    trains bitwise as plain PyTorch does, within its budget, and explain() says it
+    was grouped."""
+    import copy
+
+    import torch
+
+    import remat
+    import remat.solver.solve as solve_module
+    from chains import Net, assert_same, budget_for, measured_costs, train
+
+    monkeypatch.setattr(solve_module, "EXACT_WORK", 0)
+    monkeypatch.setattr(solve_module, "group_count", lambda slots: 4)
+    kinds = ["mlp", "attn", "bn", "dropout", "mlp", "linear", "gelu", "mlp", "attn", "linear", "relu", "mlp"]
+    torch.manual_seed(0)
+    base = Net(kinds)
+    ref = train(copy.deepcopy(base))
+    net = copy.deepcopy(base)
+    net.budget = budget_for(measured_costs(base), "optimal", 0.5)
+    assert_same(ref, train(net))
+    explained = remat.explain()
+    assert explained.schedule.grouping is not None and explained.schedule.peak <= net.budget
+    assert "solved on 4 groups of" in str(explained)
