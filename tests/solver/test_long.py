@@ -55,6 +55,23 @@ def test_ctrl_c_stops_a_solve_within_a_second():
     assert solve(small, _mid_budget(small)).peak <= _mid_budget(small)
 
 
+def test_ctrl_c_stops_the_least_memory_program():
+    """The least-memory program (src_c/minmemory.c) stops within 1 s of a Ctrl-C too."""
+    costs = Costs(**make_chain(2500))   # (its least-memory program runs for seconds)
+    sent = []
+    timer = threading.Timer(0.5, lambda: (sent.append(time.monotonic()), _thread.interrupt_main()))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _c_solver.least_memory(costs)
+            time.sleep(5)
+        stopped = time.monotonic()
+    finally:
+        timer.cancel()
+        timer.join()
+    assert sent and stopped - sent[0] < 1.0
+
+
 def test_an_interrupted_chain_call_caches_no_plan():
     """Ctrl-C during a chain call's solve (``plan_for``) keeps no plan: the next call
     with the same key solves again."""
