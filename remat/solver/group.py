@@ -216,6 +216,7 @@ def solve_on_groups(costs, budget, slots, count):
             break
     if best is None:
         raise _below(costs, budget, least, len(ranges))
+    phase("comparing with the periodic schedules")
     ops, sim = _at_least_periodic(costs, budget, best[0], best[1], few=True)
     grouping = Grouping(best[3], SECONDS_PER_WORK * exact_work(n, slots)) if len(best[3]) < n else None
     return Schedule(ops, sim.time, sim.peak, "optimal", budget, best[2], costs.tail, grouping)
