@@ -1,5 +1,7 @@
 """Time the C solver (MIN_TIME) on random heterogeneous chains, fast vs naive;
-and with three options a stage (remat.Option: other ways to record it).
+and with three options a stage (remat.Option: other ways to record it); and
+``remat.solve`` itself on long chains, up to 100,000 stages (solved on groups
+of stages past the exact table: remat/solver/group.py Note [Groups]).
 
 Each case runs in its own subprocess that loads only the compiled cffi
 module (not torch); its peak RSS (VmHWM, which unlike ru_maxrss starts
@@ -8,6 +10,7 @@ and benchmarks/results/solver.md.
 
     python benchmarks/solver.py                 # the full table
     python benchmarks/solver.py --quick         # L <= 200 only
+    python benchmarks/solver.py --long-only     # the long chains' rows again, the rest kept
 """
 
 import argparse
@@ -29,6 +32,8 @@ SLOTS = (500, 1000)
 # (L, slots) solved again with OPTIONS options a stage
 OPTION_CASES = ((200, 500), (200, 1000), (500, 500))
 OPTIONS = 3
+# remat.solve end to end (Costs built, grouping, simulate): (L, options a stage)
+LONG_CASES = ((200, 0), (1000, 0), (2000, 0), (5000, 0), (5000, 3), (20000, 0), (100000, 0))
 # The naive table is O(L^3 slots) time and L^2 slots doubles: run it only below this.
 NAIVE_MAX_WORK = 1e10
 REPEATS = 3
@@ -142,6 +147,40 @@ def run_case(length, slots, mode_name, budget, options=0):
     }))
 
 
+def run_long(length, options):
+    """In this process: ``remat.solve`` on a chain of ``length`` stages at a mid budget,
+    once; prints one JSON line."""
+    sys.path.insert(0, ROOT)
+    from remat.solver.costs import Costs
+    from remat.solver.group import least_planned
+    from remat.solver.schedule import simulate
+    from remat.solver.solve import DEFAULT_SLOTS, best_periodic, solve, store_all
+
+    t0 = time.perf_counter()
+    costs = Costs(**make_chain(length, options=options))
+    built = time.perf_counter() - t0
+    plain = Costs(**make_chain(length))
+    least = least_planned(plain, DEFAULT_SLOTS)   # (past the exact table: its finest coarse chain's)
+    everything = simulate(costs, store_all(length))
+    budget = int(math.sqrt(least * everything.peak))
+    t0 = time.perf_counter()
+    schedule = solve(costs, budget)
+    seconds = time.perf_counter() - t0
+    sim = simulate(costs, schedule)
+    assert sim.peak <= budget and sim.time == schedule.time
+    k = max(1, round(math.sqrt(length)))
+    sqrt = best_periodic(costs, budget, [k])
+    print(json.dumps({
+        "length": length, "options": options, "seconds": seconds, "build_seconds": built, "budget": budget,
+        "least": least, "store_all_peak": everything.peak, "store_all_time": everything.time,
+        "time": schedule.time, "peak": schedule.peak, "recomputations": schedule.recomputations(),
+        "groups": len(schedule.grouping.sizes) if schedule.grouping else None,
+        "group_sizes": [min(schedule.grouping.sizes), max(schedule.grouping.sizes)] if schedule.grouping else None,
+        "exact_seconds_estimate": schedule.grouping.exact_seconds if schedule.grouping else None,
+        "sqrt_time": sqrt[2].time if sqrt else None,
+    }))
+
+
 def _rss(field):
     """Bytes of /proc/self/status's ``field`` (VmRSS now, VmHWM the peak)."""
     with open("/proc/self/status") as fh:
@@ -160,16 +199,44 @@ def _spawn(length, slots, mode, budget, options=0):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", nargs=5, metavar=("L", "SLOTS", "SOLVER", "BUDGET", "OPTIONS"))
+    parser.add_argument("--long", nargs=2, metavar=("L", "OPTIONS"))
     parser.add_argument("--quick", action="store_true", help="only L <= 200")
+    parser.add_argument("--long-only", action="store_true", help="only the long chains (remat.solve)")
     args = parser.parse_args()
     if args.case:
         run_case(int(args.case[0]), int(args.case[1]), args.case[2], int(args.case[3]), int(args.case[4]))
         return
+    if args.long:
+        run_long(int(args.long[0]), int(args.long[1]))
+        return
     sys.path.insert(0, ROOT)
+    if args.long_only:
+        with open(os.path.join(RESULTS, "solver.json")) as fh:
+            rows = json.load(fh)["cases"]
+    else:
+        rows = _table_rows(args.quick)
+    long_rows = []
+    for length, options in LONG_CASES:
+        if args.quick and length > 200:
+            continue
+        out = subprocess.run([sys.executable, __file__, "--long", str(length), str(options)],
+                             capture_output=True, text=True, check=True)
+        long_rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(_long_line(long_rows[-1]), flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "solver.json"), "w") as fh:
+        json.dump({"machine": _machine(), "repeats": REPEATS, "cases": rows, "long": long_rows}, fh, indent=1)
+    with open(os.path.join(RESULTS, "solver.md"), "w") as fh:
+        fh.write(_table(rows) + "\n" + _long_table(long_rows))
+    print(_table(rows) + "\n" + _long_table(long_rows))
+
+
+def _table_rows(quick):
+    """The C solver's rows: fast and naive tables, in subprocesses."""
     rows = []
     cases = [(length, slots, 0) for length in LENGTHS for slots in SLOTS]
     for length, slots, options in cases + [(length, slots, OPTIONS) for length, slots in OPTION_CASES]:
-        if args.quick and length > 200:
+        if quick and length > 200:
             continue
         budget, least, peak = budget_of(length)
         fast = _spawn(length, slots, "fast", budget, options)
@@ -179,12 +246,38 @@ def main():
         row = {"fast": fast, "naive": naive, "min_budget": least, "store_all_peak": peak}
         rows.append(row)
         print(_line(row), flush=True)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "solver.json"), "w") as fh:
-        json.dump({"machine": _machine(), "repeats": REPEATS, "cases": rows}, fh, indent=1)
-    with open(os.path.join(RESULTS, "solver.md"), "w") as fh:
-        fh.write(_table(rows))
-    print(_table(rows))
+    return rows
+
+
+def _long_line(r):
+    grouped = f"{r['groups']} groups of {r['group_sizes'][0]}-{r['group_sizes'][1]}" if r["groups"] else "exact"
+    return (f"L={r['length']} options={r['options']}: solve {r['seconds']:.2f} s ({grouped}), "
+            f"{r['time'] / r['store_all_time']:.3f} x store-all time")
+
+
+def _long_table(rows):
+    out = [
+        "# remat.solve on long chains",
+        "",
+        "One run each (`--long-only` runs them again); the chains as above, `Costs` built beforehand (the build "
+        "column); budget = geometric mean of the least schedule remat finds (the exact minimum up to L = 1,000, "
+        "else that of the finest coarse chain, 4 x 300 groups) and the store-all peak. Past the exact table "
+        "(L^3 x slots > 1,000^3 x 500) remat solves on groups of adjacent stages (docs/how-it-works.md, "
+        "\"Long chains\"); \"exact would take\" is its estimate of the table's time. Times relative to storing "
+        "everything; √L periodic is checkpoint_sequential's schedule at that budget (- where it does not fit). "
+        f"Machine: {os.cpu_count()} CPUs, shared with other jobs.",
+        "",
+        "| L | options | solve (s) | build (s) | grouped | exact would take | time / store-all | "
+        "√L periodic / store-all | recomputed stages |",
+        "| ---: | ---: | ---: | ---: | :--- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        grouped = f"{r['groups']} groups of {r['group_sizes'][0]}-{r['group_sizes'][1]}" if r["groups"] else "no"
+        est = f"{r['exact_seconds_estimate']:,.0f} s" if r["groups"] else "-"
+        sqrt = f"{r['sqrt_time'] / r['store_all_time']:.3f}" if r["sqrt_time"] else "-"
+        out.append(f"| {r['length']:,} | {r['options']} | {r['seconds']:.2f} | {r['build_seconds']:.2f} | {grouped} | "
+                   f"{est} | {r['time'] / r['store_all_time']:.3f} | {sqrt} | {r['recomputations']:,} |")
+    return "\n".join(out) + "\n"
 
 
 def _line(row):

@@ -201,6 +201,8 @@ class Explanation:
         if self.schedule is None:
             return head + "\n" + self.table()
         summary = self.schedule.summary()
+        if getattr(self.schedule, "grouping", None) is not None:   # (remat/solver/group.py Note [Groups])
+            summary += f"\n{self.schedule.grouping}"
         if self.measured_peak is not None:
             summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
         return f"{head}\n{summary}\n{self.table()}\nschedule:\n{self.schedule}"

@@ -107,7 +107,7 @@ int main(int argc, char **argv)
     unsigned long long iters = argc > 1 ? strtoull(argv[1], NULL, 10) : 2000, iter;
     double seconds = argc > 2 ? atof(argv[2]) : 0.0;
     time_t start = time(NULL);
-    unsigned long long counts[16] = {0};
+    unsigned long long counts[REMAT_E_CANCELLED + 1] = {0};
     state = (argc > 3 ? strtoull(argv[3], NULL, 10) : 1) * 2654435761ULL + 88172645463325252ULL;
     for (iter = 0; iters == 0 || iter < iters; iter++) {
         long long n, alloc, k, scale, budget, slots, cap, limit;
@@ -118,6 +118,7 @@ int main(int argc, char **argv)
         int *codes, *stages, *options;
         remat_chain chain;
         remat_plan plan;
+        remat_control control;
         if (seconds > 0 && difftime(time(NULL), start) >= seconds)
             break;
         switch (below(10)) {
@@ -222,11 +223,21 @@ int main(int argc, char **argv)
         plan.codes = below(20) ? codes : NULL;
         plan.stages = stages;
         plan.options = below(30) ? options : NULL;
+        /* progress and cancellation: none, watched, or cancelled before the call */
+        control.cancel = below(6) == 0;
+        control.done = control.total = -1;
+        plan.control = below(2) ? &control : NULL;
         status = remat_solve(below(40) ? &chain : NULL, budget, slots, mode, limit, below(40) ? &plan : NULL);
-        if (status < REMAT_OK || status > REMAT_E_INTERNAL || !remat_strerror(status))
+        if (status < REMAT_OK || status > REMAT_E_CANCELLED || !remat_strerror(status))
             fail(iter, "undefined status");
         if (status == REMAT_E_INTERNAL)
             fail(iter, "internal error");
+        if (status == REMAT_E_CANCELLED && !(plan.control && control.cancel))
+            fail(iter, "cancelled without being asked");
+        if (status == REMAT_OK && plan.control && control.cancel)
+            fail(iter, "a plan despite a cancel");
+        if (status == REMAT_OK && plan.control && control.done != control.total)
+            fail(iter, "progress does not reach its total");
         if (status == REMAT_OK)
             check_plan(iter, &plan, n, chain.option_first);
         counts[status]++;
@@ -235,7 +246,7 @@ int main(int argc, char **argv)
         free(codes); free(stages); free(options);
     }
     printf("fuzz: %llu calls, %llu Falls with an option;", iter, option_falls);
-    for (iter = 0; iter <= REMAT_E_INTERNAL; iter++)
+    for (iter = 0; iter <= REMAT_E_CANCELLED; iter++)
         if (counts[iter])
             printf(" status %llu: %llu;", iter, counts[iter]);
     printf("\n");

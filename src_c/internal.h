@@ -19,6 +19,21 @@ typedef long long ll;
 static inline ll sadd(ll a, ll b) { return (b > LLONG_MAX - a) ? LLONG_MAX : a + b; }
 static inline ll smax(ll a, ll b) { return a > b ? a : b; }
 static inline ll smin(ll a, ll b) { return a < b ? a : b; }
+/* The caller asked the solve to stop (remat_control; ctl may be NULL). */
+static inline int cancelled(const remat_control *ctl) { return ctl && ctl->cancel; }
+/* Work done, reported to the caller (threads add to it at once). */
+static inline void advance(remat_control *ctl, ll work)
+{
+    if (!ctl)
+        return;
+#ifdef _OPENMP
+#pragma omp atomic
+#endif
+    ctl->done += work;
+}
+/* The work of a table over n stages, a row (a, t) weighing t - a + 1 (its split points). */
+static inline ll table_work(ll n) { return n * (n + 1) / 6 * (n + 2) + (n * (n + 1) % 6) * (n + 2) / 6; }
+
 /* Index of the pair (a, t), 1 <= a <= t, in triangular tables. */
 static inline ll pidx(ll a, ll t) { return t * (t - 1) / 2 + (a - 1); }
 

@@ -100,7 +100,10 @@ int remat_solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
         free(p.mem);
         return REMAT_E_NOMEM;
     }
-    for (d = 0; d < n; d++) {
+    if (out->control)
+        out->control->total = table_work(n);
+    for (d = 0; d < n && !cancelled(out->control); d++) {
+        advance(out->control, (d + 1) * (n - d));
         for (a = 1; a + d <= n; a++) {
             ll t = a + d, split = LLONG_MAX, need = p.fa[a], j, q;
             /* the split branch is the same with or without the drop: Fck(a) keeps a^(a-1) */
@@ -117,7 +120,9 @@ int remat_solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
         }
     }
     m0 = L.lo[pidx(1, n)];
-    if (sadd(m0, p.x[0]) > REMAT_MAX_BYTES) {
+    if (cancelled(out->control)) {   /* (the table may be unfinished) */
+        st = REMAT_E_CANCELLED;
+    } else if (sadd(m0, p.x[0]) > REMAT_MAX_BYTES) {
         st = REMAT_E_OVERFLOW;
     } else {
         out->min_budget = m0 + p.x[0];

@@ -115,7 +115,8 @@ static void fill_last(table *T, double *buf)
     const problem *p = T->p;
     ll n = p->n, a, m, j;
     int drop;
-    for (a = n; a >= 1; a--) {
+    for (a = n; a >= 1 && !cancelled(T->ctl); a--) {
+        advance(T->ctl, n - a + 1);
         for (drop = 0; drop <= 1; drop++) {
             row *r = drop ? &T->rows[didx(p, a)] : &T->rows[pidx(a, n)];
             double v;
@@ -227,9 +228,16 @@ int remat_solve_time(const remat_chain *c, ll budget, ll slots, int naive, ll ma
         lanes[i].sweep = (row *)(void *)(lanes[i].sumoff + (n + 1));
         lanes[i].summary = (char *)lane_summaries + (size_t)(i * ssum) * (T.use_float ? sizeof(float) : sizeof(double));
     }
+    T.ctl = out->control;
+    if (T.ctl)
+        T.ctl->total = table_work(n);
     remat_fill(&T, lanes, naive, bufs, buflen, threads, progress);
     if (p.drops)
         fill_last(&T, bufs);
+    if (cancelled(T.ctl)) {   /* (the table may be unfinished) */
+        st = REMAT_E_CANCELLED;
+        goto done;
+    }
     {
         ll m0 = M - p.x[0];
         double best = value(&T, 1, p.n, m0);

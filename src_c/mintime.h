@@ -31,6 +31,7 @@ typedef struct {
     void *summary;    /* every SKIP-th value of each row, same type as pool */
     int use_float;
     ll buflen;        /* doubles of a row buffer; block maxima and flags follow it */
+    remat_control *ctl;   /* the caller's progress and cancellation, or NULL */
 } table;
 
 /* One sweep's rows (a, a..n), kept close while the sweep runs. */

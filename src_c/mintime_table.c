@@ -227,7 +227,8 @@ static void finish_row(table *T, lane *ln, int naive, ll a, ll t, double *buf)
     }
 }
 
-/* Computes every row (Note [Tables], Note [Threads]). */
+/* Computes every row (Note [Tables], Note [Threads]), or stops between columns
+ * once the caller cancels (T->ctl): the table is then unusable. */
 void remat_fill(table *T, lane *all_lanes, int naive, double *bufs, ll buflen, int threads, ll *progress)
 {
     const problem *p = T->p;
@@ -271,6 +272,7 @@ void remat_fill(table *T, lane *all_lanes, int naive, double *bufs, ll buflen, i
                 }
             }
             for (t = lo; t <= n; t++) {
+                ll work = 0;
                 if (mine > 0) {   /* wait for the block above to finish column t */
                     ll done;
                     do {
@@ -278,10 +280,15 @@ void remat_fill(table *T, lane *all_lanes, int naive, double *bufs, ll buflen, i
 #pragma omp atomic read seq_cst
 #endif
                         done = progress[mine - 1];
-                    } while (done < t);
+                    } while (done < t && !cancelled(T->ctl));
                 }
-                for (a = smin(hi, t); a >= lo && !(p->drops && t == n); a--)
+                if (cancelled(T->ctl))
+                    break;   /* (the block below stops waiting on this one: it sees the flag too) */
+                for (a = smin(hi, t); a >= lo && !(p->drops && t == n); a--) {
                     finish_row(T, &lanes[a - lo], naive, a, t, buf);   /* mintime.c Note [Drops]: fill_last */
+                    work += t - a + 1;
+                }
+                advance(T->ctl, work);
 #ifdef _OPENMP
 #pragma omp atomic write seq_cst
 #endif

@@ -342,6 +342,12 @@ int remat_solve(const remat_chain *chain, long long budget, long long slots, int
     st = check_chain(chain, out);
     if (st != REMAT_OK)
         return st;
+    if (out->control) {
+        out->control->done = 0;
+        out->control->total = 0;
+        if (out->control->cancel)
+            return REMAT_E_CANCELLED;
+    }
     if (mode == REMAT_MIN_MEMORY)
         return remat_solve_memory(chain, max_table_bytes, out);
     if (budget < 0 || budget > REMAT_MAX_BYTES)
@@ -386,6 +392,8 @@ const char *remat_strerror(int status)
         return "option_first must count up from 0, by at most 64 options a stage";
     case REMAT_E_INTERNAL:
         return "internal error in the solver; please report this bug with the chain's costs";
+    case REMAT_E_CANCELLED:
+        return "the solve was cancelled (remat_control.cancel)";
     default:
         return "unknown status code";
     }

@@ -28,7 +28,8 @@ enum {
     REMAT_E_NOMEM = 12,      /* an allocation failed */
     REMAT_E_OVERFLOW = 13,   /* the least memory exceeds 2^62 bytes */
     REMAT_E_OPTIONS = 14,    /* option_first does not count up from 0 by 0..REMAT_MAX_OPTIONS a stage */
-    REMAT_E_INTERNAL = 15    /* an impossibility: a bug */
+    REMAT_E_INTERNAL = 15,   /* an impossibility: a bug */
+    REMAT_E_CANCELLED = 16   /* remat_control.cancel was set: the solve stopped, no plan */
 };
 
 enum {
@@ -74,6 +75,15 @@ typedef struct {
     const long long *option_bwd_tmp;
 } remat_chain;
 
+/* Progress and cancellation of a solve that runs on another thread (the caller's
+ * thread polls `done`, and sets `cancel` to stop it). The solver checks `cancel`
+ * between rows of its tables, so it stops within a row's time. */
+typedef struct {
+    volatile int cancel;       /* in: non-zero stops the solve with REMAT_E_CANCELLED */
+    volatile long long done;   /* out: work done so far, of `total` */
+    volatile long long total;  /* out: the table's work (0 until known, and for the plan's writing) */
+} remat_control;
+
 typedef struct {
     long long capacity;   /* in: entries in codes and stages */
     int *codes;           /* out: op codes (REMAT_OP_*) */
@@ -85,6 +95,7 @@ typedef struct {
     long long slot_bytes; /* out: bytes per slot (MIN_TIME), 1 for MIN_MEMORY */
     long long min_budget; /* out: MIN_MEMORY: the least budget in bytes */
     long long bad_stage;  /* out: for E_TIME/E_SIZE, the 1-based stage at fault (0: input_bytes) */
+    remat_control *control;  /* in: NULL, or where the solve reports progress and is asked to stop */
 } remat_plan;
 
 int remat_solve(const remat_chain *chain, long long budget, long long slots, int mode,

@@ -22,7 +22,8 @@ from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
 from ..measure.tail import TailMeter, backward_seen
 from ..solver.plan import Plan
-from ..solver.solve import minimum_budget, solve
+from ..solver.group import least_planned
+from ..solver.solve import solve
 from ..units import format_bytes
 from .recompute import replaying, take_slots
 from .replay import capture_autocast
@@ -396,4 +397,4 @@ def plan_for(entry, budget, algorithm, slots):
 def _least(costs, algorithm, slots):
     """The least budget of the optimal algorithm for ``costs`` (None for the others,
     whose errors say their own)."""
-    return minimum_budget(costs) if algorithm == "optimal" else None
+    return least_planned(costs, slots) if algorithm == "optimal" else None   # (a long chain's: on groups)

@@ -12,6 +12,7 @@ from ..errors import RematError, SolverError
 from .checks import MAX_BYTES, MAX_SECONDS, least_bytes, where
 from .costs import SIZE_FIELDS, TIME_FIELDS
 from .option import MAX_OPTIONS
+from .progress import run as _in_worker
 from .schedule import op_from_code
 
 try:
@@ -122,17 +123,25 @@ def _run(costs, budget, slots, mode, max_table_bytes):
     chain, keep = _chain(costs)
     n = costs.length
     capacity = min(_FIRST_CAPACITY, n * (n + 1) // 2 + 2 * n + 1)
+    work = float(n) ** 3 * (slots if mode != lib.REMAT_MIN_MEMORY else 1)
+    phase = "least memory" if mode == lib.REMAT_MIN_MEMORY else f"table of {n} stages x {slots} slots"
+    control = ffi.new("remat_control *")
     for _ in range(2):
         codes = ffi.new("int[]", capacity)
         stages = ffi.new("int[]", capacity)
         options = ffi.new("int[]", capacity)
         plan = ffi.new("remat_plan *")
         plan.capacity, plan.codes, plan.stages, plan.options = capacity, codes, stages, options
-        status = lib.remat_solve(chain, budget, slots, mode, max_table_bytes, plan)
+        plan.control = control
+        # (on a worker thread, stopped by Ctrl-C: remat/solver/progress.py Note [Stopping a solve])
+        status = _in_worker(lambda: lib.remat_solve(chain, budget, slots, mode, max_table_bytes, plan),
+                            control, work, phase)
         if status != lib.REMAT_E_CAPACITY:
             break
         capacity = plan.n_ops
     del keep
+    if status == lib.REMAT_E_CANCELLED:   # (only when asked: the KeyboardInterrupt is on its way)
+        raise KeyboardInterrupt
     if status == lib.REMAT_INFEASIBLE:
         raise Infeasible(f"remat: no persistent schedule fits {budget} bytes with {slots} slots")
     if status != lib.REMAT_OK:

@@ -149,6 +149,9 @@ class Schedule:
         budget: the budget in bytes it was made for (None if none).
         slot_bytes: the memory unit the solver worked in (None if exact).
         tail: the last stage is the chain's tail (solved on costs with ``Costs.tail``).
+        grouping: None, or how the solver planned on groups of adjacent stages
+            (a ``Grouping``, remat/solver/group.py Note [Groups]): the exact
+            table would have taken too long.
     """
 
     ops: tuple
@@ -158,6 +161,7 @@ class Schedule:
     budget: int = None
     slot_bytes: int = None
     tail: bool = False
+    grouping: object = None
 
     @property
     def length(self):
@@ -201,6 +205,7 @@ class Schedule:
         return (
             f"{self.algorithm} schedule{budget}: predicted {self.time * 1e3:.3f} ms, "
             f"peak {format_bytes(self.peak)}, {self.recomputations()} recomputed stages"
+            + (f", solved on {len(self.grouping.sizes):,} groups of stages" if self.grouping else "")
         )
 
 

@@ -53,7 +53,9 @@ import warnings
 
 from .bound import time_bound
 from .costs import MAX_BYTES, Costs
+from .group import EXACT_WORK, exact_work, group_count, solve_on_groups
 from .option import Option
+from .progress import solving
 from ..errors import BudgetError, RematError, SolverError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from ..units import format_bytes
@@ -172,7 +174,7 @@ def _check_budget(budget):
     return budget
 
 
-def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
+def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS, groups=None):
     """The schedule of ``algorithm`` for ``costs`` under ``budget`` bytes.
 
     Args:
@@ -182,6 +184,10 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
             'store_all', 'min_memory', 'sqrt' or 'periodic(k)'.
         slots: how finely the optimal solver cuts the budget; more slots
             give schedules closer to the true optimum and cost more time.
+        groups: None (the default): the optimal solver plans on groups of
+            adjacent stages only where the exact table would take too long
+            (remat/solver/group.py Note [Groups]); an int k: on at most k
+            groups (exact where k >= L).
 
     Returns:
         A ``Schedule`` whose ``time`` and ``peak`` come from ``simulate``;
@@ -189,8 +195,11 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
 
     Raises:
         BudgetError: the budget is below what the algorithm needs; the
-            message gives the chain's minimum.
-        ValueError: unknown algorithm or bad slots.
+            message gives the chain's minimum (on groups: the least schedule
+            found).
+        ValueError: unknown algorithm, bad slots or groups.
+        KeyboardInterrupt: Ctrl-C during the solve, which stops it
+            (remat/solver/progress.py Note [Stopping a solve]).
 
     Example:
         >>> from remat import Costs
@@ -202,13 +211,16 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS):
         raise TypeError(f"remat: solve needs a remat.Costs, got {type(costs).__name__}")
     budget = _check_budget(budget)
     check_slots(slots)
+    if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
+        raise ValueError(f"remat: groups must be None or an int >= 1 (the most groups of stages), got {groups!r}")
     n = costs.length
     if n == 0:
         raise ValueError("remat: the chain has no stages; call at least one @remat.stage inside the chain")
     name, k = _parse_algorithm(algorithm, n)
     if name != "optimal":
         return _solve_fixed(costs, budget, algorithm, name, k)
-    return _solve_optimal(costs, budget, slots)
+    with solving(f"remat: solving {n:,} stages"):   # (progress past 2 s; Ctrl-C stops it)
+        return _solve_optimal(costs, budget, slots, groups)
 
 
 def _solve_fixed(costs, budget, algorithm, name, k):
@@ -228,9 +240,10 @@ def _solve_fixed(costs, budget, algorithm, name, k):
     return Schedule(ops, sim.time, sim.peak, algorithm, budget, None, costs.tail)
 
 
-def _solve_optimal(costs, budget, slots):
+def _solve_optimal(costs, budget, slots, groups=None):
     """The 'optimal' schedule: store everything if it fits, else the C solver's
-    (docs/how-it-works.md, "Slots", lists the steps)."""
+    (docs/how-it-works.md, "Slots", lists the steps), on groups of stages where
+    the exact table would take too long (remat/solver/group.py Note [Groups])."""
     n = costs.length
     full = simulate(costs, store_all(n))
     quick = store_all(n), full
@@ -238,6 +251,10 @@ def _solve_optimal(costs, budget, slots):
         quick = fastest(costs), simulate(costs, fastest(costs))
     if quick[1].peak <= budget:
         return Schedule(quick[0], quick[1].time, quick[1].peak, "optimal", budget, None, costs.tail)
+    if groups is None and exact_work(n, slots) > EXACT_WORK:
+        groups = group_count(slots)
+    if groups is not None and groups < n:
+        return solve_on_groups(costs, budget, slots, groups)
     from . import binding as _c_solver
 
     # the C solver plans the activations: what is held through the step comes off the budget
@@ -317,15 +334,18 @@ def _as_without_options(costs, room, slots):
         return REFINE, None
 
 
-def _at_least_periodic(costs, budget, ops, sim):
+def _at_least_periodic(costs, budget, ops, sim, few=False):
     """The faster of the solver's schedule and the periodic ones that fit the
     budget in bytes. Sizes rounded up to slots can shut out a schedule that
     fits exactly, as checkpoint_sequential's do at their own measured peak;
     the periodic family (all of it up to 64 stages, else segment lengths near
-    the usual choices) costs a few simulations."""
+    the usual choices; with ``few``, for a long chain solved on groups, the
+    three nearest √L) costs a few simulations."""
     n = costs.stages
     lengths = range(1, n + 1) if n <= 64 else sorted(
         {1, 2, 3, 4, 6, 8, n // 2, n // 4, n // 8} | {max(1, round(math.sqrt(n))) + d for d in (-2, -1, 0, 1, 2)})
+    if few and n > 64:
+        lengths = [max(1, round(math.sqrt(n))) + d for d in (-1, 0, 1)]
     best = best_periodic(costs, budget, lengths)
     if best is not None and best[2].time < sim.time:
         return best[1], best[2]
