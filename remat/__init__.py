@@ -13,6 +13,7 @@ from .solver.option import Option
 from .errors import (BudgetError, CostsError, InvalidScheduleError, RecomputeMismatchError, RematError,
                      SolverError, StageError)
 from .solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
+from .measure.peak import measure_peak
 from .sequential import Sequential
 from .solver.solve import solve
 from .stage import stage
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "stage", "chain", "Sequential", "wrap", "unwrap",
-    "explain", "clear_cache", "solve", "simulate", "Costs", "Option", "Schedule",
+    "explain", "measure_peak", "clear_cache", "solve", "simulate", "Costs", "Option", "Schedule",
     "Fn", "Fck", "Fall", "B", "Loss",
     "RematError", "BudgetError", "CostsError", "InvalidScheduleError", "SolverError", "StageError",
     "RecomputeMismatchError",

@@ -19,7 +19,13 @@ parameters' dtypes and requires_grad; the module of a stage the plan records
 whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
 the chain takes another path, the rest of it is measured again and the
 record replaced (a path changing from call to call is measured on every
-call: warned of, remat/runtime/runner.py ``_path_changed``). At most ``CACHE_SIZE``
+call: warned of, remat/runtime/runner.py ``_path_changed``). A call that
+stops short of the recorded stages (a depth that alternates, an early exit)
+runs the plan's prefix and keeps the record, whose stages it is a path of:
+alternating depths are measured once, on the longer path (before, every
+return to the longer path measured it again); only a second such call in a
+row drops the record, for the shorter path to be measured and have a plan of
+its own. At most ``CACHE_SIZE``
 keys are kept (least recently used first out).
 """
 
@@ -34,7 +40,7 @@ import torch
 
 from .dynamo import DYNAMO_SKIPS
 from .errors import BudgetError, StageError
-from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache
+from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_peaks
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 from .units import format_bytes, parse_bytes
 
@@ -148,8 +154,18 @@ class Explanation:
         self.names = names
         self.measured = costs if measured is None else measured
         self.tail = record.tail if record is not None else None
-        self.times = record.times_said() if record is not None else None
-        self.held = record.held_parts() if record is not None else {}
+        self._record = record   # (``times`` and ``held`` are asked of it when read: not on every call)
+        self.measured_peak = None   # set by a ``remat.measure_peak`` block around the step
+
+    @property
+    def times(self):
+        """Where the stages' times come from, in words, or None."""
+        return self._record.times_said() if self._record is not None else None
+
+    @property
+    def held(self):
+        """What ``held_bytes`` counts, {words: bytes}."""
+        return self._record.held_parts() if self._record is not None else {}
 
     @property
     def predicted_peak(self):
@@ -184,7 +200,10 @@ class Explanation:
             head += f"\n{self.tail}"
         if self.schedule is None:
             return head + "\n" + self.table()
-        return f"{head}\n{self.schedule.summary()}\n{self.table()}\nschedule:\n{self.schedule}"
+        summary = self.schedule.summary()
+        if self.measured_peak is not None:
+            summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
+        return f"{head}\n{summary}\n{self.table()}\nschedule:\n{self.schedule}"
 
 
 def explain():
@@ -201,6 +220,8 @@ def explain():
 def publish(explanation):
     """Make ``explanation`` the latest chain call's."""
     _last[0] = explanation
+    if measuring_peaks:
+        measuring_peaks[-1].published(explanation)
 
 
 class LatestExplanation:

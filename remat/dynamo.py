@@ -45,12 +45,16 @@ STANCES = hasattr(torch.compiler, "set_stance")   # (torch >= 2.6)
 DYNAMO_SKIPS = []
 
 
+# Dynamo's frame callback, read by a C function (no Python frame on a stage's every call)
+eval_frame_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+                              "get_eval_frame_callback", None)
+
+
 def in_dynamo_callback():
     """True while Dynamo's frame callback is set: code here runs inside a torch.compile
     region (a compiled model run under a TorchDispatchMode keeps it set around the
     frames it skips, remat's among them), where ``set_stance`` is refused."""
-    get = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None)
-    return get is not None and get() not in (None, False)
+    return eval_frame_callback is not None and eval_frame_callback() not in (None, False)
 
 
 def in_compiled_frame():

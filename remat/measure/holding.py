@@ -18,25 +18,48 @@ budget (``keep_all``, ``keep_saved``); else the backward rebuilds every stage
 from its input, the last one too: one more forward, once. A stage whose own forward and backward cannot fit the budget
 (the least any schedule needs, ``fits``) stops the call with a
 ``BudgetError`` naming it, the call undone, before the stages after it run.
-The stage inputs held must fit too, beside the saved tensors kept, room to
-measure a stage like the largest so far, an input more (a rebuild's) and
-the tail where known: past that only every ``spacing``-th stage's is held,
-the spacing doubling as often as needed (``thin_inputs``), and the backward
-rebuilds a stage from the nearest input held below it. At a chain's minimum
-that is up to every stage before it, once per stage (quadratic in the
-chain's length, once), and the first call comes out near the budget, not
-under it for sure: measuring a stage holds its whole graph while its
-backward runs (retain_graph, for the real backward), which a training
-step's backward lets go as it goes, and the tail of a chain not seen before
-is not known while the stages run.
+Where the tail is not known (a chain's first call), the call holds no stage
+input at all: the tail runs on what any schedule holds at least, the chain's
+input and output, so that a large head (a language model's logits and their
+gradient) cannot put the step over the budget on top of inputs held for the
+chain's backward (at a GPT's minimum it did, by about 30%). That backward's
+first rebuild, of the last stage from the chain's input, holds the inputs
+of the stages it runs again, evenly spaced, as many as the budget has room
+for beside what the backward needs now (``rebuild_holds``; the rebuilds
+below do the same within their stretch): one more forward of the chain,
+once. (Not under torch.distributed: FSDP may have sharded a stage's
+parameters between its forward and its backward, and a stage is run again
+only in its own backward; the call then holds inputs as where the tail is
+known, the tail counted as nothing.) Where the tail is known the stage inputs held must fit beside the
+saved tensors kept, room to measure a stage like the largest so far, an
+input more (a rebuild's) and the tail: past that only every ``spacing``-th
+stage's is held, the spacing doubling as often as needed (``thin_inputs``),
+and the backward rebuilds a stage from the nearest input held below it. What
+the first call cannot hold to the budget is measuring a stage itself: its
+measured backward holds the stage's whole graph (retain_graph, for the real
+backward), which a training step's backward lets go as it goes, and the
+parameters' gradients in buffers of their own (``GradPool``), where a step
+adds them into the resident ones. Within those bytes of the minimum (its
+saved tensors and its parameters' size), the measuring call may go over the
+budget by up to them (tests/measure/test_first_call_budget.py).
 """
 
 import weakref
+
+import torch
 
 from ..errors import BudgetError
 from ..units import format_bytes
 
 __all__ = ["Holding"]
+
+
+def _sharded():
+    """Whether a process group is up: FSDP may have sharded the stages' parameters
+    between their forward and their backward, so that a stage runs again only in
+    its own backward (Note [Measuring within the budget])."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
 
 
 class Holding:
@@ -51,8 +74,8 @@ class Holding:
             the stages before it are the schedule's.
     """
 
-    def __init__(self, budget, hint, diverged):
-        self.budget, self.diverged = budget, diverged
+    def __init__(self, budget, hint, diverged, record=None):
+        self.budget, self.diverged, self.record = budget, diverged, record
         self.tail_hint, self.keep_all = hint
         self.held_bytes = 0      # bytes of the saved tensors kept so far
         self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
@@ -90,7 +113,10 @@ class Holding:
         if k < 2 or k < self.diverged or anchor.input is None:
             return   # (the chain's input is the caller's; a stage run by a schedule, the schedule's)
         nbytes = x.untyped_storage().nbytes()
-        if (k - 1) % self.spacing:   # (off the spacing: let go at once)
+        # the tail unknown, or off the spacing: let go (but an input needing no grad, where a
+        # stage cut the graph: rebuilds start there)
+        unknown = self.tail_hint is None and not _sharded() and x.requires_grad
+        if unknown or (k - 1) % self.spacing:
             anchor.input = None
             return
         self.inputs.append((k, weakref.ref(anchor), nbytes))
@@ -130,3 +156,41 @@ class Holding:
                 f"that, its forward with its input and its backward, and no schedule needs less "
                 f"(the stages after it were not measured, which may need more); raise the budget or split "
                 f"the stage", least)
+
+    def rebuild_holds(self, run, j, k):
+        """The stages strictly between j and k whose input a rebuild of stage k from
+        stage j's input (``Run._rebuild``) holds again: evenly spaced, as many as
+        the budget has room for beside what the backward needs now (Note
+        [Measuring within the budget])."""
+        record = self.record
+        if record is None or record.costs is None:
+            return ()
+        sizes = {}
+        for i in range(j + 1, k):
+            costs = record.stages[i - 2].costs if i - 2 < len(record.stages) else None
+            if costs is None or costs.out_bytes is None:
+                return ()
+            sizes[i] = costs.out_bytes
+        tail = record.tail
+        kept = 0 if tail is None else tail.kept if tail.kept is not None else tail.alive or 0
+        live = sum(st.nbytes() for st in run.held_storages())
+        # what B(k) needs beside the inputs held: measuring a stage like the largest, the
+        # gradient flowing down, the output of a stage rebuilt beside its input
+        reserve = self.largest + 2 * max(record.costs.out_bytes)
+        room = self.budget - record.input_bytes - record.held_bytes() - kept - reserve - live
+        if room <= 0:
+            return ()
+        if sum(sizes.values()) <= room:
+            return set(sizes)
+        count = int(room // max(sizes.values()))
+        if count <= 0:
+            return ()
+        spacing = -(-(k - j) // (count + 1))
+        holds, total = set(), 0
+        for i in range(j + spacing, k, spacing):
+            if total + sizes[i] > room:
+                break
+            holds.add(i)
+            total += sizes[i]
+        return holds
+

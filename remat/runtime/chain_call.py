@@ -34,6 +34,7 @@ __all__ = ["ChainCall", "CACHE_SIZE", "clear_cache"]
 CACHE_SIZE = 64
 _cache = collections.OrderedDict()   # chain key -> ChainRecord, least recently used first
 _cache_lock = threading.Lock()
+measuring_peaks = []   # the open ``remat.measure_peak`` blocks (remat/measure/peak.py), innermost last
 
 
 def clear_cache():
@@ -221,6 +222,8 @@ class ChainCall:
 
     def _begin(self, ident, args, kwargs, x):
         """Stage 1: the chain's key, and its part: a runner if the key is recorded."""
+        if measuring_peaks:   # (Note [Measuring the peak], remat/measure/peak.py)
+            measuring_peaks[-1].chain_opened(x)
         autocast = capture_autocast()
         training = getattr(ident, "training", None)
         self.key = (self.site, id(ident), signature((args[1:] if args and args[0] is ident else args, kwargs)),

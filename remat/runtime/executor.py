@@ -143,6 +143,7 @@ class Run:
         self.autocast = autocast
         self.clock = None         # StageTimes of a call that refines the times (remat/measure/refine.py)
         self.pinned = []          # anchors kept by the run itself (``pin``)
+        self.holds = None         # a measuring call's: (run, j, k) -> the stages a rebuild of k from j holds the input of
 
     # forward phase ------------------------------------------------------
 
@@ -305,8 +306,11 @@ class Run:
                              f"report this bug")
         anchor = self._anchor(j)
         x = _unchanged(anchor, anchor.input)
+        holds = self.holds(self, j, k) if self.holds is not None and k - j > 1 else ()
         for i in range(j, k):
             x = self._forward(self.calls[i], x)
+            if i + 1 in holds:   # (a measuring call holds it again: remat/measure/holding.py)
+                self._give(i + 1, x)
         if not record:
             return x
         self._record(k, x)

@@ -56,6 +56,8 @@ _warned_writes = set()   # names of stages warned of by ``_new_writes``
 _warned_paths = set()    # chain sites warned of by ``_path_changed``
 _path_changes = {}       # chain key -> calls in a row that left its recorded path
 PATH_CHANGES = 3         # such calls before the warning
+_shorter = {}            # chain key -> calls in a row that stopped short of its recorded stages
+SHORTER_AGAIN = 2        # such calls before the shorter path is measured
 
 
 def site_text(site):
@@ -250,9 +252,19 @@ class Runner:
         True if the chain stopped short of its recorded stages or a stage saved
         other tensors than recorded (the caller forgets the record)."""
         if k != len(self.entry.stages):
+            # a shorter path (Note [Chain keys], remat/chain.py): the backward rebuilds
+            # from the inputs the plan's prefix held; the record serves it again, unless
+            # calls keep taking it (then it is measured, for a plan of its own)
             self.run.ops = None
+            if len(_shorter) > 1000:
+                _shorter.clear()
+            short = _shorter[self.key] = _shorter.get(self.key, 0) + 1
+            if short < SHORTER_AGAIN:
+                return False
+            _shorter.pop(self.key, None)
             self._path_changed()
             return True
+        _shorter.pop(self.key, None)
         if self.stale:
             return True
         _path_changes.pop(self.key, None)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.utils.parametrize as _parametrize
 from torch.utils._pytree import tree_leaves
 
-from ..dynamo import STANCES, in_dynamo_callback
+from ..dynamo import STANCES, eval_frame_callback
 from ..errors import StageError, input_modified
 from .recompute import NO_SLOTS, hooks_disabled
 
@@ -113,7 +113,8 @@ class StageCall:
             kwargs[self.in_kw] = x
         else:
             args = args[:self.pos] + (x,) + args[self.pos + 1:]
-        if STANCES and "torch._dynamo" in sys.modules and not in_dynamo_callback():
+        if STANCES and "torch._dynamo" in sys.modules and (eval_frame_callback is None
+                                                           or eval_frame_callback() in (None, False)):
             # Note [Compiled code in a stage] (remat/dynamo.py)
             with torch.compiler.set_stance("force_eager"):
                 return self.fn(*args, **kwargs)

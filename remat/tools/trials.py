@@ -5,8 +5,9 @@
 A model is given as a spec, ``(build, data, pre, stages, post)``: ``build()``
 makes it, ``data(step, device)`` the batch of a step, ``pre(model, input)`` the
 chain's input, ``stages(model)`` its blocks, ``post(model, x, targets)`` the loss.
-A method is ``("plain", None)``, ``("checkpoint_sequential", segments)`` or
-``("remat", (budget, algorithm[, costs path]))``.
+A method is ``("plain", None)``, ``("checkpoint_sequential", segments)``,
+``("per_block", None)`` (``torch.utils.checkpoint.checkpoint`` around every
+block, the last one too) or ``("remat", (budget, algorithm[, costs path]))``.
 
 Memory is the peak of the chain's activations during a training step: the
 storage meter (remat/measure/meter.py) on CPU, the CUDA allocator on GPU, gated so
@@ -25,7 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from ..chain import NO_LIMIT, chain
 from ..solver.costs import Costs
@@ -194,6 +195,9 @@ def run_step(model, spec, method, batch, clock):
             x = b(x)
     elif kind == "checkpoint_sequential":
         x = checkpoint_sequential(blocks, arg, x, use_reentrant=False)
+    elif kind == "per_block":   # (every block checkpointed, the last too: HF's gradient_checkpointing)
+        for b in blocks:
+            x = checkpoint(b, x, use_reentrant=False)
     else:
         with chain(budget=arg[0], algorithm=arg[1], costs=arg[2] if len(arg) > 2 else None):
             for b in blocks:

@@ -49,10 +49,9 @@ def _costs(blocks, **kwargs):
 
 def test_first_call_a_new_batch_size_and_a_changing_path_keep_near_the_budget():
     """A 12-block MLP chain at twice its minimum: its first call, the first call of a
-    larger batch and a depth alternating from call to call (each return to the longer
-    path measures the rest again) stay under the budget; before, the first call
-    peaked at about 1.8 times it, measuring kept every stage's saved tensors up to
-    the budget and every input."""
+    larger batch and a depth alternating from call to call stay under the budget;
+    before, the first call peaked at about 1.8 times it, measuring kept every stage's
+    saved tensors up to the budget and every input."""
     blocks = _blocks()
     costs = _costs(blocks)
     budget = 2 * minimum_budget(costs)
@@ -66,16 +65,23 @@ def test_first_call_a_new_batch_size_and_a_changing_path_keep_near_the_budget():
 def test_first_call_within_reach_of_the_budget(n, fraction, head):
     """Chains of 2 to 12 blocks with a head of 0 to 4 times a block's output inside the
     chain's block, at budgets from the minimum to storing everything: the measuring
-    call's whole-step peak stays within 15% of the budget (it cannot promise more:
-    the tail of a chain not seen before is unknown while its stages run, and a
-    stage's measured backward holds its whole graph), the calls after it under it."""
+    call's whole-step peak stays under the budget but for what measuring a stage
+    needs beyond what its backward in a step needs, at most its saved tensors (its
+    measured backward holds its graph) and its parameters' gradients (held apart
+    from the resident ones); the calls after it under the budget. Before, the tail,
+    unknown while the stages ran, came on top of the stage inputs the call held,
+    up to about 1.3 times the budget."""
     blocks = _blocks(n, d=64)
     linear = nn.Linear(64, 64 * head) if head else None
     costs = _costs(blocks, head=linear)
     low, high = minimum_budget(costs), remat.simulate(costs, store_all(costs.length)).peak
     budget = int(low + fraction * (high - low))
     peaks = [_step(blocks, budget, head=linear) for _ in range(3)]
-    assert peaks[0] <= 1.5 * budget, (peaks, budget, low, high)
+    params = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    measuring = max(costs.saved_bytes[:n]) + params
+    assert peaks[0] <= budget + measuring, (peaks, budget, low, high)
+    if budget >= low + measuring:
+        assert peaks[0] <= budget, (peaks, budget, low, high)
     assert max(peaks[1:]) <= budget, (peaks, budget)
 
 
@@ -97,3 +103,39 @@ def test_a_stage_that_cannot_fit_raises_before_the_stages_after_it():
     assert info.value.minimum > 3 * minimum_budget(costs)
     assert 2 in calls and not {3, 4, 5, 6} & set(calls)   # (the stages after it never ran)
     assert all(torch.equal(a, p) for a, p in zip(state, (p for b in chain for p in b.parameters())))
+
+
+def test_alternating_depths_are_measured_once(monkeypatch):
+    """A depth alternating between 12 and 8 blocks: the record of the longer path
+    serves the shorter (its plan's prefix), so only the first call measures (before,
+    every return to the longer path measured it again); every call's gradients are
+    plain PyTorch's and its peak under the budget. Two shorter calls in a row drop
+    the record: the shorter path is measured, once, and has a plan of its own."""
+    from remat.measure import measuring
+    blocks = _blocks()
+    costs = _costs(blocks)
+    budget = 2 * minimum_budget(costs)
+    made = []
+    real = measuring.Measurer.__init__
+    monkeypatch.setattr(measuring.Measurer, "__init__", lambda self, *a, **k: (made.append(1), real(self, *a, **k))[1])
+    params = [p for b in blocks for p in b.parameters()]
+    for depth in (12, 8, 12, 8, 12, 8):
+        made_before = len(made)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        peak = _step(blocks, budget, depth=depth)
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        x = torch.randn(256, 128, generator=torch.Generator().manual_seed(256))
+        h = x
+        for b in blocks[:depth]:
+            h = b(h)   # (outside a chain: plainly)
+        h.square().mean().backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(grads, params)), depth
+        assert peak <= budget, (depth, peak, budget)
+        assert len(made) - made_before == (1 if depth == 12 and made_before == 0 else 0), depth
+    assert len(made) == 1
+    for depth in (8, 8, 8):
+        _step(blocks, budget, depth=depth)
+    assert len(made) == 2   # (the second 8 in a row dropped the record: the third measured)

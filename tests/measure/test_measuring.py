@@ -86,10 +86,12 @@ def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
     recording) and its eleven twins once (Note [Twin stages]); stages whose saved
     tensors it does not keep once more, rebuilt in the backward: all of them where
     no record of the chain has shown its tail yet (Note [Measuring within the
-    budget]), none where one has and everything fits; a later call runs each once
-    when everything fits."""
+    budget]), and those before the last once more, as the backward's first rebuild
+    (of the last stage, from the chain's input) holds their inputs again: the call
+    held none while the tail, not known yet, ran; none where a record has shown the
+    tail and everything fits; a later call runs each once when everything fits."""
     counts, costs = _first_call_counts(2**50)
-    assert counts == [[3] + [2] * 11, [1] * 12]
+    assert counts == [[4] + [3] * 10 + [2], [1] * 12]
     counts, costs = _first_call_counts(2**50, clear=False)   # (another model at the same site: its tail seen)
     assert counts == [[2] + [1] * 11, [1] * 12]
     least = minimum_budget(costs)

@@ -22,6 +22,25 @@ def test_demo_keeps_remat_under_budget_with_plain_losses():
     assert remat_row["predicted_peak"] <= result["budget_bytes"]
     assert result["losses_equal"]
     assert "remat (optimal)" in lines[0] and "checkpoint_sequential" in lines[0]
+    assert "per-block checkpointing" in lines[0] and "the fastest other method within the budget" in lines[0]
+
+
+def test_gain_line_states_the_measured_comparison():
+    """The demo's one-line claim compares remat with the fastest other method whose
+    measured peak is within the budget, as overheads over plain PyTorch's step."""
+    from remat.tools.demo import gain_line
+
+    def row(name, peak, seconds):
+        return {"method": name, "peak_bytes": peak, "step_seconds": seconds}
+
+    rows = [row("plain PyTorch", 100, 1.0), row("checkpoint_sequential, 2 segments", 40, 1.3),
+            row("per-block checkpointing", 30, 1.4), row("remat (optimal)", 45, 1.1)]
+    line = gain_line(rows, 50)
+    assert "checkpoint_sequential, 2 segments at" in line and "67% less overhead" in line, line
+    assert "per-block checkpointing at" in gain_line(rows, 35)   # (checkpoint_sequential is over it)
+    assert "slower by 0.10" in gain_line(rows[:3] + [row("remat (optimal)", 45, 1.4)], 50)
+    assert "plain PyTorch fits" in gain_line(rows, 200)
+    assert "the only method" in gain_line(rows, 20)
 
 
 def test_demo_command_line():
