@@ -243,3 +243,40 @@ def test_gpt_blocks_measure_an_option_keeping_less():
         (option,) = costs.options[i]
         assert option.saved_bytes < costs.saved_bytes[i] and option.bwd_time > costs.bwd_time[i]
     remat.clear_cache()
+
+
+def test_costs_file_keeps_measured_options(tmp_path):
+    """A costs file written by a measuring call holds the options measured; read
+    back, they are planned (no warning) and run to plain PyTorch's bits."""
+    import warnings
+
+    path = str(tmp_path / "costs.json")
+    torch.manual_seed(0)
+    blocks = [Stage("mlp", nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))) for _ in range(4)]
+
+    def step(budget):
+        x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with remat.chain(budget=budget, costs=path):
+            h = x
+            for b in blocks:
+                h = b(h)
+        h.sin().sum().backward()
+        grads = [x.grad] + [p.grad.clone() for b in blocks for p in b.parameters()]
+        for b in blocks:
+            b.zero_grad()
+        return grads
+
+    want = step(remat.chain.NO_LIMIT)
+    assert remat.solver.costs.Costs.load(path).has_options
+    low = budget_for(remat.explain().costs, "optimal", 0.5)
+    remat.clear_cache()
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        mp.setattr(ChainRecord, "planning_costs", _measured_options_cheap)
+        warnings.filterwarnings("ignore", "remat: budget")
+        step(low)
+        got = step(low)
+        assert _uses_options(remat.explain().schedule) and remat.explain().costs.has_options
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    remat.clear_cache()
