@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.replay import KEPT_OPS
+from ..runtime.stage_call import KEPT_OPS
 
 __all__ = ["Instrument", "storage_key"]
 

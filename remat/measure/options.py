@@ -36,12 +36,13 @@ of the other ops; no run is added to the first call.
    base record.
 """
 
+import contextlib
 import time
 from typing import NamedTuple
 
 import torch
 
-from ..runtime.replay import option_contexts
+from ..runtime.stage_call import option_contexts
 from ..solver.option import Option
 
 __all__ = ["KeptSeen", "kept_seen", "stage_option", "dispatch_overhead"]
@@ -107,7 +108,7 @@ def dispatch_overhead():
                 times.append(time.perf_counter() - t0)
             return min(times) / n
 
-        plain = best(_Nothing)
+        plain = best(contextlib.nullcontext)
         forward = best(lambda: option_contexts()[0])
 
         def recompute():
@@ -120,10 +121,3 @@ def dispatch_overhead():
         _overhead[:] = [max(0.0, forward - plain), max(0.0, best(recompute) - plain)]
     return tuple(_overhead)
 
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

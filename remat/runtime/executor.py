@@ -45,22 +45,22 @@ the outputs of ``KEPT_OPS`` (mm, addmm, bmm, convolutions, attention kernels)
 stay, every other op (pointwise, norms, softmax, dropout) runs again in B(i).
 ``Fall(i, option=1)`` runs the stage as ``Fck`` does (its input kept, handles
 for what autograd saves) under the forward mode of ``option_contexts()``
-(remat/runtime/replay.py), which caches those outputs; the anchor holds the
+(remat/runtime/stage_call.py), which caches those outputs; the anchor holds the
 recompute mode (``_Anchor.cache``) and with it the cache. The rebuild before
 B(i) is the usual ``Fall`` recomputation (RNG, autocast and state replayed,
 saved tensors checked) under that mode: kept ops hand back the cached
 tensors, the others run; a later rebuild runs the whole stage (same bits). A
 backward-phase ``Fall(i, option=1)`` records under the forward mode and lets
 the saved tensors go. a^i is in the option's record: the stage after keeps
-it as its input, as after a stage recorded whole. The
-modes are remat's, not torch's SAC pair: torch's imports Dynamo and sympy on
-its first op (over a second) and refuses a recomputation that runs a cheap op
-its forward did not (an autocast cast the forward found cached); remat's key
-only the kept ops, and one an op wrote into in place is made again. Each op
-goes through Python: measured into the option's fwd_time
-(remat/measure/options.py). Deciding at pack time, from the op that made each
-saved tensor, would skip that cost and the kept outputs autograd does not save
-(a residual's matmul): not done yet.
+it as its input, as after a stage recorded whole. The modes are remat's, not
+torch's SAC pair: torch's imports Dynamo and sympy on its first op (over a
+second) and refuses a recomputation that runs a cheap op its forward did not
+(an autocast cast the forward found cached); remat's file only the kept ops,
+by op and argument shapes, and make again an output written in place since
+(its version counter moved). Each op goes through Python: measured into the
+option's fwd_time (remat/measure/options.py). Deciding at pack time, from the
+op that made each saved tensor, would skip that cost and the kept outputs
+autograd does not save (a residual's matmul): not done yet.
 """
 
 import time
@@ -71,7 +71,7 @@ import torch
 from ..errors import StageError
 from ..solver.schedule import B, Fall, Fn
 from .recompute import record_again, run_again
-from .replay import option_contexts
+from .stage_call import option_contexts
 
 __all__ = ["Run", "RELEASES", "distributed"]
 

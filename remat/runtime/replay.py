@@ -92,11 +92,10 @@ import contextlib
 import functools
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import RecomputeMismatchError, StageError
 
-__all__ = ["KEPT_OPS", "option_contexts", "RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "copy_all",
+__all__ = ["RngState", "capture_rng", "AutocastState", "capture_autocast", "restore_tensors", "snapshot", "copy_all",
            "param_flags", "check_saved"]
 
 
@@ -336,64 +335,3 @@ def check_saved(call, saved):
                 f"thing each time it runs"
             )
 
-
-# Option 1's cache (Note [Running an option], remat/runtime/executor.py) -----------------------
-
-KEPT_OPS = frozenset(getattr(torch.ops.aten, name) for name in (   # the expensive ops, whose outputs it keeps
-    "mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "linear", "convolution", "_convolution",
-    "mkldnn_convolution", "cudnn_convolution", "convolution_overrideable", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_efficient_attention_forward", "_flash_attention_forward")
-    if hasattr(torch.ops.aten, name))
-_WRITES = {}   # op -> positions of the arguments it writes in place, or None
-
-
-def option_contexts():
-    """Option 1's (forward, recompute) dispatch modes, sharing one cache of the
-    outputs of ``KEPT_OPS``: the first keeps them, the second hands them back in
-    the order they were made and runs every other op."""
-    cache = {}   # op -> [[outputs, detached]] (None where an op wrote into them: made again)
-    return _Keeping(cache), _Handing(cache)
-
-
-class _Mode(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls):   # (Note [Dynamo and the meter], remat/measure/meter.py)
-        return False
-
-    def __init__(self, cache):
-        super().__init__()
-        self.cache, self.storages = cache, {}
-
-
-class _Keeping(_Mode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        writes = _WRITES.get(func, 0)
-        if writes == 0:
-            schema = func._schema
-            writes = _WRITES[func] = tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info
-                                           is not None and a.alias_info.is_write) or None if schema.is_mutable else None
-        if writes is not None:   # (``KEPT_OPS``' out= forms too)
-            for t in (args[i] if i < len(args) else (kwargs or {}).get(name) for i, name in writes):
-                entry = self.storages.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
-                if entry is not None:
-                    entry[0] = None
-        elif getattr(func, "overloadpacket", None) in KEPT_OPS:
-            many = isinstance(out, (tuple, list))
-            kept = [t.detach() if isinstance(t, torch.Tensor) else t for t in (out if many else (out,))]
-            entry = [tuple(kept) if many else kept[0]]
-            self.cache.setdefault(func, []).append(entry)
-            self.storages.update((t.untyped_storage()._cdata, entry) for t in kept if isinstance(t, torch.Tensor))
-        return out
-
-    def __exit__(self, *exc):
-        self.storages = {}
-        return super().__exit__(*exc)
-
-
-class _Handing(_Mode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        listed = self.cache.get(func)
-        out = listed.pop(0)[0] if listed else None
-        return out if out is not None else func(*args, **(kwargs or {}))

@@ -47,8 +47,8 @@ from ..dynamo import DYNAMO_SKIPS
 from ..solver.schedule import Fall, Fn
 from .executor import Run, _releasing, distributed
 from .recompute import resolve_state, take
-from .replay import capture_rng, cuda_devices, option_contexts, param_flags, snapshot
-from .stage_call import first, same_structure, signature_matches, trained_as
+from .replay import capture_rng, cuda_devices, param_flags, snapshot
+from .stage_call import first, option_contexts, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
 

@@ -280,3 +280,43 @@ def test_costs_file_keeps_measured_options(tmp_path):
     for a, b in zip(want, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     remat.clear_cache()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_parametrized_weights_with_options(cached):
+    """Stages whose weights are parametrized (orthogonal, through matmuls of the
+    parameters, and weight norm), every one recorded with option 1, inside
+    ``parametrize.cached()`` or not (a recomputation there skips the weight's own
+    matmuls, which must not shift the cache onto others): plain PyTorch's bits."""
+    import contextlib
+
+    import torch.nn.utils.parametrize as P
+    from torch.nn.utils.parametrizations import orthogonal, weight_norm
+
+    torch.manual_seed(0)
+    blocks = [Stage("mlp", nn.Sequential(orthogonal(nn.Linear(8, 8)), nn.GELU(), weight_norm(nn.Linear(8, 8))))
+              for _ in range(4)]
+
+    def run(bs, budget):
+        out = []
+        for step in range(3):
+            x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            with P.cached() if cached else contextlib.nullcontext():
+                h = x
+                with remat.chain(budget=budget) if budget is not None else contextlib.nullcontext():
+                    for b in bs:
+                        h = b(h)
+                h.sin().sum().backward()
+            out += [x.grad] + [p.grad.clone() for b in bs for p in b.parameters()]
+            for b in bs:
+                b.zero_grad()
+        return out
+
+    ref = run(copy.deepcopy(blocks), None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ChainRecord, "planning_costs", _every_stage_option)
+        got = run(blocks, remat.chain.NO_LIMIT)
+        assert _uses_options(remat.explain().schedule)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    remat.clear_cache()
