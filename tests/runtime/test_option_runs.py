@@ -320,3 +320,36 @@ def test_parametrized_weights_with_options(cached):
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     remat.clear_cache()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_second_backward_over_a_kept_graph_with_options(fraction):
+    """Two backwards through one graph (``retain_graph=True`` on the first) with
+    option 1 recorded on every stage the solver records: the second reads what
+    the first rebuilt (the cache read once), and the gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    base = Net(["mlp", "attn", "bn", "mlp", "ln"])
+
+    def steps(net):
+        torch.manual_seed(0)
+        out = []
+        for s in range(3):
+            x, mask = make_input(net, seed=s)
+            y = net(x, mask)
+            y.sin().sum().backward(retain_graph=True)
+            y.cos().sum().backward()
+            out += [x.grad] + [p.grad.clone() for p in net.parameters() if p.grad is not None]
+            net.zero_grad()
+        return out
+
+    ref = steps(copy.deepcopy(base))
+    net = copy.deepcopy(base)
+    net.budget = budget_for(measured_costs(base), "optimal", fraction)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ChainRecord, "planning_costs", _every_stage_option)
+        got = steps(net)
+        assert _uses_options(remat.explain().schedule)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    remat.clear_cache()
