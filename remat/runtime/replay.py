@@ -334,4 +334,3 @@ def check_saved(call, saved):
                 f"{t.dtype} on {t.device} when recomputed; the stage must compute the same "
                 f"thing each time it runs"
             )
-
