@@ -41,6 +41,7 @@ import torch
 from .dynamo import DYNAMO_SKIPS
 from .errors import BudgetError, StageError
 from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_peaks
+from .solver.schedule import Loss
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 from .units import format_bytes, parse_bytes
 
@@ -173,8 +174,11 @@ class Explanation:
         return self.schedule.peak if self.schedule is not None else None
 
     def table(self):
-        """Per-stage costs and the op each stage gets in the forward phase."""
-        modes = self.schedule.forward_modes() if self.schedule is not None else []
+        """Per-stage costs and the op each stage gets in the forward phase ("Fall:o1"
+        for a ``Fall`` recording with option 1, Note [Options]), each option of a
+        stage on a line of its own below it ("o1")."""
+        ops = self.schedule.ops[:self.schedule.ops.index(Loss)] if self.schedule is not None else []
+        modes = [f"Fall:o{op.option}" if getattr(op, "option", 0) else type(op).__name__ for op in ops]
         lines = self.costs.table().splitlines()
         out = [lines[0] + "  forward   name"]
         for line in lines[1:]:
@@ -188,7 +192,7 @@ class Explanation:
                     out.extend(f"{'':>5}  -{format_bytes(n):>11} {what}" for what, n in self.held.items())
                 continue
             i = int(first) - 1
-            mode = modes[i].__name__ if i < len(modes) else "-"
+            mode = modes[i] if i < len(modes) else "-"
             out.append(f"{line}  {mode:<8}  {self.names[i] if i < len(self.names) else ''}")
         return "\n".join(out)
 
@@ -296,6 +300,11 @@ class chain:
             each stage once to learn what to replay); if not, the measured
             costs are written there. Under torch.distributed every rank uses
             rank 0's costs, so all ranks run the same schedule.
+        options: plan option 1 of each stage where it pays (True, the
+            default): record it keeping the outputs of its matmuls,
+            convolutions and attention kernels, and recompute the rest in its
+            backward (docs/how-it-works.md, "Options"). False: each stage is
+            recorded whole or not at all.
         hints: a ``ChainHints`` (for ``remat.wrap`` and ``remat.Sequential``).
 
     Raises:
@@ -327,8 +336,14 @@ class chain:
         """Make what a call of a chain knows (``Explanation``'s arguments) what ``explain()`` shows."""
         publish(Explanation(costs, schedule, budget, names, measured, record))
 
-    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, hints=None):
-        self.settings = (budget, algorithm, slots, costs)   # as given
+    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, options=True,
+                 hints=None):
+        self.settings = (budget, algorithm, slots, costs, options)   # as given
+        if type(options) is not bool:
+            raise TypeError(f"remat: options must be True (plan each stage's option 1, the outputs of matmuls, "
+                            f"convolutions and attention kept and the rest recomputed, where it pays) or False "
+                            f"(each stage recorded whole or not at all), got {options!r}")
+        self.options = options
         self.hints = hints if hints is not None else ChainHints()
         self.budget = parse_budget(budget)
         if costs is not None and not isinstance(costs, (str, os.PathLike)):

@@ -114,6 +114,7 @@ class Sequential(nn.Sequential):
             "periodic(k)".
         slots: memory resolution of the optimal solver.
         costs: path of a JSON file of measured costs (see ``remat.chain``).
+        options: plan each layer's option 1 where it pays (see ``remat.chain``).
 
     The first call with a new input signature measures every layer, then
     calls run the schedule; ``measure`` and ``solve`` do the same steps
@@ -130,12 +131,16 @@ class Sequential(nn.Sequential):
         True
     """
 
-    def __init__(self, *layers, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
+    options = True   # (a Sequential pickled before the setting had none)
+
+    def __init__(self, *layers, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None,
+                 options=True):
         super().__init__(*layers)
         self.budget = budget
         self.algorithm = algorithm
         self.slots = slots
         self.costs_path = costs
+        self.options = options
         self._spec = self._make_spec()
         self._layout = None      # (layer ids and inplace flags, leading layers, stages)
         self._explanation = None
@@ -147,7 +152,7 @@ class Sequential(nn.Sequential):
 
         Args:
             module: an ``nn.Sequential``; its layer names are kept.
-            **kwargs: ``budget``, ``algorithm``, ``slots``, ``costs``.
+            **kwargs: ``budget``, ``algorithm``, ``slots``, ``costs``, ``options``.
 
         Example:
             >>> import torch, remat
@@ -162,7 +167,7 @@ class Sequential(nn.Sequential):
     def __getitem__(self, idx):
         out = super().__getitem__(idx)
         if isinstance(idx, slice):
-            out.budget, out.algorithm, out.slots = self.budget, self.algorithm, self.slots
+            out.budget, out.algorithm, out.slots, out.options = self.budget, self.algorithm, self.slots, self.options
         return out
 
     def __getstate__(self):
@@ -177,7 +182,7 @@ class Sequential(nn.Sequential):
         if self.budget is None:
             return None
         return chain(budget=self.budget, algorithm=self.algorithm, slots=self.slots, costs=self.costs_path,
-                     hints=_HINTS)
+                     options=self.options, hints=_HINTS)
 
     def _stages(self):
         """Leading in-place layers and the stages (Note [Stages of a Sequential])."""
@@ -207,7 +212,7 @@ class Sequential(nn.Sequential):
         if self.budget is None or not torch.is_grad_enabled():
             return super().forward(x)
         spec = self._spec
-        if spec is None or spec.settings != (self.budget, self.algorithm, self.slots, self.costs_path):
+        if spec is None or spec.settings != (self.budget, self.algorithm, self.slots, self.costs_path, self.options):
             spec = self._spec = self._make_spec()
         return self._run(x, spec)
 

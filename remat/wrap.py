@@ -176,7 +176,7 @@ def _checked_blocks(model, blocks):
     return blocks
 
 
-def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None):
+def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, options=True):
     """Run ``model`` under remat: each module of ``blocks`` is a stage and the
     model's forward runs inside a ``remat.chain``. Nothing is copied; the
     parameters, buffers and state dict stay the model's own.
@@ -190,7 +190,7 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
             each must be a submodule of ``model``. A block's first tensor
             argument is the activation; masks, position ids, rotary tables and
             flags are side inputs and pass through.
-        budget, algorithm, slots, costs: as for ``remat.chain``.
+        budget, algorithm, slots, costs, options: as for ``remat.chain``.
 
     Returns:
         ``model``, wrapped in place; ``remat.unwrap(model)`` undoes it.
@@ -241,7 +241,7 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
                 "cannot run inside another: wrap the inner models side by side instead (an "
                 "encoder-decoder: remat.wrap(model.encoder, encoder layers) and "
                 "remat.wrap(model.decoder, decoder layers)), each a chain of its own"))
-    spec = chain(budget=budget, algorithm=algorithm, slots=slots, costs=costs, hints=hints)
+    spec = chain(budget=budget, algorithm=algorithm, slots=slots, costs=costs, options=options, hints=hints)
     marked, seen = [], set()
     for block in blocks:
         if id(block) in seen:

@@ -169,11 +169,11 @@ class ChainRecord:
         """Whether plans count a^L as held through the step (Note [The chain's output])."""
         return self.output_held is not False
 
-    def planning_costs(self, output=None):
+    def planning_costs(self, output=None, options=True):
         """The costs plans are solved on: the measured ones with the chain's tail
         (Note [The chain's tail], remat/measure/tail.py), and with a^L held through the
         step unless calls showed it gone by B(L) (Note [The chain's output]), or
-        (``output`` False) as measured."""
+        (``output`` False) as measured; without their options unless ``options``."""
         if self.costs is None:
             return None
         held = self.counts_output() if output is None else output
@@ -183,6 +183,8 @@ class ChainRecord:
             costs = self._output_held() if held else self.costs
             tail = self.tail if self.tail is not None else TailSeen()
             cached = self._held_costs[held] = (key, costs.with_tail(**tail.costs()))
+        if not options:
+            return cached[1].without_options()
         return cached[1]
 
     def _output_held(self):

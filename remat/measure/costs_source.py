@@ -13,6 +13,7 @@ from ..errors import CostsError, RematError
 from ..units import format_bytes
 from ..runtime.executor import distributed
 from .chain_record import write_costs
+from .options import stage_option
 from .record import COST_FIELDS
 
 __all__ = ["chain_costs", "distributed", "read_costs", "write_costs"]
@@ -38,10 +39,11 @@ def read_costs(path):
     return None if box[0] is None else Costs.from_dict(box[0])
 
 
-def chain_costs(stages, input_bytes, held_bytes, path, given):
+def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
     """The costs of a measuring call: ``given`` (read from ``path``) checked against
     what the call saw, else the measured ``stages`` (rank 0's under torch.distributed),
-    written to ``path`` if one is given.
+    written to ``path`` if one is given; with option 1 of each stage where it is
+    offered (remat/measure/options.py) if ``options``.
 
     Args:
         stages: a ``StageCosts`` per stage (remat/measure/record.py; only
@@ -52,16 +54,21 @@ def chain_costs(stages, input_bytes, held_bytes, path, given):
     """
     if given is not None:
         _check_given(given, stages, input_bytes, held_bytes, path)
-        if given.has_options:
+        if not options or not given.has_options:
+            return given.without_options()
+        if not all(_runs(listed, s, b) for listed, s, b in zip(given.options, stages, given.saved_bytes)):
             warnings.warn(
-                f"remat: the costs in {path} list options (remat.Option: other ways to record a stage), "
-                f"which remat's runtime does not run yet; this chain plans without them (remat.solve "
-                f"plans with them)", RuntimeWarning, stacklevel=4)
+                f"remat: the costs in {path} list options (remat.Option: other ways to record a stage) other "
+                f"than the one remat's runtime runs, option 1, which keeps the outputs of a stage's matmuls, "
+                f"convolutions and attention (its bytes not those this chain's forward shows), and the others "
+                f"it does not run yet; this chain plans without them (remat.solve plans with them)",
+                RuntimeWarning, stacklevel=4)
             return given.without_options()
         return given
     drop, whole = forward_drops(stages)
     costs = Costs(**{f: [getattr(s, f) for s in stages] for f in COST_FIELDS}, input_bytes=input_bytes,
-                  fwd_drop=drop, fwd_drop_whole=whole, held_bytes=held_bytes)
+                  fwd_drop=drop, fwd_drop_whole=whole, held_bytes=held_bytes,
+                  options=[_option_of(s) for s in stages] if options else None)
     rank = 0
     if distributed():
         box = [costs.to_dict()]
@@ -71,6 +78,24 @@ def chain_costs(stages, input_bytes, held_bytes, path, given):
     if path is not None and rank == 0:
         write_costs(costs, path)
     return costs
+
+
+def _runs(listed, stage, saved):
+    """Whether the options ``listed`` for a stage in a costs file, whose record
+    keeps ``saved`` bytes, are at most the option 1 the runtime runs, as this
+    call's forward of the stage (a ``StageCosts`` of it) shows it: offered, and
+    keeping those bytes (remat/measure/options.py Note [Measuring an option])."""
+    seen = stage.kept
+    if not listed:
+        return True
+    ours = stage.out_bytes + seen.kept if seen is not None and seen.any_kept else None
+    return len(listed) == 1 and ours is not None and listed[0].saved_bytes == ours < saved
+
+
+def _option_of(stage):
+    """[option 1] of a measured stage (a ``StageCosts``), or [] where it has none."""
+    option = stage_option(stage) if stage.kept is not None and stage.fwd_time is not None else stage.option
+    return [option] if option is not None else []
 
 
 def forward_drops(stages):

@@ -91,6 +91,7 @@ class Measurer:
         self.run = run if run is not None else Run(None, autocast)
         self.diverged = len(self.new.stages) + 1 if chain_record is not None else 0
         self.given = None        # costs read from a file
+        self.options = True      # measure option 1 of each stage (``remat.chain(options=...)``)
         self.costs_path = None   # the costs file this call reads or writes
         self.rng_start = None    # the RNG state as the call began (put back if it fails)
         self.originals = {}      # storage -> (tensor, value before the call) of the state stages wrote
@@ -110,6 +111,7 @@ class Measurer:
         costs of ``spec.costs_path`` if that file exists (and fits the input);
         ``hint``: what a record of the chain at another shape showed (``ChainRecord.hint``)."""
         self = cls(budget, autocast, hint=hint)
+        self.options = spec.options
         self.rng_start = capture_rng(cuda_devices([x]))
         self.given = read_costs(spec.costs_path)
         self.costs_path = spec.costs_path
@@ -346,7 +348,7 @@ class Measurer:
                     if extra and i + 1 >= self.diverged and costs is not None and costs.backward_measured:
                         costs.bwd_tmp += extra
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
-                                    self.costs_path, self.given)
+                                    self.costs_path, self.given, self.options)
             new.from_file = self.given is not None
         except BaseException:
             self.undo()

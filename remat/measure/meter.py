@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..runtime.stage_call import KEPT_OPS
+
 __all__ = ["Instrument", "storage_key"]
 
 
@@ -148,6 +150,10 @@ class Instrument(TorchDispatchMode):
         # parametrized weight), casts of leaves needing grad, and what is made from those
         self._derived = set()
         self.generators = {}   # id -> (torch.Generator an op drew from, its state before the first)
+        # what option 1 would keep (remat/measure/options.py): storages ``KEPT_OPS`` made,
+        # live and in all, the bytes of those an op then wrote, and all ops' count and the others' time
+        self.kept, self.kept_bytes, self.kept_written = {}, 0, 0
+        self.ops, self.cheap_seconds = 0, 0.0
 
     def ignore_writes(self, tensors):
         """Writes into ``tensors`` from now on are not state of the region (not noted)."""
@@ -189,6 +195,7 @@ class Instrument(TorchDispatchMode):
 
     def _free(self, key, nbytes):
         self._refs.pop(key, None)
+        self.kept.pop(key, None)
         self._from_params.discard(key)
         self._derived.discard(key)
         if self.created.pop(key, None) is not None:
@@ -206,10 +213,13 @@ class Instrument(TorchDispatchMode):
         if plan is None:
             plan = _PLANS[func] = (_written_arguments(func._schema), _returns_views(func._schema))
         writes, views = plan
+        self.ops += 1
         if views:
             t0 = time.perf_counter()
             out = func(*args, **kwargs)
-            self.op_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.op_seconds += dt
+            self.cheap_seconds += dt
             return out
         inputs = _storage_keys(args, kwargs)
         if writes:
@@ -224,26 +234,32 @@ class Instrument(TorchDispatchMode):
                             written.add(self._note_write(t))
             if self._protect is not None and self._protect in written:
                 raise InputWritten(func)
+            if self.kept:
+                self.kept_written += sum(self.kept.pop(key, 0) for key in written)
             self.reads.update(inputs - written)
         else:
             self.reads.update(inputs)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
-        self.op_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.op_seconds += dt
+        kept = not writes and getattr(func, "overloadpacket", None) in KEPT_OPS
+        if not kept:
+            self.cheap_seconds += dt
         if self.made is not None:
             self.made.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if isinstance(out, torch.Tensor):
-            self._note_outputs((out,), inputs)
+            self._note_outputs((out,), inputs, kept)
             if func is _TO_COPY and args[0].is_leaf and args[0].requires_grad and out.layout == torch.strided:
                 # autocast's cache holds a cast of a leaf that needs grad (a weight, the
                 # chain's input) to the region's end: counted as a cast of a weight is
                 self._from_params.add(out.untyped_storage()._cdata)
                 self._derived.add(out.untyped_storage()._cdata)
         elif out is not None:
-            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs)
+            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs, kept)
         return out
 
-    def _note_outputs(self, outs, inputs):
+    def _note_outputs(self, outs, inputs, kept=False):
         created = self.created
         made = None
         if any(t.layout != torch.strided for t in outs):
@@ -258,6 +274,9 @@ class Instrument(TorchDispatchMode):
             # storages made while the gate is shut are not metered at all
             nbytes = st.nbytes() if self.gate else 0
             self._track(st, nbytes)
+            if kept:
+                self.kept[key] = nbytes
+                self.kept_bytes += nbytes
             if made is None:
                 made = not inputs or any(k in created or k in self._sources for k in inputs)
                 derived = bool(inputs) and not any(

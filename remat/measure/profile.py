@@ -75,6 +75,7 @@ from ..errors import input_modified
 from ..runtime.stage_call import check_output, first
 from .leaves import grad_side_inputs, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
+from .options import kept_seen
 from .record import Probe, StageCosts, StageGraph
 from .stage_backward import node_of, run_backward
 
@@ -132,7 +133,8 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
     probe.saved_elsewhere, probe.saved_cached = sum(elsewhere.values()), sum(cached.values())
     keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
-    probe.costs = StageCosts(out_bytes, saved_seen=max(sum(keys.values()), out_bytes))
+    probe.costs = StageCosts(out_bytes, saved_seen=max(sum(keys.values()), out_bytes),
+                             kept=kept_seen(inst, keys, storage_key(act)))
     # side inputs needing grad (remat/measure/leaves.py grad_side_inputs): their gradients are
     # taken at their edges, as x's is, not as parameters'
     side = grad_side_inputs(call, x) if act.requires_grad else []

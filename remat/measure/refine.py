@@ -216,6 +216,12 @@ def refine(chain_record):
     data["fwd_nograd_time"] = [
         nograd.get(k, fwd[k - 1] if chain_record.stages[k - 1].grad_replay else min(t, fwd[k - 1]))
         for k, t in enumerate(data["fwd_nograd_time"], 1)]
+    # an option keeps what it was measured to add to the stage's times (remat/measure/options.py)
+    old = chain_record.costs
+    for i, listed in enumerate(data.get("options", ())):
+        for o in listed:
+            o["fwd_time"] = max(0.0, o["fwd_time"] + fwd[i] - old.fwd_time[i])
+            o["bwd_time"] = max(0.0, o["bwd_time"] + data["bwd_time"][i] - old.bwd_time[i])
     chain_record.costs = Costs.from_dict(data)
     chain_record.refined = len(samples)
     chain_record.plans = {}

@@ -246,7 +246,7 @@ def backward_seen(new, spec, budget, published, plan_for, seen):
     if published[0] is None or spec.last is not published[0]:
         return
     try:
-        plan = plan_for(new, budget, spec.algorithm, spec.slots)
+        plan = plan_for(new, budget, spec)
     except RematError:
         return
     spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new)

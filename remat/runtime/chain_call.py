@@ -249,7 +249,7 @@ class ChainCall:
             entry.unsaved = False
             write_costs(entry.costs, entry.costs_file)
         try:
-            plan = plan_for(entry, self.budget, self.spec.algorithm, self.spec.slots)
+            plan = plan_for(entry, self.budget, self.spec)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
             self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs, entry)
             raise
@@ -287,7 +287,7 @@ class ChainCall:
             # (this call's own backward may yet show its output let go: Note [The
             # chain's output], remat/measure/chain_record.py; only a budget under the measured
             # costs' minimum fails now)
-            plan = plan_for(new, self.budget, self.spec.algorithm, self.spec.slots)
+            plan = plan_for(new, self.budget, self.spec)
         except Exception as exc:
             measurer.undo()
             if isinstance(exc, RematError):
@@ -352,14 +352,15 @@ def _remember(key, chain_record):
             _cache.popitem(last=False)
 
 
-def plan_for(entry, budget, algorithm, slots):
-    """The plan for ``budget`` (bytes), solved from the chain record ``entry``'s
-    planning costs and kept (``entry.plans``); a ``BudgetError`` where none fits,
-    naming the least budget (Note [The chain's output], remat/measure/chain_record.py)."""
-    key = (budget, algorithm, slots)
+def plan_for(entry, budget, spec):
+    """The plan for ``budget`` (bytes) and the settings of ``spec`` (a ``remat.chain``),
+    solved from the chain record ``entry``'s planning costs and kept (``entry.plans``); a
+    ``BudgetError`` where none fits, naming the least (Note [The chain's output], chain_record.py)."""
+    algorithm, slots, options = spec.algorithm, spec.slots, spec.options
+    key = (budget, algorithm, slots, options)
     plan = entry.plans.get(key)
     if plan is None:
-        costs = entry.planning_costs()
+        costs = entry.planning_costs(options=options)
         try:
             schedule = solve(costs, budget, algorithm, slots)
         except BudgetError as exc:
@@ -376,7 +377,7 @@ def plan_for(entry, budget, algorithm, slots):
             # as the measuring call does, plan on the costs as measured and let this
             # call's backward tell (the minimum a first call's error names must run:
             # retrying with it is what that error asks)
-            costs = entry.planning_costs(output=False)
+            costs = entry.planning_costs(output=False, options=options)
             failed = None
             try:
                 schedule = solve(costs, budget, algorithm, slots)

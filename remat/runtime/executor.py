@@ -36,6 +36,31 @@ Note [The life of a saved tensor]
 5. Every recomputation (remat/runtime/recompute.py) replays RNG, autocast and
    in-place state (remat/runtime/replay.py), and its saved tensors are checked
    against what the first forward saved (count, shape, dtype, device).
+
+Note [Running an option]
+------------------------
+Option 1 of a stage (remat/solver/option.py Note [Options]) is the policy of
+torch's selective activation checkpointing (SAC) that keeps matmul outputs:
+the outputs of ``KEPT_OPS`` (mm, addmm, bmm, convolutions, attention kernels)
+stay, every other op (pointwise, norms, softmax, dropout) runs again in B(i).
+``Fall(i, option=1)`` runs the stage as ``Fck`` does (its input kept, handles
+for what autograd saves) under the forward mode of ``option_contexts()``
+(remat/runtime/stage_call.py), which caches those outputs; the anchor holds the
+recompute mode (``_Anchor.cache``) and with it the cache. The rebuild before
+B(i) is the usual ``Fall`` recomputation (RNG, autocast and state replayed,
+saved tensors checked) under that mode: kept ops hand back the cached
+tensors, the others run; a later rebuild runs the whole stage (same bits). A
+backward-phase ``Fall(i, option=1)`` records under the forward mode and lets
+the saved tensors go. a^i is in the option's record: the stage after keeps
+it as its input, as after a stage recorded whole. The modes are remat's, not
+torch's SAC pair: torch's imports Dynamo and sympy on its first op (over a
+second) and refuses a recomputation that runs a cheap op its forward did not
+(an autocast cast the forward found cached); remat's file only the kept ops,
+by op and argument shapes, and make again an output written in place since
+(its version counter moved). Each op goes through Python: measured into the
+option's fwd_time (remat/measure/options.py). Deciding at pack time, from the
+op that made each saved tensor, would skip that cost and the kept outputs
+autograd does not save (a residual's matmul): not done yet.
 """
 
 import time
@@ -46,6 +71,7 @@ import torch
 from ..errors import StageError
 from ..solver.schedule import B, Fall, Fn
 from .recompute import record_again, run_again
+from .stage_call import option_contexts
 
 __all__ = ["Run", "RELEASES", "distributed"]
 
@@ -55,7 +81,7 @@ _keep_graph = getattr(getattr(torch._C, "_autograd", None), "_get_current_graph_
 RELEASES = _keep_graph is not None
 
 class _Anchor:
-    __slots__ = ("run", "stage", "input", "version", "saved", "versions", "observe", "live", "__weakref__")
+    __slots__ = ("run", "stage", "input", "version", "saved", "versions", "observe", "live", "cache", "__weakref__")
 
     def __init__(self, run, stage):
         self.run = run
@@ -66,6 +92,7 @@ class _Anchor:
         self.versions = None  # version counters of ``saved`` as packed, where they were not recomputed
         self.observe = None   # called with each unpacked index instead of releasing (measuring)
         self.live = None      # what the stage saved so far, while its forward-phase run lasts
+        self.cache = None     # an option's recompute mode, holding its cache (Note [Running an option])
 
 
 class _Saved:
@@ -140,6 +167,7 @@ class Run:
         self.orphans = {}         # stage -> anchor of a stage autograd saved nothing of
         self.passed = set()       # such stages the engine has backwarded (``settle``)
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
+        self.option = [0]         # the option of such a stage's record (Note [Running an option])
         self.autocast = autocast
         self.clock = None         # StageTimes of a call that refines the times (remat/measure/refine.py)
         self.pinned = []          # anchors kept by the run itself (``pin``)
@@ -147,9 +175,10 @@ class Run:
 
     # forward phase ------------------------------------------------------
 
-    def new_anchor(self, call, keep_input, x):
-        """Register stage ``call.index`` as dropped by hooks; return (its anchor, the
-        pack hook that hands autograd handles to it, a one-item list counting them)."""
+    def new_anchor(self, call, keep_input, x, option=0):
+        """Register stage ``call.index`` as dropped by hooks (recorded with ``option``,
+        if any); return (its anchor, the pack hook that hands autograd handles to
+        it, a one-item list counting them)."""
         anchor = _Anchor(self, call.index)
         if keep_input:
             anchor.input = x.detach()
@@ -157,6 +186,7 @@ class Run:
         self.calls.append(call)
         self.anchors.append(weakref.ref(anchor))
         self.whole.append(False)
+        self.option.append(option)
         count = [0]
 
         def pack(tensor):
@@ -174,6 +204,11 @@ class Run:
         self.calls.append(call)
         self.anchors.append(None)
         self.whole.append(True)
+        self.option.append(0)
+
+    def keeps_output(self, k):
+        """Stage k's forward-phase record holds its output (recorded whole, or with an option)."""
+        return self.whole[k] or self.option[k] > 0
 
     def settle(self, anchor, packed, x):
         """After a hooked forward: a stage autograd saved nothing of has no handle to
@@ -317,11 +352,11 @@ class Run:
 
     def _execute(self, op, i):
         if type(op) is Fall:
-            self._record(i, self._input(i))
+            self._record(i, self._input(i), op.option)
             return
         anchor = self._anchor(i)
         out = self._forward(self.calls[i], self._input(i))
-        if type(op) is Fn and not (i > 1 and self.whole[i - 1]):
+        if type(op) is Fn and not (i > 1 and self.keeps_output(i - 1)):
             anchor.input = None
         self._give(i + 1, out)
 
@@ -336,21 +371,30 @@ class Run:
         clock.recomputed(call.index, time.perf_counter() - t0)
         return out
 
-    def _record(self, k, x):
-        """Fall(k): recompute stage k recording, collect what autograd saves."""
+    def _record(self, k, x, option=0):
+        """Fall(k): recompute stage k recording, collect what autograd saves (with an option, its cache)."""
         clock = self.clock
         if clock is None:
-            self._recorded(k, x)
+            self._recorded(k, x, option)
             return
         t0 = time.perf_counter()
-        self._recorded(k, x)
+        self._recorded(k, x, option)
         clock.recorded(k, time.perf_counter() - t0)
 
-    def _recorded(self, k, x):
-        out, saved = record_again(self.calls[k], x, self.autocast)
+    def _recorded(self, k, x, option):
         anchor = self._anchor(k)
-        if anchor is None:
+        if option:
+            forward, cache = option_contexts()
+            out, _ = record_again(self.calls[k], x, self.autocast, forward)
+            if anchor is not None:
+                anchor.cache = cache
+                self._give(k + 1, out)
             return
+        if anchor is None:
+            record_again(self.calls[k], x, self.autocast)
+            return
+        cache, anchor.cache = anchor.cache, None   # (read once: a later rebuild runs the whole stage)
+        out, saved = record_again(self.calls[k], x, self.autocast, cache)
         anchor.saved = saved
         anchor.versions = None
         self._give(k + 1, out)

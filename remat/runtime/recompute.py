@@ -37,17 +37,21 @@ def replaying():
     return getattr(_local, "replaying", False)
 
 
-def run_again(call, x, grad, autocast):
+def run_again(call, x, grad, autocast, within=None):
     """Stage ``call`` run again on ``x`` (its input, held or rebuilt), its RNG,
     autocast (``autocast``, the chain's) and in-place state replayed: recording
-    (``grad``), its output returned as it comes; else its output detached."""
+    (``grad``; inside ``within``, if given, the stage's own call alone), its
+    output returned as it comes; else its output detached."""
     if call.side:
         call.check_side()
     _local.replaying = True
     try:
         with _outside_vmap(), _outside_inference(), Replay(call, autocast):
             if grad:
-                return call.activation(x)
+                if within is None:
+                    return call.activation(x)
+                with within:
+                    return call.activation(x)
             leaf = None
             if call.input_requires_grad and not x.requires_grad:
                 # (as its forward had it: a stage may differentiate by it)
@@ -79,10 +83,11 @@ def run_again(call, x, grad, autocast):
         _local.replaying = False
 
 
-def record_again(call, x, autocast):
+def record_again(call, x, autocast, within=None):
     """Stage ``call`` run again on ``x``, recording (``Fall`` in the backward
     phase): (its output, detached; what autograd saved, as the forward phase's
-    pack hook would have seen it), checked against what its forward saved."""
+    pack hook would have seen it), checked against what its forward saved.
+    ``within``: a context to run it in (an option's, Note [Running an option])."""
     saved = []
     made = []   # as saved, for a stage that backwards its own graph inside its forward
 
@@ -96,7 +101,7 @@ def record_again(call, x, autocast):
     _check_hooks(call)
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, made.__getitem__):
-            out = run_again(call, inp, True, autocast)
+            out = run_again(call, inp, True, autocast, within)
     finally:
         made.clear()   # (the recomputed graph holds its hooks: no cycle through it)
     out = out.detach()

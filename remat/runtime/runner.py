@@ -1,7 +1,7 @@
 """A recorded chain's later calls, stage by stage: each stage checked against
 the chain's record (Note [Chain keys], remat/chain.py) and run in its forward-phase
-mode of the plan (``Fall`` records whole; ``Fck`` and ``Fn`` run under the pack
-hooks of remat/runtime/executor.py, keeping their input or not), and the record's
+mode of the plan (``Fall`` records whole; ``Fck``, ``Fn`` and a ``Fall`` with an option
+run under the pack hooks of remat/runtime/executor.py, keeping their input or not), and the record's
 update at the end of the call: the running part (``Runner``) of a
 ``ChainCall`` (remat/runtime/chain_call.py), which hands a later call to this
 part, as it hands a first call to the measuring part (``Measurer``,
@@ -44,11 +44,11 @@ import weakref
 import torch
 
 from ..dynamo import DYNAMO_SKIPS
-from ..solver.schedule import Fall, Fck
+from ..solver.schedule import Fall, Fn
 from .executor import Run, _releasing, distributed
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
-from .stage_call import first, same_structure, signature_matches, trained_as
+from .stage_call import first, option_contexts, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
 
@@ -103,7 +103,7 @@ class Runner:
             return False
         if record.autocast != call.autocast:
             return False
-        if self.plan.modes[k] is Fall and k not in entry.suspects:
+        if self.plan.modes[k] is Fall and not self.plan.options[k] and k not in entry.suspects:
             self.unchecked.append(k)
             return True
         tensors = _same_module(record)
@@ -177,7 +177,7 @@ class Runner:
         if not new:
             return
         self.stale = True
-        if self.plan.modes[call.index] is Fall:
+        if self.plan.modes[call.index] is Fall and not self.plan.options[call.index]:
             return   # (a stage recorded whole in the forward phase is not run again this call)
         call.state = list(state) + new
         if call.before is not None:
@@ -195,10 +195,11 @@ class Runner:
         """Stage ``call`` in its forward-phase mode of the plan."""
         entry, run, k = self.entry, self.run, call.index
         mode = self.plan.modes[k]
+        option = self.plan.options[k] if mode is Fall else 0
         record = entry.stages[k - 1]
-        if mode is Fall:   # (run once, never again: nothing to replay)
+        if mode is Fall and not option:   # (run once, never again: nothing to replay)
             run.add_whole(call)
-            if k > 1 and _drops_input(entry.costs, k, run.whole[k - 1]):
+            if k > 1 and not run.option[k - 1] and _drops_input(entry.costs, k, run.whole[k - 1]):
                 self.dropped.append((k - 1, weakref.ref(x.untyped_storage())))
             out = call.invoke(x)
             _pin_if_cut(run, out)
@@ -212,15 +213,20 @@ class Runner:
         # measured: dropout's p raised from 0 since, noise switched on)
         call.rng = capture_rng(cuda_devices([x] + [a for a in call.args if isinstance(a, torch.Tensor)]),
                                record.generators)
-        keep = mode is Fck or (k > 1 and run.whole[k - 1])
-        anchor, pack, count = run.new_anchor(call, keep, x)
+        keep = mode is not Fn or (k > 1 and run.keeps_output(k - 1))
+        anchor, pack, count = run.new_anchor(call, keep, x, option)
         # what the stage saves stays while it runs: a stage may backward its own graph
         # inside its forward (forces as an energy's gradient), and its recording
         # forward's peak, which bounds this one's (fwd_tmp), held it all the same
         anchor.live = []
         try:
-            with run.hooks(pack):
-                out = call.invoke(x)
+            if option:   # (Note [Running an option], remat/runtime/executor.py)
+                forward, anchor.cache = option_contexts()
+                with run.hooks(pack), forward:
+                    out = call.invoke(x)
+            else:
+                with run.hooks(pack):
+                    out = call.invoke(x)
         finally:
             anchor.live = None
         if not call.rng.changed():   # (it drew nothing: its recomputations set no stream, Note [Replaying a stage] 1)

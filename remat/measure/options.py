@@ -1,0 +1,123 @@
+"""What option 1 of a stage costs, from what its measured forward showed
+(docs/how-it-works.md, "Options"; how it runs: Note [Running an option] in
+remat/runtime/executor.py).
+
+Note [Measuring an option]
+--------------------------
+Option 1 keeps the outputs of the expensive ops (``KEPT_OPS``: matmuls,
+convolutions, attention kernels) and recomputes the rest in B(i). The meter
+of run 1 (``Instrument``, remat/measure/meter.py) sees every op of the
+stage's forward, so it tags each storage a kept op made and adds up the time
+of the other ops; no run is added to the first call.
+
+1. ``saved_bytes``: the output, plus every storage a kept op made, each once
+   (the output's own aside). The cache keeps them all, those autograd does not
+   save too (the matmul before a residual sum): that is what the runtime holds.
+2. ``fwd_time``: the base fwd_time plus the forward mode's dispatch through
+   Python, per op, times the stage's ops. The overhead is measured once per
+   process on a small op (``dispatch_overhead``): it does not depend on the
+   tensors' sizes, and timing a whole extra forward per stage would make every
+   first call slower for a figure known ahead.
+3. ``bwd_time``: the base bwd_time, plus the share of the forward's op time
+   spent in the ops not kept (the recomputation runs those again, and their
+   autograd), plus the recompute mode's dispatch per op. A share, not the
+   meter's seconds, so that a forward timed otherwise (``timed_step`` on
+   CUDA, the refined times) scales with it.
+4. ``fwd_tmp``: the base's, plus the kept storages autograd did not save (they
+   outlive the ops that used them). ``bwd_tmp``: the base's plus what the
+   rebuild makes again (the base record less the option's), held through
+   B(i); at least the rebuild's own transient, the forward's less what the
+   cache hands back.
+5. A kept output an op then writes in place (a ReLU(inplace=True) after a
+   linear) is not kept: the cache would hand back the written tensor, which
+   the recomputation writes again; the runtime drops it from the cache and
+   makes it again (its op's time is not added to bwd_time). Offered only
+   where the stage ran a kept op and the option keeps strictly less than the
+   base record.
+"""
+
+import contextlib
+import time
+from typing import NamedTuple
+
+import torch
+
+from ..runtime.stage_call import option_contexts
+from ..solver.option import Option
+
+__all__ = ["KeptSeen", "kept_seen", "stage_option", "dispatch_overhead"]
+
+
+class KeptSeen(NamedTuple):
+    """What run 1's meter saw of the ops option 1 keeps."""
+    kept: int            # bytes of the storages kept ops made, the output's aside
+    kept_saved: int      # those of them autograd saved
+    any_kept: bool       # a kept op ran
+    written: int         # bytes of kept outputs an op then wrote in place (made again, not kept)
+    ops: int             # ops the forward dispatched
+    cheap_share: float   # share of the forward's op time in the ops not kept
+
+
+def kept_seen(inst, keys, out_key):
+    """``KeptSeen`` of a forward the meter ``inst`` has just run, whose saved
+    storages are ``keys`` ({storage: bytes}) and output storage ``out_key``."""
+    total = inst.kept_bytes - inst.kept_written - (inst.kept.get(out_key, 0) or 0)
+    saved = sum(n for key, n in keys.items() if key != out_key and key in inst.kept)
+    share = inst.cheap_seconds / inst.op_seconds if inst.op_seconds > 0 else 1.0
+    return KeptSeen(total, saved, inst.kept_bytes > 0 or any(inst.kept), inst.kept_written, inst.ops,
+                    min(1.0, share))
+
+
+def stage_option(costs):
+    """Option 1 of a stage measured whole (a ``StageCosts`` with ``kept``), or None
+    where it is not offered (Note [Measuring an option] 5)."""
+    seen = costs.kept
+    if seen is None or not seen.any_kept or not costs.backward_measured:
+        return None
+    saved = costs.out_bytes + seen.kept
+    if saved >= costs.saved_bytes:
+        return None
+    forward, again = dispatch_overhead()
+    rebuilt = costs.saved_bytes - saved
+    return Option(
+        saved_bytes=saved,
+        fwd_time=costs.fwd_time + seen.ops * forward,
+        bwd_time=costs.bwd_time + seen.cheap_share * costs.fwd_time + seen.ops * again,
+        fwd_tmp=costs.fwd_tmp + seen.kept - seen.kept_saved,
+        bwd_tmp=max(costs.bwd_tmp + rebuilt, costs.fwd_tmp + costs.out_bytes - seen.kept))
+
+
+_overhead = []
+
+
+def dispatch_overhead():
+    """Seconds per op that option 1's forward and recompute modes add, measured
+    once per process (Note [Measuring an option] 2)."""
+    if not _overhead:
+        a = torch.zeros(())
+        n = 200
+
+        def best(make):
+            times = []
+            for _ in range(3):
+                ctx = make()
+                t0 = time.perf_counter()
+                with ctx:
+                    for _ in range(n):
+                        a.add(a)
+                times.append(time.perf_counter() - t0)
+            return min(times) / n
+
+        plain = best(contextlib.nullcontext)
+        forward = best(lambda: option_contexts()[0])
+
+        def recompute():
+            fwd, again = option_contexts()
+            with fwd:
+                for _ in range(n):
+                    a.add(a)
+            return again
+
+        _overhead[:] = [max(0.0, forward - plain), max(0.0, best(recompute) - plain)]
+    return tuple(_overhead)
+
