@@ -384,7 +384,8 @@ def plan_for(entry, budget, spec):
             except BudgetError as exc:
                 failed, least = str(exc), exc.minimum
             if failed is not None:   # (raised here: no "during handling" chain)
-                held = _least(entry.planning_costs(), algorithm, slots)
+                # (the optimal algorithm's least budget, a long chain's on groups; the others' errors say their own)
+                held = least_planned(entry.planning_costs(), slots) if algorithm == "optimal" else None
                 note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                         f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
                 raise BudgetError(failed + note, least)
@@ -393,9 +394,3 @@ def plan_for(entry, budget, spec):
             entry.plans.clear()
         entry.plans[key] = plan
     return plan
-
-
-def _least(costs, algorithm, slots):
-    """The least budget of the optimal algorithm for ``costs`` (None for the others,
-    whose errors say their own)."""
-    return least_planned(costs, slots) if algorithm == "optimal" else None   # (a long chain's: on groups)

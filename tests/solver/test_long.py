@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from random_costs import random_costs, random_options
+import remat
 from remat.chain import Explanation
 from remat.errors import BudgetError
 from remat.solver import binding as _c_solver, progress
@@ -83,26 +84,27 @@ def test_an_interrupted_chain_call_caches_no_plan():
         plans = {}
         costs = big
 
-        def planning_costs(self, output=True):
+        def planning_costs(self, output=True, options=True):
             return self.costs
 
         def counts_output(self):
             return False
 
     entry, budget = Entry(), _mid_budget(big)
+    spec = remat.chain(budget=budget, algorithm="optimal", slots=500)   # (what plan_for reads of the chain)
     timer = threading.Timer(0.7, _thread.interrupt_main)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            plan_for(entry, budget, "optimal", 500)
+            plan_for(entry, budget, spec)
             time.sleep(5)
     finally:
         timer.cancel()
         timer.join()
     assert entry.plans == {}
     entry.costs = small
-    plan = plan_for(entry, budget, "optimal", 500)
-    assert plan.costs is small and entry.plans == {(budget, "optimal", 500): plan}
+    plan = plan_for(entry, budget, spec)
+    assert plan.costs is small and entry.plans == {(budget, "optimal", 500, True): plan}
 
 
 def test_a_long_solve_shows_progress(monkeypatch, capsys):
