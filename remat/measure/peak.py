@@ -19,7 +19,12 @@ dispatch mode that slows every op while it is open. The block's peak counts
 from its start; a chain's from where it opened to the block's end, its
 backward included, and counts the chain's input as the budget does (made
 before or not); it goes to the ``Explanation`` that chain's call
-published (the latest, if the step called it more than once).
+published (the latest, if the step called it more than once). The budget
+leaves out the parameters' gradients, counting them resident: a step that
+makes them (a model's first, or every step after
+``zero_grad(set_to_none=True)``, PyTorch's default) measures them on top, so
+compare with the budget a step whose gradients were there before it
+(``zero_grad(set_to_none=False)``).
 """
 
 import torch
