@@ -51,7 +51,7 @@ def _uses_options(schedule):
     return any(type(op) is Fall and op.option for op in schedule.ops)
 
 
-@settings(max_examples=10)
+@settings(max_examples=10 if settings.default.max_examples <= 25 else settings.default.max_examples)   # (deep: its own)
 @given(random_chains(), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
 @example((["mlp", "attn", "bn", "dropout", "mlp", "ln", "relu"], False), 0.0, "sgd")
 @example((["linear", "mlp", "mlp", "attn", "attn", "gelu", "mlp", "linear"], False), 0.1, "adam")

@@ -68,7 +68,7 @@ def test_two_chains_in_one_step():
     assert one.measured_peak - two.measured_peak >= 64 * 1024 * 4 - 2 * 16 * 32 * 4
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=8 if settings.default.max_examples <= 25 else settings.default.max_examples, deadline=None)
 @given(st.integers(2, 8), st.floats(0.0, 1.0), st.sampled_from([4, 64, 256]))
 def test_later_calls_measure_under_the_budget_and_near_the_prediction(n, fraction, vocab):
     """Chains with heads of several sizes, budgets from the minimum to storing all:
