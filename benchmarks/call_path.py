@@ -75,10 +75,9 @@ def trace(step):
     return order, lines
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args()
+def paths():
+    """{"first call": trace of a GPT chain's first call, "later call": that of its
+    sixth}, each (modules in order, {module: lines of the functions run})."""
     torch.manual_seed(0)
     model = GPT(n_layer=4, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.1)
     data = torch.randint(0, 64, (4, 16))
@@ -87,19 +86,30 @@ def main():
         logits = model(data)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), data.flatten()).backward()
 
+    remat.clear_cache()
     model.budget = remat.chain.NO_LIMIT
     step()
     costs = remat.explain().costs
     remat.clear_cache()
     low, high = remat.solver.solve.minimum_budget(costs), costs.held_bytes + sum(costs.saved_bytes) * 2
-    model.budget = (low + high) // 3
-    paths = {"first call": trace(step)}
+    model.budget = low + (high - low) // 8   # (near the minimum: the plan recomputes, whatever the timings)
+    out = {"first call": trace(step)}
     for _ in range(4):
         step()
-    paths["later call"] = trace(step)
-    assert remat.explain().schedule.recomputations() > 0, "the later call recomputes nothing"
+    out["later call"] = trace(step)
+    schedule = remat.explain().schedule
+    assert schedule.recomputations() > 0 or any(getattr(op, "option", 0) for op in schedule.ops), \
+        "the later call recomputes nothing"
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+    found = paths()
     out = {}
-    for name, (order, lines) in paths.items():
+    for name, (order, lines) in found.items():
         modules = [os.path.relpath(p, ROOT) for p in order]
         code = sum(len(v) for v in lines.values())
         out[name] = {"modules": modules, "function_lines": code, "at_least": math.ceil(code / MAX_LINES)}
