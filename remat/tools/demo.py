@@ -155,7 +155,9 @@ def gain_line(rows, budget_bytes):
         return (f"remat: plain PyTorch fits the budget of {format_bytes(budget_bytes)} "
                 f"({format_bytes(plain['peak_bytes'])}); remat runs at {rem['step_seconds'] / base:.2f}x its step time")
     theirs, ours = best["step_seconds"] / base - 1, rem["step_seconds"] / base - 1
-    if ours < theirs:
+    if abs(ours - theirs) < 0.005:
+        verdict = "as fast (within half a hundredth of a plain step)"
+    elif ours < theirs:
         verdict = (f"{100 * (1 - ours / theirs):.0f}% less overhead" if theirs > 0 else "faster")
     else:
         verdict = (f"slower by {ours - theirs:.2f} of a plain step (a few hundredths are within a busy "

@@ -39,6 +39,7 @@ def test_gain_line_states_the_measured_comparison():
     assert "checkpoint_sequential, 2 segments at" in line and "67% less overhead" in line, line
     assert "per-block checkpointing at" in gain_line(rows, 35)   # (checkpoint_sequential is over it)
     assert "slower by 0.10" in gain_line(rows[:3] + [row("remat (optimal)", 45, 1.4)], 50)
+    assert "as fast" in gain_line(rows[:3] + [row("remat (optimal)", 45, 1.302)], 50)
     assert "plain PyTorch fits" in gain_line(rows, 200)
     assert "the only method" in gain_line(rows, 20)
 
