@@ -109,6 +109,9 @@ def _methods(costs, path, grid, low, cs, peaks):
     for b, segments in sorted(at.items()):
         methods.append(("remat", (b, "optimal", path)))
         tags.append(segments)
+        if costs.has_options:   # (the same without options: what they buy, side by side)
+            methods.append(("remat", (b, "optimal", path, False)))
+            tags.append(segments)
     return methods, tags
 
 
@@ -165,7 +168,8 @@ def summarise(result):
     (``checkpoint_sequential(1)`` runs plain PyTorch's computation)."""
     runs = result["runs"]
     plain = next(r for r in runs if r["method"] == "plain")
-    optimal = [r for r in runs if r.get("algorithm") == "optimal"]
+    optimal = [r for r in runs if r.get("algorithm") == "optimal" and r.get("options", True)]
+    whole = [r for r in runs if r.get("algorithm") == "optimal" and r.get("options") is False]
     cs = [r for r in runs if r["method"].startswith("checkpoint_sequential")]
     others = [r for r in runs if r.get("baseline")]
     costs = Costs.from_dict(result["run_costs"])
@@ -175,6 +179,9 @@ def summarise(result):
     for p in points:
         if p.get("reduction") is not None:
             kinds.setdefault(p["baseline"], []).append(p["reduction"])
+    # the same with remat planning without options (whole stages only), where the run has them
+    without = [_point(c, whole, costs, plain_predicted, predict=False) for c in cs + others] if whole else []
+    without = [p["reduction"] for p in without if p.get("reduction") is not None]
     reductions = [p["reduction"] for p in points if p.get("reduction") is not None]
     predicted = [p["reduction_predicted"] for p in points if p.get("reduction_predicted") is not None]
     bound = [p["reduction_bound"] for p in points if p.get("reduction_bound") is not None]
@@ -185,6 +192,7 @@ def summarise(result):
         "mean_overhead_reduction": statistics.mean(reductions) if reductions else None,
         # by baseline: checkpoint_sequential's points, per-block checkpointing, per-block SAC
         "mean_overhead_reduction_by_baseline": {k: statistics.mean(v) for k, v in kinds.items()},
+        "mean_overhead_reduction_without_options": statistics.mean(without) if without else None,
         "mean_overhead_reduction_predicted": statistics.mean(predicted) if predicted else None,
         # the most any schedule could reduce it by, on the run's costs (Note [A bound on
         # any schedule] in remat/solver/bound.py)
@@ -203,7 +211,7 @@ def summarise(result):
     }
 
 
-def _point(c, optimal, costs, plain_predicted):
+def _point(c, optimal, costs, plain_predicted, predict=True):
     """The targets at one checkpoint_sequential run ``c``: against the fastest of the
     ``optimal`` remat runs within its peak, measured and predicted on ``costs``."""
     fits = [r for r in optimal if r["peak_bytes"] <= c["peak_bytes"]]
@@ -215,7 +223,7 @@ def _point(c, optimal, costs, plain_predicted):
     point = {"segments": c.get("segments"), "baseline": kind, "cs_overhead": oc, "remat_overhead": orr,
              "remat_budget": best["budget"], "remat_not_slower": orr <= oc,
              "reduction": (1 - orr / oc) if oc > 0.02 else None}
-    if kind == "sac":   # (no schedule of whole stages: the model predicts it only with options)
+    if kind == "sac" or not predict:   # (SAC: no schedule of whole stages, the model predicts it only with options)
         return point
     if kind == "per_block":   # (as a plan with a tail of nothing: the bench's costs have none)
         costs = costs.with_tail(0.0, 0.0, 0, 0, 0, 0)
@@ -265,6 +273,8 @@ def table(result):
                   f"mean overhead reduction by baseline: "
                   + (", ".join(f"{k} {v:.0%}" for k, v in s.get("mean_overhead_reduction_by_baseline", {}).items())
                      or "n/a")
+                  + ("" if s.get("mean_overhead_reduction_without_options") is None else
+                     f"; without options: {s['mean_overhead_reduction_without_options']:.0%}")
                   + ("" if s.get("grads_equal", True) else
                      f" (largest relative difference: remat {s.get('grad_max_rel_diff', 0):.1e}, plain PyTorch's "
                      f"own computations {s.get('grad_max_rel_diff_plain', 0):.1e}: nondeterministic kernels)")]

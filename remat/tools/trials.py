@@ -9,7 +9,8 @@ A method is ``("plain", None)``, ``("checkpoint_sequential", segments)``,
 ``("per_block", None)`` (``torch.utils.checkpoint.checkpoint`` around every
 block, the last one too), ``("sac", None)`` (the same with torch's selective
 checkpointing keeping the outputs of matmuls, convolutions and attention) or
-``("remat", (budget, algorithm[, costs path]))``.
+``("remat", (budget, algorithm[, costs path[, options]]))`` (``options``: as
+``remat.chain`` takes it, True by default).
 
 Memory is the peak of the chain's activations during a training step: the
 storage meter (remat/measure/meter.py) on CPU, the CUDA allocator on GPU, gated so
@@ -204,7 +205,8 @@ def run_step(model, spec, method, batch, clock):
         for b in blocks:
             x = checkpoint(b, x, use_reentrant=False, context_fn=_sac_contexts)
     else:
-        with chain(budget=arg[0], algorithm=arg[1], costs=arg[2] if len(arg) > 2 else None):
+        with chain(budget=arg[0], algorithm=arg[1], costs=arg[2] if len(arg) > 2 else None,
+                   options=arg[3] if len(arg) > 3 else True):
             for b in blocks:
                 x = b(x)
     clock.gate(False)
@@ -318,7 +320,8 @@ class Trial:
         if self.method[0] == "remat":
             s = self.schedule
             out.update(predicted_seconds=s.time, predicted_peak=s.peak, budget=self.method[1][0],
-                       algorithm=self.method[1][1], recomputations=s.recomputations())
+                       algorithm=self.method[1][1], recomputations=s.recomputations(),
+                       options=self.method[1][3] if len(self.method[1]) > 3 else True)
         return out
 
 

@@ -2,6 +2,7 @@
 
 import json
 
+from remat.solver.costs import Costs
 from remat.tools.bench import write_bench
 
 KEYS = {"model", "device", "machine", "torch", "stages", "steps", "min_budget", "store_all_peak", "costs",
@@ -57,6 +58,10 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
         # no schedule is faster than the bound (Note [A bound on any schedule])
         assert p["bound_overhead"] <= p["remat_overhead_predicted"] + 1e-9, p
     assert "repeat_noise" in result["summary"] and "mean_overhead_reduction_bound" in result["summary"]
+    # where the planning costs have options, remat also runs without them at the baselines' peaks
+    if Costs.from_dict(result["costs"]).has_options:
+        assert any(r.get("options") is False for r in remat_runs)
+        assert result["summary"]["mean_overhead_reduction_without_options"] is not None
     assert result["summary"]["all_under_budget"]
     assert result["summary"]["losses_equal"]
     assert result["summary"]["grads_equal"] and all(r["grads_equal"] for r in result["runs"])
