@@ -336,13 +336,14 @@ class chain:
         """Make what a call of a chain knows (``Explanation``'s arguments) what ``explain()`` shows."""
         publish(Explanation(costs, schedule, budget, names, measured, record))
 
-    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, options=True,
+    def __init__(self, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, options="auto",
                  hints=None):
         self.settings = (budget, algorithm, slots, costs, options)   # as given
-        if type(options) is not bool:
+        if type(options) is not bool and options != "auto":
             raise TypeError(f"remat: options must be True (plan each stage's option 1, the outputs of matmuls, "
-                            f"convolutions and attention kept and the rest recomputed, where it pays) or False "
-                            f"(each stage recorded whole or not at all), got {options!r}")
+                            f"convolutions and attention kept and the rest recomputed, where it pays), False "
+                            f"(each stage recorded whole or not at all) or 'auto' (True on CUDA, False "
+                            f"elsewhere), got {options!r}")
         self.options = options
         self.hints = hints if hints is not None else ChainHints()
         self.budget = parse_budget(budget)

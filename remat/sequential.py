@@ -131,10 +131,10 @@ class Sequential(nn.Sequential):
         True
     """
 
-    options = True   # (a Sequential pickled before the setting had none)
+    options = "auto"   # (a Sequential pickled before the setting had none)
 
     def __init__(self, *layers, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None,
-                 options=True):
+                 options="auto"):
         super().__init__(*layers)
         self.budget = budget
         self.algorithm = algorithm

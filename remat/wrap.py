@@ -176,7 +176,7 @@ def _checked_blocks(model, blocks):
     return blocks
 
 
-def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, options=True):
+def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, options="auto"):
     """Run ``model`` under remat: each module of ``blocks`` is a stage and the
     model's forward runs inside a ``remat.chain``. Nothing is copied; the
     parameters, buffers and state dict stay the model's own.

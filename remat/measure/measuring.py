@@ -111,9 +111,13 @@ class Measurer:
         costs of ``spec.costs_path`` if that file exists (and fits the input);
         ``hint``: what a record of the chain at another shape showed (``ChainRecord.hint``)."""
         self = cls(budget, autocast, hint=hint)
-        self.options = spec.options
         self.rng_start = capture_rng(cuda_devices([x]))
         self.given = read_costs(spec.costs_path)
+        # ("auto": on CUDA, or as a costs file lists them; on CPU the recomputed ops cost
+        # about what whole stages do per byte, and option 1's first-call time came out
+        # low: docs/limitations.md)
+        self.options = spec.options if spec.options != "auto" else \
+            x.is_cuda or (self.given is not None and self.given.has_options)
         self.costs_path = spec.costs_path
         size = x.untyped_storage().nbytes()
         if self.given is not None and self.given.input_bytes != size:

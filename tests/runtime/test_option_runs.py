@@ -21,6 +21,19 @@ from remat.solver.solve import minimum_budget, solve
 from chains import (Net, Stage, assert_same, budget_for, make_input, measured_costs, physical_peak, random_chains,
                     train)
 
+
+@pytest.fixture(autouse=True)
+def _options_on_cpu(monkeypatch):
+    """These tests run option 1 on CPU, where ``options="auto"`` (the default)
+    measures and plans none: chains made here take ``options=True`` for it."""
+    real = remat.chain.__init__
+
+    def init(self, *args, options="auto", **kwargs):
+        real(self, *args, options=True if options == "auto" else options, **kwargs)
+
+    monkeypatch.setattr(remat.chain, "__init__", init)
+
+
 _planning = ChainRecord.planning_costs
 
 

@@ -104,7 +104,7 @@ def test_an_interrupted_chain_call_caches_no_plan():
     assert entry.plans == {}
     entry.costs = small
     plan = plan_for(entry, budget, spec)
-    assert plan.costs is small and entry.plans == {(budget, "optimal", 500, True): plan}
+    assert plan.costs is small and entry.plans == {(budget, "optimal", 500, "auto"): plan}
 
 
 def test_a_long_solve_shows_progress(monkeypatch, capsys):

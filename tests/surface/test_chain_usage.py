@@ -296,3 +296,27 @@ def test_second_pass_over_the_blocks_is_named():
     remat.wrap(model, model.blocks, budget=2**40)
     with pytest.raises(remat.StageError, match=r"stage 1 of this chain, was called again as stage 4.*one remat.chain per"):
         model(torch.randn(2, 8), torch.randn(2, 8))
+
+
+def test_options_auto_measures_them_on_cuda_only():
+    """``options="auto"`` (the default) measures and plans no options on CPU, where
+    option 1's recomputed ops cost about what whole stages do; ``options=True``
+    measures them there too."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    blocks = [remat.stage(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))) for _ in range(4)]
+    x = torch.randn(8, 32)
+
+    def measured(**kwargs):
+        remat.clear_cache()
+        with remat.chain(budget=remat.chain.NO_LIMIT, **kwargs):
+            h = x
+            for b in blocks:
+                h = b(h)
+        h.sum().backward()
+        return remat.explain().measured
+
+    assert not measured().has_options
+    assert measured(options=True).has_options
+    remat.clear_cache()
