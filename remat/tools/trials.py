@@ -36,6 +36,7 @@ from ..solver.costs import Costs
 from ..measure.meter import Instrument
 from ..chain import explain
 from ..measure.refine import SAMPLES
+from ..runtime.stage_call import KEPT_OPS
 
 __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "job", "measure_all", "measure_costs",
            "median_costs", "resnet_spec", "run_step"]
@@ -218,25 +219,14 @@ def run_step(model, spec, method, batch, clock):
     return loss.item()
 
 
-def _expensive_ops():
-    """The ops whose outputs torch's selective checkpointing keeps in the ``sac``
-    method: matmuls, convolutions and attention kernels (the policy of PyTorch's
-    own SAC examples); the rest is recomputed."""
-    aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-             "_efficient_attention_forward"]
-    return [getattr(aten, n).default for n in names if hasattr(aten, n)]
-
-
 def _sac_contexts():
+    """torch's selective checkpointing contexts keeping the outputs of the ops remat's
+    option 1 keeps (``KEPT_OPS``: matmuls, convolutions, attention kernels), the
+    policy of PyTorch's own SAC examples; the rest is recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    keep = set(_expensive_ops())
-
     def policy(_ctx, op, *_args, **_kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op.overloadpacket in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
