@@ -3,7 +3,7 @@
 dropout 0.1, norm_first), CPU: is remat, given the very peak a method
 measures, under it and no slower?
 
-    python benchmarks/encoder_checkpointing.py [--pairs 15] [--out encoder_checkpointing-cpu.json]
+    python benchmarks/encoder_checkpointing.py [--pairs 15] [--options] [--out encoder_checkpointing-cpu.json]
 
 The methods: ``checkpoint_sequential(k)`` for k = 2, 3, 4, 6 and per-block
 checkpointing (``checkpoint`` around each layer). Each one's whole-step peak
@@ -12,7 +12,9 @@ resident gradients; the input counted) becomes remat's budget. Then, pair by
 pair, the method's step and remat's run back to back, the order alternating,
 ``pairs`` times: the median of remat's time over the method's, with its
 quartiles; remat's peak, its predicted peak (``remat.explain()``) and its
-recomputations beside the method's.
+recomputations beside the method's. ``--options`` has remat measure and plan
+stage options on CPU too (``options=True``; the default, ``"auto"``, plans
+none there); the table then counts the stages its plan records with one.
 
 Writes benchmarks/results/encoder_checkpointing-cpu.json and prints a markdown table.
 """
@@ -45,7 +47,7 @@ class Encoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(nn.TransformerEncoderLayer(WIDTH, 4, 4 * WIDTH, 0.1, batch_first=True,
                                                                norm_first=True) for _ in range(LAYERS))
-        self.how, self.budget = ("plain", None), None
+        self.how, self.budget, self.options = ("plain", None), None, "auto"
 
     def forward(self, x):
         kind, k = self.how
@@ -56,7 +58,7 @@ class Encoder(nn.Module):
                 x = checkpoint(layer, x, use_reentrant=False)
             return x
         if kind == "remat":
-            with remat.chain(budget=self.budget):
+            with remat.chain(budget=self.budget, options=self.options):
                 for layer in self.layers:
                     x = layer(x)
             return x
@@ -82,6 +84,7 @@ def step(model, x):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--options", action="store_true", help="options=True: stage options on CPU too")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "encoder_checkpointing-cpu.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -94,7 +97,7 @@ def main():
         step(theirs, x)
         peak = max(step(theirs, x)[1] for _ in range(2))
         ours = copy.deepcopy(base)
-        ours.how, ours.budget = ("remat", None), peak
+        ours.how, ours.budget, ours.options = ("remat", None), peak, True if args.options else "auto"
         for layer in ours.layers:
             remat.stage(layer)
         for _ in range(3):   # measuring, then the two calls that refine the times
@@ -111,9 +114,12 @@ def main():
         rows.append({"method": name, "method_peak": peak, "remat_peak": max(peaks),
                      "remat_predicted_peak": explanation.predicted_peak,
                      "remat_recomputations": explanation.schedule.recomputations(),
+                     "remat_options": len({op.stage for op in explanation.schedule.ops
+                                           if isinstance(op, remat.Fall) and op.option}),
                      "method_recomputations": LAYERS - (how[1] and -(-LAYERS // how[1])) if how[1] else LAYERS,
                      "time_ratio_median": statistics.median(ratios), "time_ratio_quartiles": [q[0], q[2]]})
-    result = {"machine": f"{os.cpu_count()} CPUs", "torch": torch.__version__, "pairs": args.pairs, "rows": rows}
+    result = {"machine": f"{os.cpu_count()} CPUs", "torch": torch.__version__, "pairs": args.pairs,
+              "options": bool(args.options), "rows": rows}
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
     print(table(result))
@@ -122,14 +128,16 @@ def main():
 def table(result):
     mib = lambda n: f"{n / 2**20:.2f}"
     lines = [f"12 x TransformerEncoderLayer(128, 4 heads), batch 8 x 64, CPU ({result['machine']}, torch "
-             f"{result['torch']}); {result['pairs']} alternating pairs", "",
+             f"{result['torch']}); {result['pairs']} alternating pairs"
+             + ("; remat with options=True" if result.get("options") else ""), "",
              "| remat at the peak of | that peak MiB | remat's peak MiB | predicted MiB | recomputations (remat / it) "
-             "| remat's time over its (median, quartiles) |", "| --- | --- | --- | --- | --- | --- |"]
+             "| stages run with an option | remat's time over its (median, quartiles) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         lo, hi = r["time_ratio_quartiles"]
         lines.append(f"| {r['method']} | {mib(r['method_peak'])} | {mib(r['remat_peak'])} | "
                      f"{mib(r['remat_predicted_peak'])} | {r['remat_recomputations']} / {r['method_recomputations']} | "
-                     f"{r['time_ratio_median']:.3f} ({lo:.3f}-{hi:.3f}) |")
+                     f"{r.get('remat_options', 0)} | {r['time_ratio_median']:.3f} ({lo:.3f}-{hi:.3f}) |")
     return "\n".join(lines)
 
 

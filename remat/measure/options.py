@@ -22,7 +22,10 @@ of the other ops; no run is added to the first call.
    spent in the ops not kept (the recomputation runs those again, and their
    autograd), plus the recompute mode's dispatch per op. A share, not the
    meter's seconds, so that a forward timed otherwise (``timed_step`` on
-   CUDA, the refined times) scales with it.
+   CUDA, the refined times) scales with it. It misses the stage's Python and
+   remat's replay around the rebuild; on CPU the calls that refine the times
+   measure the option where their plan runs it (Note [Timing the second
+   call], 5, remat/measure/refine.py).
 4. ``fwd_tmp``: the base's, plus the kept storages autograd did not save (they
    outlive the ops that used them). ``bwd_tmp``: the base's plus what the
    rebuild makes again (the base record less the option's), held through

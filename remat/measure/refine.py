@@ -44,6 +44,18 @@ stamps two of them (``SAMPLES``):
    sum above the recording forward's, and the solver would then recompute
    with grad mode on rather than without.
 
+5. A stage the plan runs with an option (remat/measure/options.py): its
+   forward-phase run is the option's forward, so the stage's own
+   ``fwd_time`` is that less what the option's mode adds (the dispatch
+   measured on the first call), and the rebuild before B(i), under the
+   option's cache, is the option's recomputation: the option's
+   ``bwd_time`` is the stage's backward plus that run. An option no stamped
+   call ran keeps the first call's estimate of its recomputation, scaled by
+   what the runs showed against the estimate on the stages that ran theirs
+   (the estimate, the cheap ops' share of the metered ops' time, misses the
+   stage's Python and remat's replay around the rebuild: about 25% low on GPT
+   blocks on CPU, where before this the refined plans kept the estimate).
+
 At the end of the backward (an engine callback), if it went through every
 stage once, in chain order, and every interval is positive, the call's
 times are a sample. With two samples, their mean, stage by stage (the
@@ -65,17 +77,28 @@ same schedule), nor for costs read from a file.
 
 import time
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from ..solver.costs import Costs
 from .leaves import stop_nodes, walk
 
-__all__ = ["ATTEMPTS", "SAMPLES", "StageTimes", "combine", "refine", "take_sample"]
+__all__ = ["ATTEMPTS", "SAMPLES", "Sample", "StageTimes", "combine", "refine", "take_sample"]
 
 SAMPLES = 2    # stamped calls whose times are combined, stage by stage
 ATTEMPTS = 4   # calls after the measuring one that may be stamped
 OUTLIER = 1.5  # a sample this many times another is a busy machine's
+
+
+class Sample(NamedTuple):
+    """The stamps of one call, stage by stage (index i for stage i + 1)."""
+    forward: list       # seconds of each stage's forward-phase run (the chain's end of call in the last)
+    backward: list      # seconds of each stage's backward, its recomputations left out
+    options: list       # the option each stage's forward-phase run ran with (0: none)
+    nograd: dict        # stage -> least seconds of a recomputation without recording
+    recorded: dict      # stage -> (seconds, option) of a recomputation that records
+    cached: dict        # stage -> seconds of its rebuild under an option's cache (5 of the Note)
 
 
 def combine(samples):
@@ -96,8 +119,10 @@ class StageTimes:
     def __init__(self, chain_record):
         self.chain_record = weakref.ref(chain_record)
         self.forward = {}     # stage -> seconds of its forward-phase run
+        self.options = {}     # stage -> the option that run ran with
         self.nograd = {}      # stage -> least seconds of a recomputation without recording
-        self.recording_runs = {}   # stage -> seconds of its recomputation that records
+        self.recording_runs = {}   # stage -> (seconds, option) of its recomputation that records
+        self.cached = {}      # stage -> seconds of its rebuild under an option's cache
         self.starts = {}      # stage -> when its backward began
         self.end = None       # when the last node of stage 1 ran
         self.rebuilds = []    # (start, end) of each recomputation in the backward
@@ -105,10 +130,11 @@ class StageTimes:
         self.queued = False
         self.done = False
 
-    def ran(self, k, seconds, act, inputs):
-        """Stage ``k`` ran its forward phase in ``seconds`` and returned ``act``;
-        ``inputs`` are its tensor arguments, where its own graph ends."""
+    def ran(self, k, seconds, act, inputs, option=0):
+        """Stage ``k`` ran its forward phase in ``seconds`` (with ``option``) and
+        returned ``act``; ``inputs`` are its tensor arguments, where its own graph ends."""
         self.forward[k] = seconds
+        self.options[k] = option
         node = act.grad_fn
         if node is None:
             return
@@ -129,10 +155,15 @@ class StageTimes:
         if not self.done:
             self.nograd[k] = min(seconds, self.nograd.get(k, seconds))
 
-    def recorded(self, k, seconds):
-        """Stage ``k`` was recomputed recording in ``seconds`` (3 of the Note)."""
-        if not self.done:
-            self.recording_runs[k] = seconds
+    def recorded(self, k, seconds, option=0, cached=False):
+        """Stage ``k`` was recomputed recording in ``seconds`` (3 of the Note), with
+        ``option``, or ``cached``: under the cache of its option's run (5)."""
+        if self.done:
+            return
+        if cached:
+            self.cached[k] = seconds
+        else:
+            self.recording_runs[k] = (seconds, option)
 
     def rebuilt(self, t0, t1):
         """The backward's recomputations ran from ``t0`` to ``t1`` (perf_counter seconds)."""
@@ -158,10 +189,11 @@ class StageTimes:
         self.done = True
         chain_record = self.chain_record()
         backward = self.backward()
-        if chain_record is not None and backward is not None:
-            forward = {k: (t + self.recording_runs[k]) / 2 if k in self.recording_runs else t
-                       for k, t in self.forward.items()}
-            take_sample(chain_record, forward, backward, self.nograd)
+        n = self.stages
+        if chain_record is not None and backward is not None and sorted(self.forward) == list(range(1, n + 1)):
+            take_sample(chain_record, Sample([self.forward[k] for k in range(1, n + 1)], backward,
+                                             [self.options[k] for k in range(1, n + 1)], dict(self.nograd),
+                                             dict(self.recording_runs), dict(self.cached)))
 
     def backward(self):
         """Each stage's backward seconds, or None if the backward did not go
@@ -181,18 +213,18 @@ class StageTimes:
         return times
 
 
-def take_sample(chain_record, forward, backward, nograd):
+def take_sample(chain_record, sample):
     """A call after the measuring one of ``chain_record`` was stamped (Note [Timing
-    the second call]): ``forward`` and ``nograd`` map stages to seconds,
-    ``backward`` lists them. With ``SAMPLES`` such calls, or none left to try,
-    the times replace the measured ones."""
+    the second call]): a ``Sample``. With ``SAMPLES`` such calls, or none left to
+    try, the times replace the measured ones."""
     costs = chain_record.costs
     n = costs.length if costs is not None else -1
-    if len(backward) != n or sorted(forward) != list(range(1, n + 1)):
+    if len(sample.backward) != n or len(sample.forward) != n:
         return
-    chain_record.samples.append(([forward[k] for k in range(1, n + 1)], list(backward), dict(nograd)))
+    chain_record.samples.append(sample)
     if len(chain_record.samples) >= SAMPLES or chain_record.attempts == 0:
         refine(chain_record)
+
 
 def refine(chain_record):
     """The samples' times of ``chain_record``, stage by stage (``combine``), replace
@@ -202,26 +234,45 @@ def refine(chain_record):
     chain_record.attempts = 0
     if not samples:
         return
-    n = chain_record.costs.length
-    nograd = {}
-    for _, _, times in samples:
-        for k, t in times.items():
+    old = chain_record.costs
+    n = old.length
+
+    def mode_adds(i, o):   # what option o's forward mode adds to stage i + 1's forward (5 of the Note)
+        return old.options[i][o - 1].fwd_time - old.fwd_time[i] if o else 0.0
+
+    forward, nograd, seen = [[] for _ in range(n)], {}, {}
+    for s in samples:
+        for i in range(n):
+            k, o = i + 1, s.options[i]
+            t = max(0.0, s.forward[i] - mode_adds(i, o))
+            if k in s.recorded:   # (3 of the Note)
+                again, option = s.recorded[k]
+                t, o = (t + max(0.0, again - mode_adds(i, option))) / 2, o or option
+            forward[i].append(t)
+            if o and k in s.cached:
+                seen.setdefault((i, o), []).append(s.cached[k])
+        for k, t in s.nograd.items():
             nograd.setdefault(k, []).append(t)
     nograd = {k: combine(ts) for k, ts in nograd.items()}
-    data = chain_record.costs.to_dict()
-    data["fwd_time"] = [combine([f[i] for f, _, _ in samples]) for i in range(n)]
-    data["bwd_time"] = [combine([b[i] for _, b, _ in samples]) for i in range(n)]
+    data = old.to_dict()
+    data["fwd_time"] = fwd = [combine(ts) for ts in forward]
+    data["bwd_time"] = bwd = [combine([s.backward[i] for s in samples]) for i in range(n)]
     # (4 of the Note: a forward without recording does no more than one with it)
-    fwd = data["fwd_time"]
     data["fwd_nograd_time"] = [
         nograd.get(k, fwd[k - 1] if chain_record.stages[k - 1].grad_replay else min(t, fwd[k - 1]))
         for k, t in enumerate(data["fwd_nograd_time"], 1)]
-    # an option keeps what it was measured to add to the stage's times (remat/measure/options.py)
-    old = chain_record.costs
+    # options (5 of the Note): a recomputation seen is the option's; the others' estimates
+    # scaled by what those seen showed against theirs
+    seen = {at: combine(ts) for at, ts in seen.items()}
+    estimated = sum(old.options[i][o - 1].bwd_time - old.bwd_time[i] for i, o in seen)
+    scale = sum(seen.values()) / estimated if seen and estimated > 0 else 1.0
     for i, listed in enumerate(data.get("options", ())):
-        for o in listed:
-            o["fwd_time"] = max(0.0, o["fwd_time"] + fwd[i] - old.fwd_time[i])
-            o["bwd_time"] = max(0.0, o["bwd_time"] + data["bwd_time"][i] - old.bwd_time[i])
+        for o, option in enumerate(listed, 1):
+            option["fwd_time"] = max(0.0, option["fwd_time"] + fwd[i] - old.fwd_time[i])
+            again = seen.get((i, o))
+            if again is None:
+                again = scale * max(0.0, option["bwd_time"] - old.bwd_time[i])
+            option["bwd_time"] = bwd[i] + again
     chain_record.costs = Costs.from_dict(data)
     chain_record.refined = len(samples)
     chain_record.plans = {}

@@ -190,7 +190,8 @@ class ChainCall:
             return out
         clock = self.part.run.clock
         if clock is not None:
-            clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))])
+            clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))],
+                      self.part.run.option[k])
         return out
 
     def _plainly(self, x, args, kwargs):

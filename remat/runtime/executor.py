@@ -374,12 +374,12 @@ class Run:
     def _record(self, k, x, option=0):
         """Fall(k): recompute stage k recording, collect what autograd saves (with an option, its cache)."""
         clock = self.clock
-        if clock is None:
-            self._recorded(k, x, option)
-            return
+        anchor = self._anchor(k) if clock is not None and not option else None
+        cached = anchor is not None and anchor.cache is not None   # (the rebuild of an option's record)
         t0 = time.perf_counter()
         self._recorded(k, x, option)
-        clock.recorded(k, time.perf_counter() - t0)
+        if clock is not None:
+            clock.recorded(k, time.perf_counter() - t0, option, cached)
 
     def _recorded(self, k, x, option):
         anchor = self._anchor(k)

@@ -197,6 +197,8 @@ def summarise(result):
         # the most any schedule could reduce it by, on the run's costs (Note [A bound on
         # any schedule] in remat/solver/bound.py)
         "mean_overhead_reduction_bound": statistics.mean(bound) if bound else None,
+        # each remat run against the least time any schedule could take at its budget
+        "bound_gaps": _bound_gaps(optimal, costs),
         "repeat_noise": overhead(cs[0]) if cs and cs[0]["segments"] == 1 else None,
         "all_under_budget": all(r["peak_bytes"] <= r["budget"] for r in remat),
         "max_time_error": max(abs(r["chain_seconds"] / r["predicted_seconds"] - 1) for r in remat),
@@ -209,6 +211,20 @@ def summarise(result):
         "grad_max_rel_diff": max((r.get("grad_max_rel_diff", 0.0) for r in remat), default=0.0),
         "grad_max_rel_diff_plain": max((r.get("grad_max_rel_diff", 0.0) for r in [plain] + cs[:1]), default=0.0),
     }
+
+
+def _bound_gaps(runs, costs):
+    """Each remat run's chain time, measured and predicted on the run's ``costs``, over
+    the least time any schedule of them could take within its budget (``time_bound``,
+    options included; Note [A bound on any schedule] in remat/solver/bound.py)."""
+    tailed = costs if costs.tail else costs.with_tail(0.0, 0.0, 0, 0, 0, 0)   # (as the runs planned)
+    gaps = []
+    for r in runs:
+        bound = time_bound(tailed, r["budget"])
+        if 0 < bound < float("inf"):
+            gaps.append({"budget": r["budget"], "measured_over_bound": r["chain_seconds"] / bound,
+                         "predicted_over_bound": r.get("predicted_seconds_run_costs", float("nan")) / bound})
+    return gaps
 
 
 def _point(c, optimal, costs, plain_predicted, predict=True):
@@ -275,10 +291,22 @@ def table(result):
                      or "n/a")
                   + ("" if s.get("mean_overhead_reduction_without_options") is None else
                      f"; without options: {s['mean_overhead_reduction_without_options']:.0%}")
+                  + _gap_text(s.get("bound_gaps"))
                   + ("" if s.get("grads_equal", True) else
                      f" (largest relative difference: remat {s.get('grad_max_rel_diff', 0):.1e}, plain PyTorch's "
                      f"own computations {s.get('grad_max_rel_diff_plain', 0):.1e}: nondeterministic kernels)")]
     return "\n".join(lines)
+
+
+def _gap_text(gaps):
+    """The summary's words for ``bound_gaps``."""
+    if not gaps:
+        return ""
+    measured = [g["measured_over_bound"] for g in gaps]
+    predicted = [g["predicted_over_bound"] for g in gaps]
+    return (f"; remat's chain time over the least any schedule could take at its budget (time_bound): "
+            f"measured median {statistics.median(measured):.3f}, worst {max(measured):.3f}; its plan predicted "
+            f"on the run's costs, worst {max(predicted):.3f}")
 
 
 def _ms(run, field):
