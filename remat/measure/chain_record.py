@@ -139,13 +139,17 @@ class ChainRecord:
         """Stage k's object, or None if it is gone."""
         return self.stages[k - 1].ident()
 
+    def policies(self):
+        """What each stage's options keep (``Plan.policies``, remat/measure/options.py)."""
+        return [s.costs.policies if s.costs is not None else () for s in self.stages]
+
     def again(self, count):
         """A record of this one's first ``count`` stages, for a call that left the
         recorded path after them (Note [Chain keys]): their costs as the costs
         tell (``StageCosts.of``), the rest to be measured."""
         new = ChainRecord()
         for i, s in enumerate(self.stages[:count]):
-            new.add(s.again(StageCosts.of(self.costs, i)), s.ident())
+            new.add(s.again(StageCosts.of(self.costs, i, s.costs.policies if s.costs else ())), s.ident())
         new.input_bytes = self.input_bytes
         new.tail = self.tail   # (what the tail needed on the recorded path, until this call's shows)
         return new

@@ -13,7 +13,8 @@ from ..errors import CostsError, RematError
 from ..units import format_bytes
 from ..runtime.executor import distributed
 from .chain_record import write_costs
-from .options import stage_option
+from ..runtime.option_modes import KEEP_EXPENSIVE, KEEP_SAVED
+from .options import stage_options
 from .record import COST_FIELDS
 
 __all__ = ["chain_costs", "distributed", "read_costs", "write_costs"]
@@ -42,8 +43,8 @@ def read_costs(path):
 def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
     """The costs of a measuring call: ``given`` (read from ``path``) checked against
     what the call saw, else the measured ``stages`` (rank 0's under torch.distributed),
-    written to ``path`` if one is given; with option 1 of each stage where it is
-    offered (remat/measure/options.py) if ``options``.
+    written to ``path`` if one is given; with options 1 and 2 of each stage where
+    they are offered (remat/measure/options.py) if ``options``.
 
     Args:
         stages: a ``StageCosts`` per stage (remat/measure/record.py; only
@@ -59,9 +60,10 @@ def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
         if not all(_runs(listed, s, b) for listed, s, b in zip(given.options, stages, given.saved_bytes)):
             warnings.warn(
                 f"remat: the costs in {path} list options (remat.Option: other ways to record a stage) other "
-                f"than the one remat's runtime runs, option 1, which keeps the outputs of a stage's matmuls, "
-                f"convolutions and attention (its bytes not those this chain's forward shows), and the others "
-                f"it does not run yet; this chain plans without them (remat.solve plans with them)",
+                f"than those remat's runtime runs, option 1, which keeps the outputs of a stage's matmuls, "
+                f"convolutions and attention, and option 2, those of them autograd saves (their bytes not those "
+                f"this chain's forward shows, or more options); this chain plans without them (remat.solve "
+                f"plans with them)",
                 RuntimeWarning, stacklevel=4)
             return given.without_options()
         return given
@@ -82,20 +84,32 @@ def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
 
 def _runs(listed, stage, saved):
     """Whether the options ``listed`` for a stage in a costs file, whose record
-    keeps ``saved`` bytes, are at most the option 1 the runtime runs, as this
-    call's forward of the stage (a ``StageCosts`` of it) shows it: offered, and
-    keeping those bytes (remat/measure/options.py Note [Measuring an option])."""
+    keeps ``saved`` bytes, are some of those the runtime runs, as this call's
+    forward of the stage (a ``StageCosts`` of it) shows them: options 1 and 2 as
+    far as offered, each keeping those bytes (remat/measure/options.py Note
+    [Measuring an option]). If so, the stage's ``policies`` are set for them."""
     seen = stage.kept
     if not listed:
         return True
-    ours = stage.out_bytes + seen.kept if seen is not None and seen.any_kept else None
-    return len(listed) == 1 and ours is not None and listed[0].saved_bytes == ours < saved
+    if seen is None or not seen.any_kept:
+        return False
+    ours = {stage.out_bytes + seen.kept: KEEP_EXPENSIVE}
+    if seen.kept_saved < seen.kept:
+        ours.setdefault(stage.out_bytes + seen.kept_saved, KEEP_SAVED)
+    policies = tuple(ours.get(o.saved_bytes) for o in listed)
+    if None in policies or len(set(policies)) < len(policies) or any(o.saved_bytes >= saved for o in listed):
+        return False
+    stage.policies = policies
+    return True
 
 
 def _option_of(stage):
-    """[option 1] of a measured stage (a ``StageCosts``), or [] where it has none."""
-    option = stage_option(stage) if stage.kept is not None and stage.fwd_time is not None else stage.option
-    return [option] if option is not None else []
+    """The options of a stage (a ``StageCosts``), its ``policies`` set: measured,
+    or as the costs of the chain measured again after it tell; [] where none."""
+    if stage.kept is not None and stage.fwd_time is not None:
+        options, stage.policies = stage_options(stage)
+        return options
+    return list(stage.options)
 
 
 def forward_drops(stages):

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.stage_call import KEPT_OPS
+from ..runtime.option_modes import KEPT_OPS
 
 __all__ = ["Instrument", "storage_key"]
 
@@ -150,10 +150,11 @@ class Instrument(TorchDispatchMode):
         # parametrized weight), casts of leaves needing grad, and what is made from those
         self._derived = set()
         self.generators = {}   # id -> (torch.Generator an op drew from, its state before the first)
-        # what option 1 would keep (remat/measure/options.py): storages ``KEPT_OPS`` made,
-        # live and in all, the bytes of those an op then wrote, and all ops' count and the others' time
+        # what options 1 and 2 would keep (remat/measure/options.py): storages ``KEPT_OPS`` made,
+        # live and in all, the bytes of those an op then wrote, and all ops' count and the others' time;
+        # the time of the op that made each (read for live ones only: an address is used again)
         self.kept, self.kept_bytes, self.kept_written = {}, 0, 0
-        self.ops, self.cheap_seconds = 0, 0.0
+        self.ops, self.cheap_seconds, self.kept_seconds = 0, 0.0, {}
 
     def ignore_writes(self, tensors):
         """Writes into ``tensors`` from now on are not state of the region (not noted)."""
@@ -249,17 +250,17 @@ class Instrument(TorchDispatchMode):
         if self.made is not None:
             self.made.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if isinstance(out, torch.Tensor):
-            self._note_outputs((out,), inputs, kept)
+            self._note_outputs((out,), inputs, kept, dt)
             if func is _TO_COPY and args[0].is_leaf and args[0].requires_grad and out.layout == torch.strided:
                 # autocast's cache holds a cast of a leaf that needs grad (a weight, the
                 # chain's input) to the region's end: counted as a cast of a weight is
                 self._from_params.add(out.untyped_storage()._cdata)
                 self._derived.add(out.untyped_storage()._cdata)
         elif out is not None:
-            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs, kept)
+            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs, kept, dt)
         return out
 
-    def _note_outputs(self, outs, inputs, kept=False):
+    def _note_outputs(self, outs, inputs, kept=False, seconds=0.0):
         created = self.created
         made = None
         if any(t.layout != torch.strided for t in outs):
@@ -277,6 +278,7 @@ class Instrument(TorchDispatchMode):
             if kept:
                 self.kept[key] = nbytes
                 self.kept_bytes += nbytes
+                self.kept_seconds[key], seconds = seconds, 0.0   # (the op's time on its first output)
             if made is None:
                 made = not inputs or any(k in created or k in self._sources for k in inputs)
                 derived = bool(inputs) and not any(

@@ -38,8 +38,9 @@ class StageCosts:
     input_kept: bool = None    # its recording keeps its input's storage (saved, or returned as a view)
     caller_holds: bool = None  # the code around the chain held its output as the chain ended
     saved_seen: int = None     # saved_bytes as a forward with costs from a file saw it (``_check_given``)
-    kept: tuple = None         # what run 1 saw of option 1 (``KeptSeen``, remat/measure/options.py)
-    option: object = None      # option 1 as the costs of a chain measured again after it tell (``of``)
+    kept: tuple = None         # what run 1 saw of options 1 and 2 (``KeptSeen``, remat/measure/options.py)
+    options: tuple = ()        # the options as the costs of a chain measured again after it tell (``of``)
+    policies: tuple = ()       # what each of its options keeps (remat/measure/options.py, ``stage_options``)
 
     @property
     def backward_measured(self):
@@ -47,13 +48,14 @@ class StageCosts:
         return self.bwd_tmp is not None
 
     @classmethod
-    def of(cls, costs, i):
+    def of(cls, costs, i, policies=()):
         """Stage i+1's costs in ``costs`` (a ``remat.Costs``), for a chain measured
         again after it: what decides the drops only as far as the costs tell
-        (``forward_drops``, remat/measure/costs_source.py: unknown is kept)."""
+        (``forward_drops``, remat/measure/costs_source.py: unknown is kept); its
+        options run with ``policies``."""
         return cls(**{f: getattr(costs, f)[i] for f in COST_FIELDS}, out_freed=costs.fwd_drop_whole[i],
                    input_kept=i == 0 or not costs.fwd_drop[i - 1], caller_holds=not costs.fwd_drop[i],
-                   option=costs.options[i][0] if costs.options[i] else None)
+                   options=costs.options[i], policies=policies)
 
 
 class StageGraph(NamedTuple):

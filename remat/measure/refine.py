@@ -238,7 +238,7 @@ def refine(chain_record):
     n = old.length
 
     def mode_adds(i, o):   # what option o's forward mode adds to stage i + 1's forward (5 of the Note)
-        return old.options[i][o - 1].fwd_time - old.fwd_time[i] if o else 0.0
+        return old.options[i][o - 1].fwd_time - old.fwd_time[i] if 0 < o <= len(old.options[i]) else 0.0
 
     forward, nograd, seen = [[] for _ in range(n)], {}, {}
     for s in samples:
@@ -249,7 +249,7 @@ def refine(chain_record):
                 again, option = s.recorded[k]
                 t, o = (t + max(0.0, again - mode_adds(i, option))) / 2, o or option
             forward[i].append(t)
-            if o and k in s.cached:
+            if 0 < o <= len(old.options[i]) and k in s.cached:
                 seen.setdefault((i, o), []).append(s.cached[k])
         for k, t in s.nograd.items():
             nograd.setdefault(k, []).append(t)

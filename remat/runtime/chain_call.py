@@ -390,7 +390,7 @@ def plan_for(entry, budget, spec):
                 note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                         f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
                 raise BudgetError(failed + note, least)
-        plan = Plan.of(schedule, costs)
+        plan = Plan.of(schedule, costs, entry.policies())
         if len(entry.plans) > 16:
             entry.plans.clear()
         entry.plans[key] = plan

@@ -36,31 +36,6 @@ Note [The life of a saved tensor]
 5. Every recomputation (remat/runtime/recompute.py) replays RNG, autocast and
    in-place state (remat/runtime/replay.py), and its saved tensors are checked
    against what the first forward saved (count, shape, dtype, device).
-
-Note [Running an option]
-------------------------
-Option 1 of a stage (remat/solver/option.py Note [Options]) is the policy of
-torch's selective activation checkpointing (SAC) that keeps matmul outputs:
-the outputs of ``KEPT_OPS`` (mm, addmm, bmm, convolutions, attention kernels)
-stay, every other op (pointwise, norms, softmax, dropout) runs again in B(i).
-``Fall(i, option=1)`` runs the stage as ``Fck`` does (its input kept, handles
-for what autograd saves) under the forward mode of ``option_contexts()``
-(remat/runtime/stage_call.py), which caches those outputs; the anchor holds the
-recompute mode (``_Anchor.cache``) and with it the cache. The rebuild before
-B(i) is the usual ``Fall`` recomputation (RNG, autocast and state replayed,
-saved tensors checked) under that mode: kept ops hand back the cached
-tensors, the others run; a later rebuild runs the whole stage (same bits). A
-backward-phase ``Fall(i, option=1)`` records under the forward mode and lets
-the saved tensors go. a^i is in the option's record: the stage after keeps
-it as its input, as after a stage recorded whole. The modes are remat's, not
-torch's SAC pair: torch's imports Dynamo and sympy on its first op (over a
-second) and refuses a recomputation that runs a cheap op its forward did not
-(an autocast cast the forward found cached); remat's file only the kept ops,
-by op and argument shapes, and make again an output written in place since
-(its version counter moved). Each op goes through Python: measured into the
-option's fwd_time (remat/measure/options.py). Deciding at pack time, from the
-op that made each saved tensor, would skip that cost and the kept outputs
-autograd does not save (a residual's matmul): not done yet.
 """
 
 import time
@@ -71,7 +46,7 @@ import torch
 from ..errors import StageError
 from ..solver.schedule import B, Fall, Fn
 from .recompute import record_again, run_again
-from .stage_call import option_contexts
+from .option_modes import KEEP_SAVED, keep_saved, option_contexts
 
 __all__ = ["Run", "RELEASES", "distributed"]
 
@@ -92,7 +67,7 @@ class _Anchor:
         self.versions = None  # version counters of ``saved`` as packed, where they were not recomputed
         self.observe = None   # called with each unpacked index instead of releasing (measuring)
         self.live = None      # what the stage saved so far, while its forward-phase run lasts
-        self.cache = None     # an option's recompute mode, holding its cache (Note [Running an option])
+        self.cache = None     # an option's recompute mode and its cache (remat/runtime/option_modes.py)
 
 
 class _Saved:
@@ -161,6 +136,7 @@ class Run:
     def __init__(self, plan, autocast):
         self.ops = plan.backward if plan is not None else None   # the backward phase's ops, or None
         self.fall_at = plan.fall_at if plan is not None else {}   # stage -> index in ops of its Fall
+        self.policy = plan.policy if plan is not None else None   # (k, option) -> what it keeps
         self.cursor = 0
         self.calls = [None]       # 1-based StageCall list
         self.anchors = [None]     # 1-based weak references
@@ -385,7 +361,9 @@ class Run:
         anchor = self._anchor(k)
         if option:
             forward, cache = option_contexts()
-            out, _ = record_again(self.calls[k], x, self.autocast, forward)
+            out, saved = record_again(self.calls[k], x, self.autocast, forward)
+            if self.policy(k, option) == KEEP_SAVED:
+                keep_saved(cache, [*saved, out])
             if anchor is not None:
                 anchor.cache = cache
                 self._give(k + 1, out)

@@ -87,7 +87,7 @@ def record_again(call, x, autocast, within=None):
     """Stage ``call`` run again on ``x``, recording (``Fall`` in the backward
     phase): (its output, detached; what autograd saved, as the forward phase's
     pack hook would have seen it), checked against what its forward saved.
-    ``within``: a context to run it in (an option's, Note [Running an option])."""
+    ``within``: a context to run it in (an option's: remat/runtime/option_modes.py)."""
     saved = []
     made = []   # as saved, for a stage that backwards its own graph inside its forward
 

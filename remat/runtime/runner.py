@@ -48,7 +48,8 @@ from ..solver.schedule import Fall, Fn
 from .executor import Run, _releasing, distributed
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
-from .stage_call import first, option_contexts, same_structure, signature_matches, trained_as
+from .option_modes import KEEP_SAVED, keep_saved, option_contexts
+from .stage_call import first, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
 
@@ -220,10 +221,12 @@ class Runner:
         # forward's peak, which bounds this one's (fwd_tmp), held it all the same
         anchor.live = []
         try:
-            if option:   # (Note [Running an option], remat/runtime/executor.py)
+            if option:   # (Note [Running an option], remat/runtime/option_modes.py)
                 forward, anchor.cache = option_contexts()
                 with run.hooks(pack), forward:
                     out = call.invoke(x)
+                if self.plan.policy(k, option) == KEEP_SAVED:
+                    keep_saved(anchor.cache, [*anchor.live, first(out)])
             else:
                 with run.hooks(pack):
                     out = call.invoke(x)

@@ -10,8 +10,7 @@ And what each stage call is checked against: the activation among its arguments
 is the stage recorded, on a like input, made of the same modules
 (``signature_matches``, ``same_structure``; Note [Chain keys], remat/chain.py).
 The measuring call (remat/measure/measuring.py) records what these read, the running
-calls (remat/runtime/runner.py) compare. And the cache of a stage call recorded with
-its option 1 (``option_contexts``, Note [Running an option] in remat/runtime/executor.py).
+calls (remat/runtime/runner.py) compare.
 """
 
 import collections.abc
@@ -26,14 +25,13 @@ import weakref
 
 import torch
 import torch.nn.utils.parametrize as _parametrize
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..dynamo import STANCES, eval_frame_callback
 from ..errors import StageError, input_modified
 from .recompute import NO_SLOTS, hooks_disabled
 
-__all__ = ["KEPT_OPS", "option_contexts", "StageCall", "check_hooks_enabled", "check_output", "find_activation", "first", "handed_on",
+__all__ = ["StageCall", "check_hooks_enabled", "check_output", "find_activation", "first", "handed_on",
            "input_signature", "module_dicts", "module_structure", "same_structure", "signature", "signature_matches",
            "trained_as"]
 
@@ -326,75 +324,3 @@ def check_hooks_enabled(name):
             f"torch.autograd.graph.disable_saved_tensors_hooks: {why!r}), at its first stage ({name}); "
             f"remat drops and recomputes saved tensors through those hooks. Run the chain outside "
             f"that context, or without remat.chain there")
-
-
-# Option 1's cache (Note [Running an option], remat/runtime/executor.py) -----------------------
-
-KEPT_OPS = frozenset(getattr(torch.ops.aten, name) for name in (   # the expensive ops, whose outputs it keeps
-    "mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "linear", "convolution", "_convolution",
-    "mkldnn_convolution", "cudnn_convolution", "convolution_overrideable", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_efficient_attention_forward", "_flash_attention_forward")
-    if hasattr(torch.ops.aten, name))
-
-
-def option_contexts():
-    """Option 1's (forward, recompute) dispatch modes, sharing one cache of the
-    outputs of ``KEPT_OPS``: the first keeps them, the second hands them back,
-    each op's in the order it made them, and runs every other op."""
-    cache = {}   # (op, its tensor arguments' shapes and dtypes) -> [(outputs detached, their versions)]
-    return _Keeping(cache), _Handing(cache)
-
-
-def _key(func, args):
-    """Where a kept op's outputs are filed (None for other ops): by the op and its tensor arguments'
-    shapes and dtypes, so that a recomputation that skips one (a cached parametrization) shifts no other."""
-    if getattr(func, "overloadpacket", None) not in KEPT_OPS or func._schema.is_mutable:
-        return None
-    return (func, *[(a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor)])
-
-
-class _Mode(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls):   # (Note [Dynamo and the meter], remat/measure/meter.py)
-        return False
-
-    def __init__(self, cache):
-        super().__init__()
-        self.cache = cache
-
-
-class _Keeping(_Mode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        key = _key(func, args)
-        if key is not None:
-            # (detached below autograd, sharing the version counter: a write into it shows)
-            with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-                kept = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _many(out))
-            kept = kept if isinstance(out, (tuple, list)) else kept[0]
-            self.cache.setdefault(key, []).append((kept, _versions(kept)))
-        return out
-
-    def __exit__(self, *exc):   # outputs the stage wrote into in place are not kept: made again in B(i)
-        for listed in self.cache.values():
-            listed[:] = [(kept, v) if _versions(kept) == v else (None, v) for kept, v in listed]
-        return super().__exit__(*exc)
-
-
-class _Handing(_Mode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        listed = self.cache.get(_key(func, args)) if self.cache else None
-        if listed:
-            out, versions = listed.pop(0)
-            if out is not None and _versions(out) == versions:   # (else written since: made again)
-                return out
-        return func(*args, **(kwargs or {}))
-
-
-def _many(out):
-    return out if isinstance(out, (tuple, list)) else (out,)
-
-
-def _versions(out):
-    return tuple(t._version for t in _many(out) if isinstance(t, torch.Tensor))

@@ -25,6 +25,9 @@ class Plan:
         backward: the ops after ``Loss``. Ops on the chain's tail
             (``Costs.tail``) are left out of both: the caller runs it.
         fall_at: stage -> index in ``backward`` of the ``Fall`` that rebuilds it.
+        policies: ``policies[k]`` says what each option of stage k keeps (its
+            record's ``StageCosts.policies``, remat/measure/options.py);
+            read through ``policy``.
     """
 
     schedule: object
@@ -33,10 +36,12 @@ class Plan:
     backward: tuple
     fall_at: dict
     options: tuple = ()
+    policies: tuple = ()
 
     @classmethod
-    def of(cls, schedule, costs):
-        """The plan of ``schedule`` solved on ``costs``."""
+    def of(cls, schedule, costs, policies=()):
+        """The plan of ``schedule`` solved on ``costs``, whose stage k's options keep
+        as ``policies[k - 1]`` says."""
         ops = schedule.ops
         if costs.tail:
             ops = tuple(op for op in ops if op.stage != costs.length)
@@ -45,4 +50,11 @@ class Plan:
         forward = ops[:split]
         return cls(schedule, costs, (None, *(type(op) for op in forward)), backward,
                    {op.stage: j for j, op in enumerate(backward) if type(op) is Fall},
-                   (None, *(op.option if type(op) is Fall else 0 for op in forward)))
+                   (None, *(op.option if type(op) is Fall else 0 for op in forward)), (None, *policies))
+
+    def policy(self, k, option):
+        """What option ``option`` of stage k keeps: its record's policy, or the
+        option's own number where the record lists none for it (costs that give
+        a stage options of their own, as tests do)."""
+        listed = self.policies[k] if k < len(self.policies) else ()
+        return listed[option - 1] if 0 < option <= len(listed) else option

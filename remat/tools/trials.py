@@ -36,7 +36,7 @@ from ..solver.costs import Costs
 from ..measure.meter import Instrument
 from ..chain import explain
 from ..measure.refine import SAMPLES
-from ..runtime.stage_call import KEPT_OPS
+from ..runtime.option_modes import KEPT_OPS
 
 __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", "job", "measure_all", "measure_costs",
            "median_costs", "resnet_spec", "run_step"]

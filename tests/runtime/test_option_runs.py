@@ -1,4 +1,4 @@
-"""Option 1 of a stage (remat/runtime/executor.py Note [Running an option],
+"""Option 1 of a stage (remat/runtime/option_modes.py Note [Running an option],
 remat/measure/options.py Note [Measuring an option]) against plain PyTorch:
 the same bits wherever the solver records stages with it, the bytes measured
 are those the runtime holds, and ``options=False`` plans as before."""
@@ -37,43 +37,64 @@ def _options_on_cpu(monkeypatch):
 _planning = ChainRecord.planning_costs
 
 
-def _every_stage_option(self, output=None, options=True):
-    """Planning costs where every stage that saves more than its output has an
-    option keeping only the output, twice as fast as its record: the solver
-    records with it wherever it records (what the runtime keeps is its own)."""
-    c = _planning(self, output, options)
-    if c is None or not options:
-        return c
-    n = c.length - (1 if c.tail else 0)
-    return c.with_options({k: [Option(c.out_bytes[k - 1], c.fwd_time[k - 1] / 2, c.bwd_time[k - 1] / 2,
-                                      c.fwd_tmp[k - 1], c.bwd_tmp[k - 1])]
-                           for k in range(1, n + 1) if c.saved_bytes[k - 1] > c.out_bytes[k - 1]})
+def _every_stage_option(which=1):
+    """``planning_costs`` where every stage that saves more than its output has
+    options keeping only the output, option ``which`` twice as fast as its record
+    and the other slower than it: the solver records with option ``which``
+    wherever it records (what the runtime keeps is its own)."""
+    def planning(self, output=None, options=True):
+        c = _planning(self, output, options)
+        if c is None or not options:
+            return c
+        n = c.length - (1 if c.tail else 0)
+
+        def option(k, speed):
+            return Option(c.out_bytes[k - 1], c.fwd_time[k - 1] * speed, c.bwd_time[k - 1] * speed,
+                          c.fwd_tmp[k - 1], c.bwd_tmp[k - 1])
+
+        return c.with_options({k: [option(k, 0.5 if o == which else 2.0) for o in range(1, which + 1)]
+                               for k in range(1, n + 1) if c.saved_bytes[k - 1] > c.out_bytes[k - 1]})
+    return planning
 
 
-def _measured_options_cheap(self, output=None, options=True):
-    """Planning costs with the measured options made faster than the records (their
-    bytes as measured): the solver takes them wherever they fit."""
-    c = _planning(self, output, options)
-    if c is None or not c.has_options:
-        return c
-    return c.with_options({k: [dataclasses.replace(o, fwd_time=c.fwd_time[k - 1] / 2, bwd_time=c.bwd_time[k - 1] / 2)
-                               for o in c.options[k - 1]] for k in range(1, c.length + 1) if c.options[k - 1]})
+def _measured_options_cheap(which):
+    """``planning_costs`` with the measured option keeping as ``which`` says (1: every
+    expensive output, 2: those autograd saves) made faster than the records (its
+    bytes as measured; any other as measured): the solver takes it wherever it
+    fits. ``planning.chosen`` collects (stage, option number) of those made so."""
+    def planning(self, output=None, options=True):
+        c = _planning(self, output, options)
+        if c is None or not c.has_options:
+            return c
+        made = {}
+        for k in range(1, c.length + 1):
+            policies = self.stages[k - 1].costs.policies if k <= len(self.stages) else ()
+            if which in policies:
+                q = policies.index(which)
+                planning.chosen.add((k, q + 1))
+                made[k] = [dataclasses.replace(o, fwd_time=c.fwd_time[k - 1] / 2, bwd_time=c.bwd_time[k - 1] / 2)
+                           if p == q else o for p, o in enumerate(c.options[k - 1])]
+        return c.with_options(made)
+    planning.chosen = set()
+    return planning
 
 
-def _uses_options(schedule):
-    return any(type(op) is Fall and op.option for op in schedule.ops)
+def _uses_options(schedule, which=None):
+    return any(type(op) is Fall and op.option and op.option == (which or op.option) for op in schedule.ops)
 
 
 @settings(max_examples=10 if settings.default.max_examples <= 25 else settings.default.max_examples)   # (deep: its own)
-@given(random_chains(), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
-@example((["mlp", "attn", "bn", "dropout", "mlp", "ln", "relu"], False), 0.0, "sgd")
-@example((["linear", "mlp", "mlp", "attn", "attn", "gelu", "mlp", "linear"], False), 0.1, "adam")
-@example((["tied", "linear", "relu", "tied", "mlp"], False), 0.0, "sgd")
-@example((["convblock", "conv", "bn2d", "dropout", "convblock"], True), 0.2, "sgd")
-def test_random_chains_with_options_match_plain_pytorch(chain, fraction, opt):
-    """With option 1 recorded on every stage the solver records (in the forward
-    phase and in the backward phase), losses, gradients, BatchNorm statistics
-    and parameters after three steps are bitwise those of plain PyTorch."""
+@given(random_chains(), st.floats(0, 1), st.sampled_from(["sgd", "adam"]), st.sampled_from([1, 2]))
+@example((["mlp", "attn", "bn", "dropout", "mlp", "ln", "relu"], False), 0.0, "sgd", 1)
+@example((["linear", "mlp", "mlp", "attn", "attn", "gelu", "mlp", "linear"], False), 0.1, "adam", 2)
+@example((["tied", "linear", "relu", "tied", "mlp"], False), 0.0, "sgd", 2)
+@example((["convblock", "conv", "bn2d", "dropout", "convblock"], True), 0.2, "sgd", 1)
+@example((["attn", "mlp", "gelu", "attn", "ln"], False), 0.0, "sgd", 2)
+def test_random_chains_with_options_match_plain_pytorch(chain, fraction, opt, which):
+    """With option ``which`` (1: every expensive output kept; 2: those autograd
+    saves) recorded on every stage the solver records (in the forward phase and
+    in the backward phase), losses, gradients, BatchNorm statistics and
+    parameters after three steps are bitwise those of plain PyTorch."""
     kinds, image = chain
     torch.manual_seed(0)
     base = Net(kinds, image=image)
@@ -81,7 +102,7 @@ def test_random_chains_with_options_match_plain_pytorch(chain, fraction, opt):
     net = copy.deepcopy(base)
     net.budget = budget_for(measured_costs(base), "optimal", fraction)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChainRecord, "planning_costs", _every_stage_option)
+        mp.setattr(ChainRecord, "planning_costs", _every_stage_option(which))
         got = train(net, opt=opt)
         schedule = remat.explain().schedule
     assert_same(ref, got)
@@ -134,12 +155,13 @@ def _steps(blocks, budget, cast=None, options=True, steps=3):
     return out + [p.detach().clone() for p in params]
 
 
+@pytest.mark.parametrize("which", [1, 2])
 @pytest.mark.parametrize("cast", [None, torch.bfloat16])
-def test_sdpa_dropout_inplace_and_autocast_with_options(cast):
+def test_sdpa_dropout_inplace_and_autocast_with_options(cast, which):
     """Blocks with scaled_dot_product_attention and dropout, and a kept output a
     ReLU writes in place (made again in B(i), not handed back), plain or under
     CPU autocast to bfloat16, every stage the solver records recorded with
-    option 1 at the least budget: bitwise plain PyTorch's."""
+    option ``which`` at the least budget: bitwise plain PyTorch's."""
     torch.manual_seed(0)
     blocks = [_Sdpa(16) for _ in range(4)]
     ref = _steps(copy.deepcopy(blocks), None, cast)
@@ -147,9 +169,9 @@ def test_sdpa_dropout_inplace_and_autocast_with_options(cast):
     low = minimum_budget(remat.explain().costs)
     remat.clear_cache()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChainRecord, "planning_costs", _every_stage_option)
+        mp.setattr(ChainRecord, "planning_costs", _every_stage_option(which))
         got = _steps(blocks, low, cast)
-        assert _uses_options(remat.explain().schedule), str(remat.explain().schedule)
+        assert _uses_options(remat.explain().schedule, which), str(remat.explain().schedule)
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     remat.clear_cache()
@@ -173,24 +195,27 @@ def test_kept_output_written_in_place_is_not_kept():
     remat.clear_cache()
 
 
-@pytest.mark.parametrize("kinds", [["mlp"] * 6, ["attn", "mlp"] * 3])
+# (the MLP's expensive outputs are all saved, by its GELU and its output: no option 2)
+@pytest.mark.parametrize("kinds, which", [(["mlp"] * 6, 1), (["attn", "mlp"] * 3, 1), (["attn", "mlp"] * 3, 2)])
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7])
-def test_measured_option_bytes_are_what_the_runtime_holds(kinds, fraction):
-    """With the measured options chosen wherever they fit (made faster than the
-    records, their bytes as measured), a later step's metered peak is under the
-    budget and within 3% of explain()'s predicted peak: option 1 keeps the bytes
+def test_measured_option_bytes_are_what_the_runtime_holds(kinds, fraction, which):
+    """With the measured option ``which`` chosen wherever it fits (made faster than
+    the records, its bytes as measured), a later step's metered peak is under the
+    budget and within 3% of explain()'s predicted peak: the option keeps the bytes
     the measuring call says it keeps."""
     torch.manual_seed(0)
     net = Net(kinds, d=32)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChainRecord, "planning_costs", _measured_options_cheap)
+        planning = _measured_options_cheap(which)
+        mp.setattr(ChainRecord, "planning_costs", planning)
         net.budget = budget_for(measured_costs(net), "optimal", fraction)
         train(net, steps=1, hold=False)
         for p in net.parameters():
             p.grad = torch.zeros_like(p)
         peak = physical_peak(net, hold=False)
         explanation = remat.explain()
-    assert _uses_options(explanation.schedule), str(explanation.schedule)
+    assert any(type(op) is Fall and (op.stage, op.option) in planning.chosen for op in explanation.schedule.ops), (
+        str(explanation.schedule))
     predicted = explanation.predicted_peak
     assert peak <= net.budget and peak <= predicted
     assert peak >= 0.97 * predicted, (peak, predicted)
@@ -221,7 +246,7 @@ def test_explain_shows_the_option():
     net = Net(["mlp", "attn", "mlp", "ln"])
     net.budget = remat.chain.NO_LIMIT
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChainRecord, "planning_costs", _every_stage_option)
+        mp.setattr(ChainRecord, "planning_costs", _every_stage_option())
         train(net, steps=2)
         text = str(remat.explain())
     assert "Fall:o1" in text and "Fall1:o1" in text
@@ -242,9 +267,11 @@ def test_bad_options_value_is_refused(bad):
     assert not hasattr(model, "_remat") or True
 
 
-def test_gpt_blocks_measure_an_option_keeping_less():
+def test_gpt_blocks_measure_options_keeping_less():
     """Each block of the GPT (remat/models/gpt.py) measures an option 1 that keeps
-    less than its record and costs more in its backward."""
+    less than its record and costs more in its backward, and an option 2 that keeps
+    less again (not the projections summed into the residual stream, which
+    autograd does not save) and costs more again."""
     from remat.models.gpt import GPT
     torch.manual_seed(0)
     model = GPT(n_layer=3, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.1)
@@ -253,19 +280,26 @@ def test_gpt_blocks_measure_an_option_keeping_less():
     F.cross_entropy(model(data).flatten(0, 1), data.flatten()).backward()
     costs = remat.explain().costs
     for i in range(3):
-        (option,) = costs.options[i]
-        assert option.saved_bytes < costs.saved_bytes[i] and option.bwd_time > costs.bwd_time[i]
+        one, two = costs.options[i]
+        assert two.saved_bytes < one.saved_bytes < costs.saved_bytes[i]
+        assert costs.bwd_time[i] < one.bwd_time < two.bwd_time
+        # at least the two projections (4 x 16 x 32 floats each; with them the fused
+        # q, k, v projection, whose views attention copies, and attention's own matmuls)
+        assert one.saved_bytes - two.saved_bytes >= 2 * 4 * 16 * 32 * 4
     remat.clear_cache()
 
 
-def test_costs_file_keeps_measured_options(tmp_path):
-    """A costs file written by a measuring call holds the options measured; read
-    back, they are planned (no warning) and run to plain PyTorch's bits."""
+@pytest.mark.parametrize("which", [1, 2])
+def test_costs_file_keeps_measured_options(tmp_path, which):
+    """A costs file written by a measuring call holds the options measured (both:
+    the first linear's output is read by a tanh, which saves its own output);
+    read back, they are planned (no warning) and run to plain PyTorch's bits."""
     import warnings
 
     path = str(tmp_path / "costs.json")
     torch.manual_seed(0)
-    blocks = [Stage("mlp", nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))) for _ in range(4)]
+    blocks = [Stage("mlp", nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.LayerNorm(32), nn.Linear(32, 16)))
+              for _ in range(4)]
 
     def step(budget):
         x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -280,16 +314,18 @@ def test_costs_file_keeps_measured_options(tmp_path):
         return grads
 
     want = step(remat.chain.NO_LIMIT)
-    assert remat.solver.costs.Costs.load(path).has_options
+    assert all(len(o) == 2 for o in remat.solver.costs.Costs.load(path).options)
     low = budget_for(remat.explain().costs, "optimal", 0.5)
     remat.clear_cache()
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        mp.setattr(ChainRecord, "planning_costs", _measured_options_cheap)
+        planning = _measured_options_cheap(which)
+        mp.setattr(ChainRecord, "planning_costs", planning)
         warnings.filterwarnings("ignore", "remat: budget")
         step(low)
         got = step(low)
-        assert _uses_options(remat.explain().schedule) and remat.explain().costs.has_options
+        assert remat.explain().costs.has_options and any(
+            type(op) is Fall and (op.stage, op.option) in planning.chosen for op in remat.explain().schedule.ops)
     for a, b in zip(want, got):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     remat.clear_cache()
@@ -327,7 +363,7 @@ def test_parametrized_weights_with_options(cached):
 
     ref = run(copy.deepcopy(blocks), None)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChainRecord, "planning_costs", _every_stage_option)
+        mp.setattr(ChainRecord, "planning_costs", _every_stage_option())
         got = run(blocks, remat.chain.NO_LIMIT)
         assert _uses_options(remat.explain().schedule)
     for a, b in zip(ref, got):
@@ -359,7 +395,7 @@ def test_second_backward_over_a_kept_graph_with_options(fraction):
     net = copy.deepcopy(base)
     net.budget = budget_for(measured_costs(base), "optimal", fraction)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChainRecord, "planning_costs", _every_stage_option)
+        mp.setattr(ChainRecord, "planning_costs", _every_stage_option())
         got = steps(net)
         assert _uses_options(remat.explain().schedule)
     assert len(ref) == len(got)

@@ -1,0 +1,124 @@
+"""The dispatch modes of a stage recorded with an option (``option_contexts``):
+the cache of its expensive ops' outputs, kept in its forward and handed back
+in its rebuild before B(i).
+
+Note [Running an option]
+------------------------
+Option 1 of a stage (remat/solver/option.py Note [Options]) is the policy of
+torch's selective activation checkpointing (SAC) that keeps matmul outputs:
+the outputs of ``KEPT_OPS`` (mm, addmm, bmm, convolutions, attention kernels)
+stay, every other op (pointwise, norms, softmax, dropout) runs again in B(i).
+Option 2 keeps fewer: those of the outputs that autograd saves (or that are
+the stage's output); an expensive output only a later op reads and lets go (a
+residual branch's projection, summed into the stream) runs again too.
+``Fall(i, option=o)`` runs the stage as ``Fck`` does (its input kept, handles
+for what autograd saves) under the forward mode of ``option_contexts()``,
+which caches those outputs (option 2 then lets go of those no handle's
+storage shares: ``keep_saved``); the anchor holds the recompute mode
+(``_Anchor.cache``) and with it the cache. The rebuild before
+B(i) is the usual ``Fall`` recomputation (RNG, autocast and state replayed,
+saved tensors checked) under that mode: kept ops hand back the cached
+tensors, the others run; a later rebuild runs the whole stage (same bits). A
+backward-phase ``Fall(i, option=o)`` records under the forward mode and lets
+the saved tensors go. a^i is in the option's record: the stage after keeps
+it as its input, as after a stage recorded whole. The modes are remat's, not
+torch's SAC pair: torch's imports Dynamo and sympy on its first op (over a
+second) and refuses a recomputation that runs a cheap op its forward did not
+(an autocast cast the forward found cached); remat's file only the kept ops,
+by op and argument shapes, and make again an output written in place since
+(its version counter moved). Each op goes through Python: measured into the
+option's fwd_time (remat/measure/options.py). Deciding at pack time, from the
+op that made each saved tensor, would skip that cost: not done (a cached
+output must be handed back to the very op that made it, and what links the two
+without a mode is autograd's node order, which an autocast cast found cached in
+one run and not the other shifts).
+"""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["KEPT_OPS", "KEEP_EXPENSIVE", "KEEP_SAVED", "keep_saved", "option_contexts"]
+
+# what a stage's option keeps (``Plan.policy``, remat/solver/plan.py): every output of
+# ``KEPT_OPS`` (option 1), or those of them autograd saves and the stage's output (option 2)
+KEEP_EXPENSIVE, KEEP_SAVED = 1, 2
+
+KEPT_OPS = frozenset(getattr(torch.ops.aten, name) for name in (   # the expensive ops, whose outputs it keeps
+    "mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "linear", "convolution", "_convolution",
+    "mkldnn_convolution", "cudnn_convolution", "convolution_overrideable", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_efficient_attention_forward", "_flash_attention_forward")
+    if hasattr(torch.ops.aten, name))
+
+
+def option_contexts():
+    """An option's (forward, recompute) dispatch modes, sharing one cache of the
+    outputs of ``KEPT_OPS``: the first keeps them, the second hands them back,
+    each op's in the order it made them, and runs every other op."""
+    cache = {}   # (op, its tensor arguments' shapes and dtypes) -> [(outputs detached, their versions)]
+    return _Keeping(cache), _Handing(cache)
+
+
+def _key(func, args):
+    """Where a kept op's outputs are filed (None for other ops): by the op and its tensor arguments'
+    shapes and dtypes, so that a recomputation that skips one (a cached parametrization) shifts no other."""
+    if getattr(func, "overloadpacket", None) not in KEPT_OPS or func._schema.is_mutable:
+        return None
+    return (func, *[(a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor)])
+
+
+class _Mode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls):   # (Note [Dynamo and the meter], remat/measure/meter.py)
+        return False
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+
+class _Keeping(_Mode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        key = _key(func, args)
+        if key is not None:
+            # (detached below autograd, sharing the version counter: a write into it shows)
+            with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+                kept = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _many(out))
+            kept = kept if isinstance(out, (tuple, list)) else kept[0]
+            self.cache.setdefault(key, []).append((kept, _versions(kept)))
+        return out
+
+    def __exit__(self, *exc):   # outputs the stage wrote into in place are not kept: made again in B(i)
+        for listed in self.cache.values():
+            listed[:] = [(kept, v) if _versions(kept) == v else (None, v) for kept, v in listed]
+        return super().__exit__(*exc)
+
+
+class _Handing(_Mode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        listed = self.cache.get(_key(func, args)) if self.cache else None
+        if listed:
+            out, versions = listed.pop(0)
+            if out is not None and _versions(out) == versions:   # (else written since: made again)
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def _many(out):
+    return out if isinstance(out, (tuple, list)) else (out,)
+
+
+def _versions(out):
+    return tuple(t._version for t in _many(out) if isinstance(t, torch.Tensor))
+
+
+def keep_saved(modes, tensors):
+    """``KEEP_SAVED``: of the outputs the forward mode of ``modes`` (its recompute mode)
+    kept, keep those whose storage one of ``tensors`` (what autograd saved, the
+    stage's output) shares; the others are made again in B(i)."""
+    keys = {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+    for listed in modes.cache.values():
+        listed[:] = [(kept, v) if kept is not None and any(
+            isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in keys for t in _many(kept)) else (None, v)
+            for kept, v in listed]
