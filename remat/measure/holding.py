@@ -114,8 +114,11 @@ class Holding:
         ``spacing``-th stage's, the spacing doubling as often as needed (the
         backward rebuilds a stage from the nearest input held below it: Note
         [Measuring within the budget])."""
-        if k < 2 or k < self.diverged or anchor.input is None:
-            return   # (the chain's input is the caller's; a stage run by a schedule, the schedule's)
+        if k < 2 or k <= self.diverged or anchor.input is None:
+            # (the chain's input is the caller's; a stage run by a schedule, the schedule's; the first
+            # stage measured after them rebuilds from its own input: the schedule may have recorded
+            # the stage before it whole, which no rebuild runs again)
+            return
         nbytes = x.untyped_storage().nbytes()
         # the tail unknown, or off the spacing: let go (but an input needing no grad, where a
         # stage cut the graph: rebuilds start there)

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..runtime.option_modes import KEPT_OPS
+from .linger import settle
 
 __all__ = ["Instrument", "storage_key"]
 
@@ -111,6 +112,9 @@ class InputWritten(Exception):
 
 class Instrument(TorchDispatchMode):
     """Storage meter, in-place write detector and op timer (see the module's docstring)."""
+
+    remat_meter = True   # (one of remat's: a meter may linger above it, remat/measure/linger.py)
+    off = False          # (a lingering meter's metering is over: ops pass straight through)
 
     def __new__(cls, *args, **kwargs):
         # Note [Dynamo and the meter]: keep Dynamo away only where it is loaded
@@ -205,8 +209,14 @@ class Instrument(TorchDispatchMode):
                 self.window.discard(key)
                 self.window_live -= nbytes
 
+    def __exit__(self, *exc):
+        settle()   # (a meter left above this one goes first: remat/measure/linger.py)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
         gen = kwargs.get("generator")
         if gen is not None and id(gen) not in self.generators:
             self.generators[id(gen)] = (gen, gen.get_state())

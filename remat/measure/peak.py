@@ -30,6 +30,7 @@ compare with the budget a step whose gradients were there before it
 import torch
 
 from ..runtime.chain_call import measuring_peaks
+from .linger import settle
 from .meter import Instrument
 
 __all__ = ["measure_peak"]
@@ -66,7 +67,7 @@ class measure_peak:
         self.device = torch.device(device)
         self.peak = None
         self._meter = None
-        self._chains = []   # [base, the most since, the Explanation published since] per chain opened
+        self._chains = []   # [base, the most since, the Explanations it published] per chain opened
 
     def __enter__(self):
         self._base = self._segment()
@@ -79,6 +80,7 @@ class measure_peak:
         return self
 
     def __exit__(self, *exc):
+        settle()   # (a meter a chain left after its block: remat/measure/linger.py)
         if measuring_peaks and measuring_peaks[-1] is self:
             measuring_peaks.pop()
         try:
@@ -88,8 +90,8 @@ class measure_peak:
                 self._meter.__exit__(*exc)
                 self._meter = None
         self.peak = max(0, self._most - self._base)
-        for base, most, explanation in self._chains:
-            if explanation is not None:
+        for base, most, explanations in self._chains:
+            for explanation in explanations:
                 explanation.measured_peak = max(0, most - base)
         return False
 
@@ -99,12 +101,16 @@ class measure_peak:
         """A chain opened on input ``x``: its peak counts from what is allocated now,
         its input counted (as the budget counts it)."""
         now = self._close_segment()
-        self._chains.append([now - x.untyped_storage().nbytes(), now, None])
+        self._chains.append([now - x.untyped_storage().nbytes(), now, []])
 
     def published(self, explanation):
-        """The chain opened last made ``explanation`` what ``explain()`` shows."""
-        if self._chains:
-            self._chains[-1][2] = explanation
+        """A chain made ``explanation`` what ``explain()`` shows: the chain opened last,
+        or one opened before whose backward has shown its tail (the same record's)."""
+        record = getattr(explanation, "_record", None)
+        for entry in reversed(self._chains):
+            if not entry[2] or record is not None and any(getattr(e, "_record", None) is record for e in entry[2]):
+                entry[2].append(explanation)
+                return
 
     # ---------------------------------------------------------------------
 

@@ -42,8 +42,18 @@ The measuring call meters the tail (``TailMeter``):
    then that much lower. The meter's figures less a^L's bytes (as it
    starts) are the tail's; a^L alive as ``B(L)`` starts is not kept.
 
-Code after the block is not metered (nothing of remat runs there), nor is a
-window opened where Dynamo runs the frame (what follows may run compiled).
+5. Where nothing ran inside the block after the last stage (the head and the
+   loss come after the block, as in ``return self.head(x)``), the meter
+   stays past the block (remat/measure/linger.py): it meters the code after
+   the block, the tail's forward and its backward, until ``B(L)`` starts,
+   and its figures then are the tail's as in 3, its forward and backward as
+   one. It stays only on a dispatch-mode stack of remat's own meters, not
+   where the chain's output needs no gradient, and not under torch.distributed
+   (every rank runs rank 0's schedule, and each rank's code after the block
+   is its own): elsewhere the code after the block is not metered, and a tail
+   outside the block counts as nothing.
+
+No window is opened where Dynamo runs the frame (what follows may run compiled).
 Modes the caller entered before stay under the meter, and see what it lets
 through. One of them left inside a window pops the meter instead (torch pops
 the top mode), and the meter's exit pops that one: the stack ends as it
@@ -55,10 +65,13 @@ import dataclasses
 import time
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..dynamo import in_compiled_frame
+from ..runtime.executor import distributed
 from ..errors import RematError
 from .leaves import stop_nodes, walk
+from .linger import alone, linger
 from .meter import Instrument, storage_key
 
 __all__ = ["TailMeter", "TailSeen", "backward_seen"]
@@ -89,6 +102,7 @@ class TailSeen:
     seconds: float = 0.0
     backward_seconds: float = None
     why: str = ""
+    after_block: bool = False   # metered after the chain's block (Note [The chain's tail] 5)
 
     def costs(self):
         """The tail as ``Costs.with_tail``'s arguments: its peak, less what the caller
@@ -110,6 +124,8 @@ class TailSeen:
         else:
             seen = (f"{_mib(self.backward_peak)} with its backward, {_mib(self.kept)} kept through the "
                     f"chain's backward")
+        if self.after_block:
+            return f"tail (the code after the chain's block, until its backward reached the chain): {seen}"
         return (f"tail (after the last stage, inside the chain's block): peak {_mib(self.peak)} above the "
                 f"chain's end, {_mib(self.alive)} alive as the block ended; {seen}")
 
@@ -125,6 +141,7 @@ class TailMeter:
     def __init__(self):
         self.meter = None
         self.why = "nothing ran after the last stage inside the chain's block"
+        self.after = None   # the _Backward of a tail to meter past the block (Note [The chain's tail] 5)
 
     def open(self, act, compiled=False):
         """A stage returned ``act``: meter what runs until the next stage or the block's
@@ -154,21 +171,39 @@ class TailMeter:
         meter, self.meter = self.meter, None
         if meter is None:
             return TailSeen(why=self.why)
+        stayed = any(m is meter for m in _get_current_dispatch_mode_stack())   # (not popped by another's exit)
         meter.__exit__(None, None, None)
         made, meter.made = meter.made, None
+        node = act.grad_fn if isinstance(act, torch.Tensor) else None
+        if not made and stayed and node is not None and alone() and not distributed():   # (5 of the Note)
+            seen = TailSeen(True, why="", after_block=True)
+            self.after = back = _Backward(meter, _Output(meter, act), seen, on_kept)
+            # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
+            act.register_hook(lambda g: back.begin((g,)))
+            return seen
         if not made:   # (a tail of nothing, known as such)
             return TailSeen(kept=0, backward_peak=0, backward_seconds=0.0,
-                            why="nothing ran after the last stage inside the chain's block (code after the "
-                                "block is not seen: have the head and loss inside it to count them)")
+                            why="nothing ran after the last stage inside the chain's block, and the code "
+                                "after the block was not metered (a dispatch mode of another's was active, "
+                                "torch.distributed, or an output needing no gradient): have the head and loss "
+                                "inside it")
         out = _Output(meter, act)
         seen = TailSeen(True, meter.peak - out.bytes, meter.live - out.alive(), None, None, meter.op_seconds)
-        node = act.grad_fn if isinstance(act, torch.Tensor) else None
         roots = {t.grad_fn for ref in made if (t := ref()) is not None and t.grad_fn is not None}
         if node is None or not roots:
             seen.kept, seen.backward_peak, seen.backward_seconds = seen.alive, seen.peak, 0.0
             return seen
         _Backward(meter, out, seen, on_kept).hook(walk(roots, stop_nodes(outputs)), node)
         return seen
+
+
+    def linger(self):
+        """The measuring call is over: meter the code after the block until ``B(L)``
+        starts, where the block's tail was nothing (Note [The chain's tail] 5)."""
+        after, self.after = self.after, None
+        if after is not None:
+            after.t0 = time.perf_counter()
+            linger(after.meter)
 
 
 class _Output:
@@ -225,12 +260,23 @@ class _Backward:
             return
         self.done = True
         meter, seen = self.meter, self.seen
-        handed = sum(meter.created.get(storage_key(g), 0) for g in grads if isinstance(g, torch.Tensor))
+        if seen.after_block:   # (5 of the Note: the meter's work is over; remat's next entry takes it off)
+            meter.off = True
+            if self.t0 is None:   # (the call raised before the meter could stay)
+                return
+        try:
+            handed = sum(meter.created.get(storage_key(g), 0) for g in grads if isinstance(g, torch.Tensor))
+        except (NotImplementedError, RuntimeError):   # (a gradient batched by vmap: is_grads_batched)
+            seen.metered, seen.why = False, "its backward ran under torch.func.vmap (batched gradients)"
+            return
         out = self.out
         # (at least 0: a full-suite run once gave a negative kept, which Costs refuses;
         # not reproduced since)
         seen.kept = max(0, meter.live - handed - out.alive())
         seen.backward_peak, seen.backward_seconds = max(0, meter.peak - out.bytes), self.seconds
+        if seen.after_block:
+            seen.peak, seen.alive = seen.backward_peak, seen.kept
+            seen.backward_seconds = time.perf_counter() - self.t0
         self.on_kept(seen)
 
 

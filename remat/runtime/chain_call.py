@@ -20,6 +20,7 @@ from ..errors import BudgetError, RematError, StageError, not_handed_on
 from ..measure.chain_record import write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
+from ..measure.linger import LINGERING, settle
 from ..measure.tail import TailMeter, backward_seen
 from ..solver.plan import Plan
 from ..solver.group import least_planned
@@ -40,6 +41,7 @@ measuring_peaks = []   # the open ``remat.measure_peak`` blocks (remat/measure/p
 
 def clear_cache():
     """Forget every recorded chain (the next call of each measures again)."""
+    settle()   # (and end a meter left after a block: remat/measure/linger.py)
     with _cache_lock:
         _cache.clear()
 
@@ -97,18 +99,16 @@ class ChainCall:
     so far to a new measurer (``Runner.diverge``)."""
 
     def __init__(self, spec, site):
+        if LINGERING:   # (a meter left after the last block on this thread goes: remat/measure/linger.py)
+            settle()
         self.spec = spec
         self.site = site
         self.k = 0
         self.called = False     # a stage was called inside the chain (recorded or not)
         self.prev = None        # the activation the last stage returned
-        self.prev_version = 0
-        self.prev_name = None
-        self.prev_ident = None
+        self.prev_version, self.prev_name, self.prev_ident = 0, None, None
         self.in_stage = False
-        self.key = None
-        self.budget = None
-        self.autocast = None
+        self.key = self.budget = self.autocast = None
         self.part = None        # a Measurer or a Runner, from stage 1 on
         self.source = None      # a^0's storage
         self.skipped = None     # a stage called under no_grad after stage 1
@@ -296,6 +296,7 @@ class ChainCall:
             raise
         self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, new)
         published[0] = self.spec.last
+        self.tail.linger()   # (a tail after the block: Note [The chain's tail] 5, remat/measure/tail.py)
 
     def abort(self):
         """The chain's ``with`` block ended with an exception."""

@@ -19,7 +19,7 @@ from ..solver.costs import Costs
 from ..errors import BudgetError
 from ..measure.refine import SAMPLES
 from ..solver.schedule import B, Fall, Fck, Fn, Loss, simulate
-from ..chain import NO_LIMIT
+from ..chain import NO_LIMIT, explain as remat_explain
 from ..solver.solve import best_periodic, min_memory, minimum_budget, solve, store_all, time_bound
 from .trials import MODELS, Clock, device_name, measure_all, measure_costs, median_costs, run_step
 from ..units import format_bytes
@@ -45,7 +45,7 @@ def run_bench(model="gpt12", device="cpu", steps=10, budgets=8, progress=True, o
     folder = tempfile.TemporaryDirectory()
     path = os.path.join(folder.name, "costs.json")
     costs = _planning_costs(base, spec, device, path)
-    low, high = minimum_budget(costs), simulate(costs, store_all(n)).peak
+    low, high = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
     grid = [int(low + (high - low) * i / (budgets - 1)) for i in range(budgets)]
     # the peak of every checkpoint_sequential point first (a warm-up step and a
     # metered one: peaks do not drift), then every method in one run, taking the
@@ -79,13 +79,14 @@ def _planning_costs(base, spec, device, path):
     """The costs every remat run plans on: one measuring call through remat, in a
     process warmed by two plain steps (a cold first step runs slower and would skew
     the times remat plans on), saved to ``path`` (as a job reuses costs measured on
-    a quiet machine): methods differ by their schedules only."""
+    a quiet machine): methods differ by their schedules only. As the chain plans on
+    them: with the tail its first call's backward showed (the head and the loss)."""
     probe = copy.deepcopy(base)
     for i in range(2):
         run_step(probe, spec, ("plain", None), spec[1](i, device), Clock(None, device))
     for i in range(1 + SAMPLES):   # the calls after the first refine the times (remat/measure/refine.py)
         run_step(probe, spec, ("remat", (NO_LIMIT, "store_all", path)), spec[1](i, device), Clock(None, device))
-    return Costs.load(path)
+    return remat_explain().costs
 
 
 def _methods(costs, path, grid, low, cs, peaks):
@@ -241,9 +242,10 @@ def _point(c, optimal, costs, plain_predicted, predict=True):
              "reduction": (1 - orr / oc) if oc > 0.02 else None}
     if kind == "sac" or not predict:   # (SAC: no schedule of whole stages, the model predicts it only with options)
         return point
-    if kind == "per_block":   # (as a plan with a tail of nothing: the bench's costs have none)
-        costs = costs.with_tail(0.0, 0.0, 0, 0, 0, 0)
-        plain_predicted = simulate(costs, store_all(costs.length)).time
+    if kind == "per_block":   # (as a plan with a tail, of nothing where the bench's costs have none)
+        if not costs.tail:
+            costs = costs.with_tail(0.0, 0.0, 0, 0, 0, 0)
+            plain_predicted = simulate(costs, store_all(costs.length)).time
         ops = min_memory(costs.length)   # (with a tail: every stage of the chain checkpointed)
     else:
         ops = checkpoint_sequential_ops(costs.length, c["segments"])

@@ -117,7 +117,7 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
         f"remat demo: GPT ({n} blocks, width {kw['n_embd']}), batch {kw['batch']} x {kw['length']} tokens, "
         f"{timed + 2} steps on {device.type}",
         f"budget: {format_bytes(budget_bytes)} ({budget} of storing everything, "
-        f"{format_bytes(simulate(costs, store_all(n)).peak)}; chain minimum {format_bytes(minimum_budget(costs))})",
+        f"{format_bytes(simulate(costs, store_all(costs.length)).peak)}; chain minimum {format_bytes(minimum_budget(costs))})",
         "",
         f"{'method':<44} {'peak chain memory':>18} {'step time':>16} {'final loss':>11}",
         f"{'':<44} {'(measured)':>18} {f'(median of {timed})':>16}",

@@ -12,11 +12,12 @@ checkpointing keeping the outputs of matmuls, convolutions and attention) or
 ``("remat", (budget, algorithm[, costs path[, options]]))`` (``options``: as
 ``remat.chain`` takes it, True by default).
 
-Memory is the peak of the chain's activations during a training step: the
-storage meter (remat/measure/meter.py) on CPU, the CUDA allocator on GPU, gated so
-that it only looks while the blocks run forward and while their backward runs
-(from the gradient of the chain's output to that of its input), plus the chain
-input.
+Memory is the peak of a training step from the chain's opening until its
+backward is done, the head and the loss after the blocks included, as the
+budget counts it: the storage meter (remat/measure/meter.py) on CPU, the CUDA
+allocator on GPU, plus the chain input. Time is the chain's alone: its blocks'
+forward and their backward (from the gradient of the chain's output to that
+of its input).
 """
 
 import copy
@@ -43,14 +44,12 @@ __all__ = ["MODELS", "ChainMeter", "Clock", "Trial", "device_name", "gpt_spec", 
 
 
 class ChainMeter:
-    """Peak bytes of the chain's tensors: on CPU, storages made while the gate is
-    open (the chain's forward and backward) plus the chain input ``held``; on
-    CUDA, the allocator's peak while the gate is open, less what was allocated
-    and not the chain's when it opened (``other``, taken as steady while it is
-    open): what the model made before the chain (the embedding's dropout mask,
-    say) and between its forward and its backward (the head's gradient of a
-    weight tied to the embedding, which autograd holds until the embedding's
-    backward adds its share: as large as the embedding itself)."""
+    """Peak bytes of a step from the chain's opening until its backward is done (the
+    head and loss after the blocks included): on CPU, storages made while the gate
+    is open plus the chain input ``held``; on CUDA, the allocator's peak while the
+    gate is open, less what was allocated and not the chain's when it opened
+    (``other``, taken as steady while it is open: what the model made before the
+    chain, the embedding's dropout mask, say)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -164,7 +163,8 @@ class Clock:
     def __init__(self, meter, device):
         self.meter, self.device, self.total, self.t0 = meter, device, 0.0, None
 
-    def gate(self, open_, grad_bytes=0):
+    def gate(self, open_, memory=True):
+        """Open or close the clock, and with ``memory`` the meter."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
@@ -173,15 +173,12 @@ class Clock:
         elif self.t0 is not None:
             self.total += now - self.t0
             self.t0 = None
-        if self.meter is not None:
-            self.meter.gate(open_, grad_bytes)
+        if self.meter is not None and memory:
+            self.meter.gate(open_)
 
     def enter_backward(self, grad):
-        """The chain's backward starts with ``grad``, its output's gradient, made behind it
-        (by the loss) and counted by the budget; then the gate opens."""
-        if self.meter is not None and self.meter.inst is not None:
-            self.meter.inst.count(grad)
-        self.gate(True, grad.untyped_storage().nbytes())
+        """The chain's backward starts: the clock runs again (the meter ran on)."""
+        self.gate(True, memory=False)
 
 
 def run_step(model, spec, method, batch, clock):
@@ -210,7 +207,7 @@ def run_step(model, spec, method, batch, clock):
                    options=arg[3] if len(arg) > 3 else True):
             for b in blocks:
                 x = b(x)
-    clock.gate(False)
+    clock.gate(False, memory=False)   # (the head and the loss: in the step's peak, not in the chain's time)
     x.register_hook(clock.enter_backward)
     loss = post(model, x, batch[1])
     del x
@@ -345,7 +342,8 @@ def measure_all(base, spec, methods, steps, device, bar=None, probe=None):
 
 def measure_costs(base, spec, step, device, budget=None):
     """The costs remat measures on a fresh copy of ``base`` in a first call, times refined
-    by the next two (remat/measure/refine.py), as they are written to the costs file: with
+    by the next two (remat/measure/refine.py), as the chain plans on them (its tail
+    included): with
     ``budget``, the costs a job running the optimal schedule for it would get (the
     refining calls run that schedule: remat's work as it runs it is in the times),
     else those of store-all."""
@@ -364,7 +362,7 @@ def job(base, spec, step, device, budget=None, steps=0):
         method = (method[0], method[1] + (path,))
         for _ in range(1 + SAMPLES):
             run_step(model, spec, method, batch, Clock(None, device))
-        costs = Costs.load(path)
+        costs = explain().costs   # (as the chain plans on them: the head and loss its backward showed)
         times = []
         for _ in range(steps):
             clock = Clock(None, device)

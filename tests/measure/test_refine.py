@@ -144,7 +144,7 @@ def test_second_call_times_leave_out_its_recomputations(tmp_path):
     remat.clear_cache()
     path = str(tmp_path / "costs.json")
     call = _sleepy_chain(0.06, 0.02)
-    least = minimum_budget(call(2**50, backward=False).costs)
+    least = minimum_budget(call(2**50).costs)   # (the tail after the block seen)
     remat.clear_cache()
     metered = call(least, path).measured
     assert remat.Costs.load(path).bwd_time == metered.bwd_time
@@ -249,7 +249,7 @@ def test_recording_recomputations_count_in_the_forward_time(monkeypatch):
 
     remat.clear_cache()
     call = _sleepy_chain(0.0, 0.0)
-    least = minimum_budget(call(2**50, backward=False).costs)
+    least = minimum_budget(call(2**50).costs)   # (the tail after the block seen)
     remat.clear_cache()
     call(least)   # measuring
     slow = 0.02

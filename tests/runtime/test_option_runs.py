@@ -5,7 +5,6 @@ are those the runtime holds, and ``options=False`` plans as before."""
 
 import copy
 import dataclasses
-import math
 
 import pytest
 import torch

@@ -16,13 +16,14 @@ from chains import SEQ_KINDS, Net, budget_for, make_input
 
 class HeadNet(Net):
     """``Net`` with a head (a linear layer to ``vocab`` classes) and a cross-entropy
-    loss inside the chain's block, as ``remat.wrap`` runs a model's forward; returns
-    (loss, logits) where ``keep``, as a model output that holds its logits."""
+    loss inside the chain's block, as ``remat.wrap`` runs a model's forward, or
+    ``after`` it (``return self.head(x)`` after the block); returns (loss, logits)
+    where ``keep``, as a model output that holds its logits."""
 
-    def __init__(self, kinds, vocab, keep):
+    def __init__(self, kinds, vocab, keep, after=False):
         super().__init__(kinds)
         self.head = nn.Linear(self.d, vocab) if vocab else None
-        self.keep = keep
+        self.keep, self.after = keep, after
 
     def forward(self, x, mask, target=None):
         if self.budget is None:
@@ -30,7 +31,9 @@ class HeadNet(Net):
         with remat.chain(budget=self.budget, algorithm=self.algorithm):
             for s in self.stages:
                 x = s(x, mask)
-            return self._rest(x, target)
+            if not self.after:
+                return self._rest(x, target)
+        return self._rest(x, target)
 
     def _rest(self, y, target):
         if self.head is None:
@@ -61,18 +64,19 @@ def step(net, seed, metered=False):
 
 
 @given(st.lists(st.sampled_from(SEQ_KINDS), min_size=1, max_size=8), st.sampled_from([0, 8, 24, 80]),
-       st.booleans(), st.floats(0, 1))
+       st.booleans(), st.floats(0, 1), st.booleans())
 # a head ten times a stage's output, kept: the plan checkpoints the last stage
-@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0)
-@example(["relu", "dropout"], 0, False, 0.0)
-def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction):
-    """Random chains with a head and loss inside the chain's block (none, or of 1 to 10
-    times a stage's output bytes), the logits kept or not, at random budgets: once
-    the first call's backward has shown the tail, every step's whole-step peak is
-    under the budget and within 10% of explain().predicted_peak, and losses and
-    gradients are plain PyTorch's bitwise."""
+@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, False)
+@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, True)
+@example(["relu", "dropout"], 0, False, 0.0, True)
+def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after):
+    """Random chains with a head and loss inside the chain's block or after it (none,
+    or of 1 to 10 times a stage's output bytes), the logits kept or not, at random
+    budgets: once the first call's backward has shown the tail, every step's
+    whole-step peak is under the budget and within 10% of explain().predicted_peak,
+    and losses and gradients are plain PyTorch's bitwise."""
     torch.manual_seed(0)
-    base = HeadNet(kinds, vocab, keep)
+    base = HeadNet(kinds, vocab, keep, after)
     ref = copy.deepcopy(base)
     net = copy.deepcopy(base)
     net.budget = 2**40
@@ -109,17 +113,61 @@ def test_a_large_head_checkpoints_the_last_stage_and_explain_says_what_it_saw():
     assert max(peaks) <= net.budget
 
 
-def test_a_tail_outside_the_block_is_a_tail_of_nothing():
-    """A chain whose block ends at its last stage: the tail is not metered, explain()
-    says why, and the plan is still free to checkpoint the last stage."""
+def test_a_head_after_the_block_is_metered_until_the_backward_reaches_the_chain():
+    """The head and loss after the chain's block (``return self.head(x)``): the
+    measuring call's meter stays past the block until B(L) starts (Note [The
+    chain's tail] 5), explain() says what it saw, at the least budget the plan does
+    not record the last stage in the forward phase, and the steps stay under it.
+    The meter then leaves the dispatch stack: at remat's next entry, or as the
+    meter around the step exits."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
     torch.manual_seed(0)
-    net = Net(["mlp"] * 4)
+    net = HeadNet(["mlp"] * 6, 200, True, after=True)
     net.budget = 2**40
     x, mask = make_input(net)
-    net(x, mask).sum().backward()
+    target = torch.zeros(x.shape[:2], dtype=torch.long)
+    loss, logits = net(x, mask, target)   # (the logits kept through the backward, as a model output)
+    loss.backward()
+    del logits
+    assert len(_get_current_dispatch_mode_stack()) == 1 and _get_current_dispatch_mode_stack()[0].off
     explanation = remat.explain()
-    assert not explanation.tail.metered and "nothing ran after the last stage" in explanation.tail.why
-    assert explanation.costs.tail_costs()["fwd_tmp"] == 0
+    seen = explanation.tail
+    logits = 4 * 6 * 200 * 4
+    assert seen.metered and seen.after_block and seen.kept >= logits and seen.backward_peak >= 3 * logits
+    assert "the code after the chain's block" in str(explanation)
+    net.budget = remat.solver.solve.minimum_budget(explanation.costs)
+    peaks = [step(net, seed)[3] for seed in range(1, 3)]
+    assert not _get_current_dispatch_mode_stack()
+    assert remat.explain().schedule.forward_modes()[5] is not remat.Fall
+    assert max(peaks) <= net.budget
+    remat.clear_cache()
+    net(x, mask, target)[0].backward()   # (measuring again; clear_cache takes the meter off)
+    remat.clear_cache()
+    assert not _get_current_dispatch_mode_stack()
+
+
+def test_a_head_after_the_block_under_a_mode_of_the_callers_is_not_metered():
+    """A dispatch mode of the caller's active as the block ends: the meter does not
+    stay past the block (the mode's exit would pop it in its own place), and
+    explain() says the code after the block was not metered."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    net = HeadNet(["mlp"] * 3, 24, False, after=True)
+    net.budget = 2**40
+    x, mask = make_input(net)
+    target = torch.zeros(x.shape[:2], dtype=torch.long)
+    with Passing():
+        net(x, mask, target)[0].backward()
+    assert torch._C._len_torch_dispatch_stack() == 0
+    seen = remat.explain().tail
+    assert not seen.metered and "not metered" in seen.why
+    assert remat.explain().costs.tail_costs()["fwd_tmp"] == 0
 
 
 @pytest.mark.parametrize("mode", ["outer", "inner"])

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from remat.solver.costs import Costs
 from remat.tools.bench import write_bench
 
@@ -36,8 +38,12 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
         # the storage meter's peak of a whole training step is simulate's (within 10%)
         assert r["peak_bytes"] >= 0.9 * r["predicted_peak"], (r["peak_bytes"], r["predicted_peak"])
     # the run's costs: the same sizes as the planning costs, times from first calls in the run
-    for field in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp", "input_bytes"):
-        assert result["run_costs"][field] == result["costs"][field]
+    # (the tail, the head and the loss each first call's backward showed, within a few bytes)
+    n = result["stages"]
+    for field in ("out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp"):
+        assert result["run_costs"][field][:n] == result["costs"][field][:n]
+        assert result["run_costs"][field][n:] == pytest.approx(result["costs"][field][n:], rel=0.01)
+    assert result["run_costs"]["input_bytes"] == result["costs"]["input_bytes"]
     assert result["summary"]["max_time_error_run_costs"] >= 0
     # the model's view of each checkpoint_sequential point: its schedule on the run's costs
     points = [p for p in result["summary"]["points"] if "cs_overhead_predicted" in p]
