@@ -145,16 +145,22 @@ class Holding:
                     kept.append((i, ref, n))
             self.inputs = kept
 
-    def fits(self, call, x, costs, input_bytes):
+    def fits(self, call, x, costs, given=None):
         """Raise ``BudgetError`` if the budget cannot hold stage ``call`` alone: its
         input, its forward and its backward (Note [Measuring within the budget]);
-        note the most a stage's measuring needed so far (``largest``)."""
-        if costs is None or None in (costs.out_bytes, costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp):
-            return   # (costs from a file: what a stage needs is the file's)
-        x_in, out, saved = x.untyped_storage().nbytes(), costs.out_bytes, costs.saved_bytes
+        note the most a stage's measuring needed so far (``largest``). Its ``costs``
+        as measured, or as the costs file ``given`` says (its own not measured)."""
+        fields = None if costs is None else (costs.out_bytes, costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp)
+        if (fields is None or None in fields) and given is not None and call.index <= given.length:
+            i = call.index - 1
+            fields = (given.out_bytes[i], given.saved_bytes[i], given.fwd_tmp[i], given.bwd_tmp[i])
+        if fields is None or None in fields:
+            return
+        x_in = x.untyped_storage().nbytes()
+        out, saved, fwd_tmp, bwd_tmp = fields
         # its forward holds its input; its backward makes its input's gradient, and a
         # schedule may have let the input go by then (Costs.fwd_drop)
-        least = max(x_in + max(saved, out + costs.fwd_tmp), saved + out + x_in + costs.bwd_tmp)
+        least = max(x_in + max(saved, out + fwd_tmp), saved + out + x_in + bwd_tmp)
         self.largest = max(self.largest, least - x_in)
         if least > self.budget:
             raise BudgetError(

@@ -172,7 +172,7 @@ class Measurer:
             self.run.watch(anchor, first(probe.out))
         holding = self.holding
         try:
-            holding.fits(call, x, probe.costs, self.new.input_bytes)
+            holding.fits(call, x, probe.costs, self.given)
         except BudgetError:
             self.undo()
             raise
