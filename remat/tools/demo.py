@@ -119,7 +119,7 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
         f"budget: {format_bytes(budget_bytes)} ({budget} of storing everything, "
         f"{format_bytes(simulate(costs, store_all(costs.length)).peak)}; chain minimum {format_bytes(minimum_budget(costs))})",
         "",
-        f"{'method':<44} {'peak chain memory':>18} {'step time':>16} {'final loss':>11}",
+        f"{'method':<44} {'peak step memory':>18} {'step time':>16} {'final loss':>11}",
         f"{'':<44} {'(measured)':>18} {f'(median of {timed})':>16}",
     ]
     for row in rows:
