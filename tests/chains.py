@@ -193,6 +193,17 @@ def measured_costs(net, batch=4, length=6, device="cpu"):
     return remat.explain().costs
 
 
+def head_step(blocks, head, x, budget):
+    """One training step of ``blocks`` as a chain under ``budget``, with ``head`` and a
+    logsumexp loss inside the chain's block."""
+    with remat.chain(budget=budget):
+        h = x
+        for b in blocks:
+            h = b(h)
+        loss = head(h).logsumexp(-1).mean()
+    loss.backward()
+
+
 def costs_file_step(layers, path, batch=8):
     """One step of ``layers`` as a chain whose costs file is ``path``, on ``batch``
     random rows of 16; returns the input's gradient."""

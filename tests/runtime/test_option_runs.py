@@ -253,19 +253,6 @@ def test_explain_shows_the_option():
     remat.clear_cache()
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None])
-def test_bad_options_value_is_refused(bad):
-    """``options`` must be True or False, for chain, Sequential and wrap alike."""
-    with pytest.raises(TypeError, match="remat: options must be True"):
-        remat.chain(budget="1MiB", options=bad)
-    with pytest.raises(TypeError, match="remat: options must be True"):
-        remat.Sequential(nn.Linear(2, 2), budget="1MiB", options=bad)
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="remat: options must be True"):
-        remat.wrap(model, list(model), budget="1MiB", options=bad)
-    assert not hasattr(model, "_remat") or True
-
-
 def test_gpt_blocks_measure_options_keeping_less():
     """Each block of the GPT (remat/models/gpt.py) measures an option 1 that keeps
     less than its record and costs more in its backward, and an option 2 that keeps

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import remat
+from chains import head_step
 
 
 class Toggle(nn.Module):
@@ -220,12 +221,7 @@ def test_budget_error_carries_the_minimum():
 
     def step(budget):
         with Instrument(writes=False) as inst:
-            with remat.chain(budget=budget):
-                h = x
-                for b in blocks:
-                    h = b(h)
-                loss = head(h).logsumexp(-1).mean()
-            loss.backward()
+            head_step(blocks, head, x, budget)
         return inst.peak + x.untyped_storage().nbytes()
 
     step(2**40)
@@ -271,3 +267,18 @@ def test_a_tuple_or_dict_passed_on_whole_is_named(packed):
         assert "got a tuple of 2 whose first item is a tensor" in said and "h = block(h)[0]" in said
     else:
         assert "got a dict of tensors ('h')" in said and "pass the activation itself" in said
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_bad_options_value_is_refused(bad):
+    """``options`` must be True, False or "auto", for chain, Sequential and wrap alike;
+    the model given to wrap is left as it was."""
+    with pytest.raises(TypeError, match="remat: options must be True"):
+        remat.chain(budget="1MiB", options=bad)
+    with pytest.raises(TypeError, match="remat: options must be True"):
+        remat.Sequential(nn.Linear(2, 2), budget="1MiB", options=bad)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    forwards = [vars(m).get("forward") for m in [model, *model]]
+    with pytest.raises(TypeError, match="remat: options must be True"):
+        remat.wrap(model, list(model), budget="1MiB", options=bad)
+    assert [vars(m).get("forward") for m in [model, *model]] == forwards
