@@ -53,6 +53,8 @@ ffibuilder.set_source(
     sources=[os.path.relpath(os.path.join(HERE, name))
              for name in ("solver.c", "minmemory.c", "mintime.c", "mintime_table.c", "mintime_row.c")],
     include_dirs=[os.path.relpath(HERE)],
+    # (a header changed rebuilds every source: they share its structs and inline functions)
+    depends=[os.path.relpath(os.path.join(HERE, name)) for name in ("solver.h", "internal.h", "mintime.h")],
     extra_compile_args=["-O3", "-std=c99"] + OPENMP,
     extra_link_args=OPENMP,
 )

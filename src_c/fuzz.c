@@ -113,7 +113,7 @@ int main(int argc, char **argv)
         long long n, alloc, k, scale, budget, slots, cap, limit;
         int mode, status, nulls;
         double *tf, *tn, *tb;
-        long long *x, *s, *ft, *bt, *dr, *drw, *first, *os, *oft, *obt, n_opts;
+        long long *x, *s, *ft, *bt, *dr, *drw, *rl, *first, *os, *oft, *obt, n_opts;
         double *otf, *otb;
         int *codes, *stages, *options;
         remat_chain chain;
@@ -138,8 +138,9 @@ int main(int argc, char **argv)
         bt = malloc(alloc * sizeof *bt);
         dr = malloc(alloc * sizeof *dr);
         drw = malloc(alloc * sizeof *drw);
+        rl = malloc(alloc * sizeof *rl);
         first = malloc((alloc + 1) * sizeof *first);
-        if (!tf || !tn || !tb || !x || !s || !ft || !bt || !dr || !drw || !first)
+        if (!tf || !tn || !tb || !x || !s || !ft || !bt || !dr || !drw || !rl || !first)
             fail(iter, "the driver's own malloc failed");
         nulls = below(8) == 0;
         for (k = 0; k < alloc; k++) {
@@ -158,6 +159,10 @@ int main(int argc, char **argv)
             /* what the forward phase drops of a^k: 0 or (up to) a^k, none of the last */
             dr[k] = hostile ? hostile_size(scale) : (k + 1 < alloc && below(2) ? x[k] - (below(4) ? 0 : below(x[k] + 1)) : 0);
             drw[k] = hostile && below(2) ? hostile_size(scale) : (below(2) ? dr[k] : 0);
+            /* what a rebuilt B(k) needs less: 0 .. bwd_tmp + out_bytes */
+            rl[k] = hostile && below(2) ? hostile_size(scale) - below(2) * scale
+                  : (below(2) && x[k] >= 0 && x[k] < (1LL << 62) && bt[k] >= -x[k] && bt[k] < (1LL << 62)
+                     ? below(bt[k] + x[k] + 1) : 0);
         }
         chain.length = n;
         chain.fwd_time = nulls && below(2) ? NULL : tf;
@@ -170,6 +175,7 @@ int main(int argc, char **argv)
         chain.input_bytes = below(20) ? below(scale + 1) : hostile_size(scale);
         chain.fwd_drop = below(3) ? NULL : dr;
         chain.fwd_drop_whole = below(3) ? NULL : drw;
+        chain.bwd_rebuilt_less = below(3) ? NULL : rl;
         /* options: 0..3 a stage (a few counts hostile), each keeping less than the
          * stage's record and rebuilding it in a longer backward, or hostile */
         first[0] = below(60) ? 0 : 1 + below(3);
@@ -241,7 +247,7 @@ int main(int argc, char **argv)
         if (status == REMAT_OK)
             check_plan(iter, &plan, n, chain.option_first);
         counts[status]++;
-        free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt); free(dr); free(drw);
+        free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt); free(dr); free(drw); free(rl);
         free(first); free(os); free(oft); free(obt); free(otf); free(otb);
         free(codes); free(stages); free(options);
     }

@@ -43,6 +43,7 @@ typedef struct {
     ll s;       /* a-bar^k as it keeps it (a^k included) */
     ll fneed;   /* max(s, x[k] + its fwd_tmp): the Fall */
     ll bneed;   /* s + x[k] + x[k-1] + its bwd_tmp (at k = n at least s + x[k]): the B, before the gradient credit */
+    ll bneed_rebuilt;   /* the same where a-bar^k was rebuilt after Loss (Costs.bwd_rebuilt_less) */
     double tf, tb;
 } way;
 
@@ -70,10 +71,14 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot);
 /* The gradient of a^t held by the caller of P(a, t): none at the top. */
 static inline ll grad(const problem *p, ll t) { return t < p->n ? p->x[t] : 0; }
 
+/* What B(k) of way w needs at (a, t): a Fall in P(a, n) runs before Loss, one
+ * in P(a, t < n) after it, rebuilding a-bar^k. */
+static inline ll way_bneed(const problem *p, const way *w, ll t) { return t == p->n ? w->bneed : w->bneed_rebuilt; }
+
 /* Least headroom for the conditions of the Fall branch with way w at (a, t). */
 static inline ll fall_need(const problem *p, const way *w, ll t)
 {
-    return smax(w->fneed, w->bneed - grad(p, t));
+    return smax(w->fneed, way_bneed(p, w, t) - grad(p, t));
 }
 
 /* Picks the branch at (a, t, m): 0 for Fall with the way of index *j in p->ways,

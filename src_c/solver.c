@@ -95,6 +95,8 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
         w->s = p->s[k];
         w->fneed = p->fneed[k];
         w->bneed = p->bneed[k];
+        w->bneed_rebuilt = c->bwd_rebuilt_less
+            ? bneed(p, k, p->s[k], units(c->bwd_tmp[k - 1] - c->bwd_rebuilt_less[k - 1], slot)) : w->bneed;
         w->tf = p->tf[k];
         w->tb = p->tb[k];
         p->lb[k] = smin(p->fa[k], w->fneed);
@@ -103,7 +105,7 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
             w = &p->ways[q];
             w->s = units(c->option_saved_bytes[lo], slot);
             w->fneed = smax(w->s, sadd(p->x[k], units(c->option_fwd_tmp[lo], slot)));
-            w->bneed = bneed(p, k, w->s, units(c->option_bwd_tmp[lo], slot));
+            w->bneed = w->bneed_rebuilt = bneed(p, k, w->s, units(c->option_bwd_tmp[lo], slot));
             w->tf = c->option_fwd_time[lo];
             w->tb = c->option_bwd_time[lo];
             p->lb[k] = smin(p->lb[k], w->fneed);
@@ -273,18 +275,11 @@ static int check_options(const remat_chain *c, remat_plan *out)
 static int check_chain(const remat_chain *c, remat_plan *out)
 {
     ll n = c->length, k;
-    const double *times[3];
-    const long long *sizes[4];
+    const double *times[3] = {c->fwd_time, c->fwd_nograd_time, c->bwd_time};
+    const long long *sizes[4] = {c->out_bytes, c->saved_bytes, c->fwd_tmp, c->bwd_tmp};
     int i;
     if (n < 1 || n > REMAT_MAX_LENGTH)
         return REMAT_E_LENGTH;
-    times[0] = c->fwd_time;
-    times[1] = c->fwd_nograd_time;
-    times[2] = c->bwd_time;
-    sizes[0] = c->out_bytes;
-    sizes[1] = c->saved_bytes;
-    sizes[2] = c->fwd_tmp;
-    sizes[3] = c->bwd_tmp;
     for (i = 0; i < 3; i++)
         if (!times[i])
             return REMAT_E_NULL;
@@ -297,11 +292,7 @@ static int check_chain(const remat_chain *c, remat_plan *out)
     }
     for (k = 0; k < n; k++) {
         long long drop = chain_drop(c->fwd_drop, k), whole = chain_drop(c->fwd_drop_whole, k);
-        /* what the forward phase drops of a^k: at most a^k, whole 0 or the same, none of a^L */
-        if (drop < 0 || drop > sizes[0][k] || (whole != 0 && whole != drop) || (k == n - 1 && drop != 0)) {
-            out->bad_stage = k + 1;
-            return REMAT_E_SIZE;
-        }
+        long long less = c->bwd_rebuilt_less ? c->bwd_rebuilt_less[k] : 0;
         for (i = 0; i < 3; i++) {
             double v = times[i][k];
             if (!(v >= 0.0 && v <= REMAT_MAX_TIME)) {   /* false for NaN too */
@@ -317,6 +308,13 @@ static int check_chain(const remat_chain *c, remat_plan *out)
                 out->bad_stage = k + 1;
                 return REMAT_E_SIZE;
             }
+        }
+        /* what the forward phase drops of a^k: at most a^k, whole 0 or the same, none of a^L;
+         * what a rebuilt B(k) needs less: 0 .. bwd_tmp + out_bytes (both checked above) */
+        if (drop < 0 || drop > sizes[0][k] || (whole != 0 && whole != drop) || (k == n - 1 && drop != 0)
+            || less < 0 || less > sizes[3][k] + sizes[0][k]) {
+            out->bad_stage = k + 1;
+            return REMAT_E_SIZE;
         }
     }
     return check_options(c, out);

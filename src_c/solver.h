@@ -18,7 +18,7 @@ enum {
     REMAT_E_NULL = 2,        /* a required pointer is NULL */
     REMAT_E_LENGTH = 3,      /* the chain length is not in 1..REMAT_MAX_LENGTH */
     REMAT_E_TIME = 4,        /* a time is NaN, infinite, negative or absurd */
-    REMAT_E_SIZE = 5,        /* a size is negative (a bwd_tmp below -out_bytes), not below 2^62, or a fwd_drop out of range */
+    REMAT_E_SIZE = 5,        /* a size is negative (a bwd_tmp below -out_bytes), not below 2^62, or a fwd_drop or bwd_rebuilt_less out of range */
     REMAT_E_BUDGET = 6,      /* the budget is not in 0..2^62 */
     REMAT_E_SLOTS = 7,       /* slots is not positive */
     REMAT_E_MODE = 8,        /* unknown mode */
@@ -61,6 +61,10 @@ typedef struct {
      * a-bar^i (0 or fwd_drop); remat/solver/schedule.py Note [Accounting] 6 */
     const long long *fwd_drop;
     const long long *fwd_drop_whole;
+    /* NULL, or L entries: bytes B(i) needs less where a-bar^i was rebuilt after
+     * Loss with the base record (0 .. bwd_tmp + out_bytes of the stage;
+     * remat/solver/schedule.py Note [Accounting] 5) */
+    const long long *bwd_rebuilt_less;
     /* NULL, or L + 1 entries counting up from 0: the options of stage k (1-based),
      * other ways to record it (remat/solver/option.py Note [Options]), are entries
      * option_first[k-1] .. option_first[k] - 1 of the five arrays after it, option 1

@@ -24,12 +24,14 @@ def best_schedule(costs, budget, persistent):
     fd, fdw = (0,) + costs.fwd_drop, (0,) + costs.fwd_drop_whole
     # ways[i-1]: (s, fwd_tmp, bwd_tmp, fwd_time, bwd_time) of each way to record stage i,
     # option 0 (the base record) first
+    rebuilt = costs.bwd_tmp_rebuilt   # (B(i) of a base-record a-bar^i made after Loss)
     ways = [((s[i], ft[i], bt[i], tf[i], tb[i]),) + tuple(
         (o.saved_bytes, o.fwd_tmp, o.bwd_tmp, o.fwd_time, o.bwd_time) for o in costs.options[i]) for i in range(n)]
     # state: (forward?, next_fwd, grad, alone bitmask, whole bitmask, previous op,
     # gone bitmask: a^j let go in the forward phase, rule 6 of Note [Accounting],
-    # and the option each stage's held a-bar was recorded with, 0 where none is held)
-    start = (True, 1, -1, 1, 0, None, 0, (0,) * (n + 1))
+    # and the option each stage's held a-bar was recorded with, 0 where none is held, and
+    # whether it was recorded after Loss)
+    start = (True, 1, -1, 1, 0, None, 0, ((0, False),) * (n + 1))
     if x[0] + costs.held_bytes > budget:
         return math.inf, None
     dist = {start: 0.0}
@@ -47,7 +49,7 @@ def best_schedule(costs, budget, persistent):
                 st, op = back[st]
                 ops.append(op)
             return d, tuple(reversed(ops))
-        held_s = [ways[j - 1][rec[j]][0] for j in range(1, n + 1)]
+        held_s = [ways[j - 1][rec[j][0]][0] for j in range(1, n + 1)]
         mem = _held(x, held_s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1) \
             + costs.held_bytes
         moves = []
@@ -67,9 +69,9 @@ def best_schedule(costs, budget, persistent):
                     continue
                 g2 = gone   # (rule 9: an option lets nothing go, nor does an a-bar of one)
                 if forward and i > 1 and q == 0 and (
-                        (fdw[i - 1] if rec[i - 1] == 0 else 0) if (whole >> (i - 1)) & 1 else fd[i - 1]):
+                        (fdw[i - 1] if rec[i - 1][0] == 0 else 0) if (whole >> (i - 1)) & 1 else fd[i - 1]):
                     g2 |= 1 << (i - 1)
-                rec2 = rec[:i] + (q,) + rec[i + 1:]
+                rec2 = rec[:i] + ((q, not forward),) + rec[i + 1:]
                 moves.append((Fall(i, option=q), tfq, (forward, nf2, grad, alone, whole | (1 << i), "all", g2, rec2)))
             if mem + x[i] + ft[i - 1] <= budget and not (costs.tail and i == n):
                 t = tf[i - 1] if forward else tn[i - 1]
@@ -81,11 +83,13 @@ def best_schedule(costs, budget, persistent):
             i = grad
             have_in = (alone >> (i - 1)) & 1 or (whole >> (i - 1)) & 1
             back_in = fd[i] if (gone >> i) & 1 else 0   # rule 6: B(i)'s peak adds it back
-            _, _, btq, _, tbq = ways[i - 1][rec[i]]
+            _, _, btq, _, tbq = ways[i - 1][rec[i][0]]
+            if rec[i] == (0, True):
+                btq = rebuilt[i - 1]
             if (whole >> i) & 1 and have_in and mem + back_in + x[i - 1] + btq <= budget:
                 a2 = alone & ~(1 << i) & ~(1 << (i - 1))
                 w2 = whole & ~(1 << i)
-                rec2 = rec[:i] + (0,) + rec[i + 1:]
+                rec2 = rec[:i] + ((0, False),) + rec[i + 1:]
                 moves.append((B(i), tbq, (False, nf, i - 1, a2, w2, "b", gone & (a2 | w2), rec2)))
         for op, cost, nxt in moves:
             nd = d + cost

@@ -1,5 +1,6 @@
 """Random chain costs for the solver tests (tests only): small random times and
-sizes, some forward-phase drops, some tails; and random options (random_options)."""
+sizes, some forward-phase drops, some rebuilt backwards needing less, some tails;
+and random options (random_options)."""
 
 from remat.solver.costs import Costs
 from remat.solver.option import Option
@@ -27,6 +28,9 @@ def random_costs(rng, n, size=20, zero_times=False, tail=None):
         bwd_tmp=[rng.randint(0, size // 2) - (rng.randint(0, o) if rng.random() < 1 / 3 else 0) for o in out],
         input_bytes=rng.randint(0, size),
     )
+    if rng.random() < 0.5:   # B(i) of a rebuilt stage needs less (Costs.bwd_rebuilt_less)
+        less = [rng.randint(0, b + o) if rng.random() < 0.5 else 0 for b, o in zip(costs.bwd_tmp, out)]
+        costs = Costs(**{**costs.to_dict(), "bwd_rebuilt_less": less})
     if rng.random() < 0.5:
         return costs
     drop = [o if i < n - 1 and rng.random() < 0.6 else 0 for i, o in enumerate(out)]

@@ -29,6 +29,7 @@ def reference_optimal(costs, budget_units, units):
     s = (0,) + costs.saved_bytes
     ft = (0,) + costs.fwd_tmp
     bt = (0,) + costs.bwd_tmp
+    rebuilt = (0,) + costs.bwd_tmp_rebuilt   # (B(a) of an a-bar^a made after Loss: t < n)
     tf = (0.0,) + costs.fwd_time
     tn = (0.0,) + costs.fwd_nograd_time
     tb = (0.0,) + costs.bwd_time
@@ -54,6 +55,8 @@ def reference_optimal(costs, budget_units, units):
         for q, sq, ftq, btq, tfq, tbq in ways[a]:
             r = fd[a - 1] if drop and q == 0 else 0   # (an option lets nothing go)
             loss = sq + x[a] if a == n else 0   # the level Loss reaches, which B(L) starts from
+            if q == 0 and t < n:
+                btq = rebuilt[a]
             if max(sq, x[a] + ftq) <= m and max(sq + x[a] + x[a - 1] + btq, loss) <= m + g + r:
                 if a == t:
                     c = 0.0

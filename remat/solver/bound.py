@@ -55,7 +55,8 @@ def time_bound(costs, budget):
     x = costs.sizes()
     tf, tn = costs.fwd_time, costs.fwd_nograd_time
     # each stage's ways to record it: (saved, bwd_tmp, fwd_time, bwd_time), the base record first
-    ways = [[(costs.saved_bytes[i], costs.bwd_tmp[i], tf[i], costs.bwd_time[i])]
+    # (the base record's bwd_tmp as where rebuilt, the lesser: a bound holds for either)
+    ways = [[(costs.saved_bytes[i], costs.bwd_tmp_rebuilt[i], tf[i], costs.bwd_time[i])]
             + [(o.saved_bytes, o.bwd_tmp, o.fwd_time, o.bwd_time) for o in costs.options[i]] for i in range(n)]
     fastest = [min(w, key=lambda way: way[2] + way[3]) for w in ways]   # (the first of equals)
     room = budget - costs.input_bytes - costs.held_bytes

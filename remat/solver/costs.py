@@ -41,6 +41,13 @@ class Costs:
             down to ``-out_bytes[i]`` where B(i) does not read a^i, which
             a-bar^i counts but which is gone by then.
         input_bytes: size of a^0, the chain input (and of its gradient).
+        bwd_rebuilt_less: bytes B(i)'s transient is below ``bwd_tmp`` where
+            a-bar^i was rebuilt in the backward phase rather than recorded in
+            the forward phase: remat lets a rebuilt stage's saved tensors go as
+            the engine unpacks them, so they are gone as a node's apply returns,
+            while autograd keeps what it saved itself until the node's outputs
+            are checked (a bias's gradient summed to its shape). None (the
+            default): 0 everywhere; at most ``bwd_tmp[i] + out_bytes[i]``.
         fwd_drop: bytes of a^i let go in the forward phase once stage i+1 has
             run recording (``Fall``), where a^i is held on its own (after
             ``Fn``/``Fck`` of stage i): stage i+1's recording does not keep its
@@ -93,6 +100,7 @@ class Costs:
     fwd_drop: tuple = None
     fwd_drop_whole: tuple = None
     held_bytes: int = 0
+    bwd_rebuilt_less: tuple = None
     tail: bool = False
     tail_kept: int = 0
     options: tuple = None
@@ -111,6 +119,7 @@ class Costs:
             object.__setattr__(self, name, checked)
         object.__setattr__(self, "input_bytes", check_size("input_bytes", None, self.input_bytes))
         object.__setattr__(self, "held_bytes", check_size("held_bytes", None, self.held_bytes))
+        object.__setattr__(self, "bwd_rebuilt_less", _rebuilt_less(self.bwd_rebuilt_less, length, self))
         object.__setattr__(self, "fwd_drop", _drops("fwd_drop", self.fwd_drop, length, self.out_bytes))
         object.__setattr__(self, "fwd_drop_whole",
                            _drops("fwd_drop_whole", self.fwd_drop_whole, length, self.fwd_drop))
@@ -125,6 +134,11 @@ class Costs:
                              f"and 0 without a tail")
         object.__setattr__(self, "tail_kept", kept)
         object.__setattr__(self, "options", check_options(self.options, self.out_bytes, self.tail))
+
+    @property
+    def bwd_tmp_rebuilt(self):
+        """bwd_tmp of B(i) where a-bar^i was rebuilt in the backward phase."""
+        return tuple(b - v for b, v in zip(self.bwd_tmp, self.bwd_rebuilt_less))
 
     @property
     def length(self):
@@ -150,8 +164,10 @@ class Costs:
         data = self.to_dict()
         for name, value in (("fwd_time", fwd_time), ("fwd_nograd_time", fwd_time), ("bwd_time", bwd_time),
                             ("out_bytes", out_bytes), ("saved_bytes", max(saved_bytes, out_bytes)),
-                            ("fwd_tmp", fwd_tmp), ("bwd_tmp", bwd_tmp), ("fwd_drop", 0), ("fwd_drop_whole", 0)):
-            data[name] = [*data[name], value]
+                            ("fwd_tmp", fwd_tmp), ("bwd_tmp", bwd_tmp), ("fwd_drop", 0), ("fwd_drop_whole", 0),
+                            ("bwd_rebuilt_less", 0)):
+            if name in data:
+                data[name] = [*data[name], value]
         if "options" in data:
             data["options"] = [*data["options"], []]   # (the tail has none: Note [Options] 4)
         data["held_bytes"] += kept
@@ -174,7 +190,7 @@ class Costs:
         data = self.to_dict()
         tail = {name: data[name].pop() for name in ("fwd_time", "bwd_time", "out_bytes", "saved_bytes",
                                                        "fwd_tmp", "bwd_tmp")}
-        for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole", "options"):
+        for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "options"):
             if name in data:
                 data[name].pop()
         tail["kept"] = self.tail_kept
@@ -228,10 +244,12 @@ class Costs:
 
     def to_dict(self):
         """A JSON-ready dict of every field; ``options`` (each a dict of its fields)
-        only where some stage has them, so that costs without options read as
-        before."""
+        only where some stage has them, and ``bwd_rebuilt_less`` only where it is
+        not 0 everywhere, so that such costs read as before."""
         data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name != "options"}
+        if not any(self.bwd_rebuilt_less):
+            del data["bwd_rebuilt_less"]
         if self.has_options:
             data["options"] = [[o.to_dict() for o in stage] for stage in self.options]
         return data
@@ -306,6 +324,20 @@ class Costs:
                     f"{f'o{q}':>5} {o.fwd_time * 1e3:9.3f} {'':>9} {o.bwd_time * 1e3:9.3f} {'':>11} "
                     f"{format_bytes(o.saved_bytes):>11} {format_bytes(o.fwd_tmp):>11} {format_bytes(o.bwd_tmp):>11}")
         return "\n".join(rows)
+
+
+def _rebuilt_less(raw, length, costs):
+    """``bwd_rebuilt_less`` checked: 0 to ``bwd_tmp + out_bytes`` (a rebuilt B(i)'s
+    transient is still at least ``-out_bytes``); None: 0 everywhere."""
+    if raw is None:
+        return (0,) * length
+    checked = tuple(check_size("bwd_rebuilt_less", i, v) for i, v in enumerate(entries("bwd_rebuilt_less", raw, length)))
+    for i, v in enumerate(checked):
+        if v > costs.bwd_tmp[i] + costs.out_bytes[i]:
+            raise CostsError(
+                f"remat: {where('bwd_rebuilt_less', i)} is {v}; it must be at most the stage's bwd_tmp plus "
+                f"its out_bytes ({costs.bwd_tmp[i] + costs.out_bytes[i]}): a rebuilt B(i) holds at least that")
+    return checked
 
 
 def _drops(name, raw, length, bound):

@@ -132,9 +132,10 @@ def cuts(costs, groups):
 def grouped_costs(costs, ranges):
     """The coarse chain of ``ranges`` (Note [Groups])."""
     x, s = costs.sizes(), (0,) + costs.saved_bytes
-    ft, bt = (0,) + costs.fwd_tmp, (0,) + costs.bwd_tmp
+    ft, bt, rebuilt = (0,) + costs.fwd_tmp, (0,) + costs.bwd_tmp, (0,) + costs.bwd_tmp_rebuilt
     fields = {name: [] for name in ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes",
-                                    "fwd_tmp", "bwd_tmp", "fwd_drop", "fwd_drop_whole", "options")}
+                                    "fwd_tmp", "bwd_tmp", "bwd_rebuilt_less", "fwd_drop", "fwd_drop_whole",
+                                    "options")}
     for lo, hi in ranges:
         for name in ("fwd_time", "fwd_nograd_time", "bwd_time"):
             fields[name].append(math.fsum(getattr(costs, name)[lo - 1:hi]))
@@ -144,18 +145,26 @@ def grouped_costs(costs, ranges):
         for k in range(lo, hi + 1):   # (3.)
             fwd = max(fwd, max(x[k - 1] if k > lo else 0, before) + x[k] + ft[k])
             before += s[k]
-        bwd, after = None, 0
-        for k in range(hi, lo - 1, -1):   # (4.)
-            level = x[k] + x[k - 1] + bt[k] - after
-            bwd = level if bwd is None else max(bwd, level)
-            after += s[k]
+        # (4.; a group rebuilt in the backward rebuilds each of its stages: their rebuilt bwd_tmp)
+        bwd, bwd_rebuilt = (max(-x[hi], _group_bwd(x, s, b, lo, hi) - x[hi] - x[lo - 1]) for b in (bt, rebuilt))
         fields["fwd_tmp"].append(max(0, fwd - x[hi]))
-        fields["bwd_tmp"].append(max(-x[hi], bwd - x[hi] - x[lo - 1]))
+        fields["bwd_tmp"].append(bwd)
+        fields["bwd_rebuilt_less"].append(bwd - bwd_rebuilt)
         fields["fwd_drop"].append(costs.fwd_drop[hi - 1])   # (5.)
         fields["fwd_drop_whole"].append(costs.fwd_drop_whole[hi - 1])
         fields["options"].append(costs.options[lo - 1] if lo == hi else ())   # (6.)
     return Costs(**fields, input_bytes=costs.input_bytes, held_bytes=costs.held_bytes, tail=costs.tail,
                  tail_kept=costs.tail_kept)
+
+
+def _group_bwd(x, s, bt, lo, hi):
+    """The most B(k), k = hi down to lo, holds above the records gone (4. of Note [Groups])."""
+    bwd, after = None, 0
+    for k in range(hi, lo - 1, -1):
+        level = x[k] + x[k - 1] + bt[k] - after
+        bwd = level if bwd is None else max(bwd, level)
+        after += s[k]
+    return bwd
 
 
 def expand(ops, ranges):

@@ -20,7 +20,9 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    separately held a^(i-1) are gone (nothing needs them again) and the
    gradient of a^(i-1) flows on. bwd_tmp[i] may be as low as -x[i] (a
    backward that does not read a^i, which a-bar^i counts but which is gone
-   by then), so that peak can be under the held level before the op.
+   by then), so that peak can be under the held level before the op. Where
+   a-bar^i was made after ``Loss`` (rebuilt) with the base record, B(i) takes
+   bwd_rebuilt_less[i] off bwd_tmp[i] (``Costs.bwd_rebuilt_less``).
 6. Dropped in the forward phase: a forward-phase ``Fall(i+1)`` whose input
    a^i is held on its own lets go of fwd_drop[i] bytes of it, one whose a^i
    is inside a held a-bar^i fwd_drop_whole[i] (stage i+1's recording does
@@ -272,13 +274,15 @@ class _Run:
     checks what it needs, then updates them.
     """
 
-    __slots__ = ("n", "x", "s", "ft", "bt", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
+    __slots__ = ("n", "x", "s", "ft", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
                  "whole", "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
 
     def __init__(self, costs):
         n = self.n = costs.length
         x = self.x = costs.sizes()
         self.s, self.ft, self.bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
+        self.less = costs.bwd_rebuilt_less
+        self.late = [False] * (n + 1)    # the held a-bar^j was made after Loss (rule 5)
         self.tf, self.tn, self.tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
         self.fd, self.fdw = costs.fwd_drop, costs.fwd_drop_whole
         self.options = costs.options
@@ -323,6 +327,8 @@ class _Run:
         if self.rec[i]:   # (rule 9)
             o = self.options[i - 1][self.rec[i] - 1]
             s, bt, tb = o.saved_bytes, o.bwd_tmp, o.bwd_time
+        elif self.late[i]:
+            bt -= self.less[i - 1]
         during = self.during = mem + gone[i] + x[i - 1] + bt
         if during > self.peak:
             self.peak = during
@@ -369,6 +375,7 @@ class _Run:
             self.time += tf
             whole[i] = True
             self.rec[i] = option
+            self.late[i] = not forward
             mem += s
             if forward and i > 1 and not option:   # (rule 9: an option lets nothing go)
                 gone = self.gone

@@ -76,6 +76,8 @@ def discretise(costs, slot):
         out_bytes=[up(v) for v in costs.out_bytes], saved_bytes=[up(v) for v in costs.saved_bytes],
         fwd_tmp=[up(v) for v in costs.fwd_tmp], bwd_tmp=[up(v) for v in costs.bwd_tmp],
         input_bytes=up(costs.input_bytes), held_bytes=up(costs.held_bytes),
+        # (a rebuilt B's transient rounds up on its own)
+        bwd_rebuilt_less=[up(b) - up(b - v) for b, v in zip(costs.bwd_tmp, costs.bwd_rebuilt_less)],
         tail=costs.tail, tail_kept=up(costs.tail_kept),
         # what is let go rounds down: held less dropped stays at least the bytes
         fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
@@ -335,12 +337,13 @@ def _as_without_options(costs, room, slots):
 
 
 def _at_least_periodic(costs, budget, ops, sim, few=False):
-    """The faster of the solver's schedule and the periodic ones that fit the
-    budget in bytes. Sizes rounded up to slots can shut out a schedule that
-    fits exactly, as checkpoint_sequential's do at their own measured peak;
-    the periodic family (all of it up to 64 stages, else segment lengths near
-    the usual choices; with ``few``, for a long chain solved on groups, the
-    three nearest √L) costs a few simulations."""
+    """The faster of the solver's schedule and those of the periodic family and
+    per-block checkpointing that fit the budget in bytes. Sizes rounded up to
+    slots can shut out a schedule that fits exactly, as checkpoint_sequential's
+    and per-block checkpointing's do at their own measured peak; the periodic
+    family (all of it up to 64 stages, else segment lengths near the usual
+    choices; with ``few``, for a long chain solved on groups, the three
+    nearest √L) costs a few simulations."""
     n = costs.stages
     lengths = range(1, n + 1) if n <= 64 else sorted(
         {1, 2, 3, 4, 6, 8, n // 2, n // 4, n // 8} | {max(1, round(math.sqrt(n))) + d for d in (-2, -1, 0, 1, 2)})
@@ -348,7 +351,12 @@ def _at_least_periodic(costs, budget, ops, sim, few=False):
         lengths = [max(1, round(math.sqrt(n))) + d for d in (-1, 0, 1)]
     best = best_periodic(costs, budget, lengths)
     if best is not None and best[2].time < sim.time:
-        return best[1], best[2]
+        ops, sim = best[1], best[2]
+    if costs.tail:   # (per-block checkpointing, HF's, which no periodic schedule is where there is a tail)
+        block = min_memory(costs.length)
+        block_sim = simulate(costs, block)
+        if block_sim.peak <= budget and block_sim.time < sim.time:
+            return block, block_sim
     return ops, sim
 
 

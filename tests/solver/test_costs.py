@@ -10,6 +10,7 @@ from remat.solver import binding as _c_solver
 from remat.solver.costs import Costs
 from remat.errors import CostsError, SolverError
 from remat.solver.schedule import simulate
+from remat.solver.schedule import B, Fall, Fck, Loss
 from remat.solver.solve import store_all
 
 
@@ -172,3 +173,29 @@ def test_costs_file_with_options_is_planned_without_them(tmp_path):
         got = costs_file_step(layers, path)
     assert got.equal(want)
     assert not remat.explain().costs.has_options and Costs.load(path).has_options
+
+
+def test_a_rebuilt_backward_needs_less_where_the_costs_say_so(tmp_path):
+    """bwd_rebuilt_less is 0 to bwd_tmp + out_bytes (named when not), optional (costs
+    files without it load, and are written without it where it is 0), and simulate
+    takes it off B(i)'s transient only where a-bar^i was rebuilt after Loss with its
+    base record: per-block checkpointing's B(2) below, not store-all's."""
+    good = Costs.uniform(2, size=10, saved=30).to_dict()
+    good["bwd_tmp"] = [4, 4]
+    with pytest.raises(CostsError, match=r"bwd_rebuilt_less\[1\] \(stage 2\) is 15; it must be at most"):
+        Costs(**{**good, "bwd_rebuilt_less": [0, 15]})
+    with pytest.raises(SolverError, match=r"bwd_rebuilt_less\[0\] \(stage 1\) is -1"):
+        _c_solver._check_costs(types.SimpleNamespace(**{**good, "bwd_rebuilt_less": [-1, 0], "length": 2}))
+    plain = Costs(**good)
+    assert "bwd_rebuilt_less" not in plain.to_dict() and plain.bwd_rebuilt_less == (0, 0)
+    less = Costs(**{**good, "bwd_rebuilt_less": [3, 3]})
+    less.save(tmp_path / "less.json")
+    assert Costs.load(tmp_path / "less.json") == less and less.bwd_tmp_rebuilt == (1, 1)
+    tailed = less.with_tail(1.0, 1.0, 2, 8, 0, 0)
+    assert tailed.bwd_rebuilt_less == (3, 3, 0) and tailed.without_tail() == less
+    assert simulate(less, store_all(2)) == simulate(plain, store_all(2))
+    per_block = (Fck(1), Fall(2), Loss, B(2), Fall(1), B(1))
+    trace, plain_trace = [], []
+    simulate(less, per_block, trace)
+    simulate(plain, per_block, plain_trace)
+    assert [d for _, d, _ in trace] == [d - (3 if op == B(1) else 0) for op, d, _ in plain_trace]

@@ -111,6 +111,21 @@ def test_exhaustive_persistent_equals_dp(seed):
     assert time_bound(costs, budget) <= anything * (1 + 1e-9)   # Note [A bound on any schedule]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_rebuilt_backwards_needing_less_are_planned_exactly(seed):
+    """Where every rebuilt B(i) needs as little as it may (Costs.bwd_rebuilt_less at
+    its most), the DP, the reference and the exhaustive search agree in exact bytes,
+    at budgets from the minimum up (a solver that ignored it finds slower plans, or none)."""
+    rng = random.Random(seed)
+    costs, _ = unheld(random_costs(rng, rng.randint(2, 4), size=6), 0)
+    costs = Costs(**{**costs.to_dict(), "bwd_rebuilt_less": [b + o for b, o in zip(costs.bwd_tmp, costs.out_bytes)]})
+    budget = rng.randint(minimum_budget(costs), minimum_budget(costs) + 6)
+    dp, ops = c_optimal(costs, budget, max(budget, 1))
+    assert close(dp, best_schedule(costs, budget, persistent=True)[0])
+    assert close(dp, reference_optimal(costs, budget, 1)[0])
+    assert simulate(costs, ops).peak <= budget
+
+
 def test_non_persistent_gain_is_recorded(record_property):
     """Records how often a non-persistent schedule beats the persistent optimum on L <= 4."""
     gains = _GAINS or [
