@@ -323,6 +323,8 @@ class Measurer:
             if again is None:
                 return
             seconds, costs.bwd_tmp, seen = again
+            # (run 4 frees as autograd does: what a rebuilt backward needs less is run 2's)
+            costs.bwd_rebuilt_less = min(costs.bwd_rebuilt_less, costs.bwd_tmp + costs.out_bytes)
             if not m.cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
                 costs.bwd_time = seconds   # timed_step's unmetered time stands
             # a stage that passes the layout on (an elementwise one) hands it further down

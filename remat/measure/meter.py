@@ -115,6 +115,7 @@ class Instrument(TorchDispatchMode):
 
     remat_meter = True   # (one of remat's: a meter may linger above it, remat/measure/linger.py)
     off = False          # (a lingering meter's metering is over: ops pass straight through)
+    watch = None         # called as watch(func, args, kwargs, ran) before (ran False) and after each op not a view
 
     def __new__(cls, *args, **kwargs):
         # Note [Dynamo and the meter]: keep Dynamo away only where it is loaded
@@ -250,6 +251,8 @@ class Instrument(TorchDispatchMode):
             self.reads.update(inputs - written)
         else:
             self.reads.update(inputs)
+        if self.watch is not None:
+            self.watch(func, args, kwargs, False)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         dt = time.perf_counter() - t0
@@ -268,6 +271,8 @@ class Instrument(TorchDispatchMode):
                 self._derived.add(out.untyped_storage()._cdata)
         elif out is not None:
             self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs, kept, dt)
+        if self.watch is not None:
+            self.watch(func, args, kwargs, True)
         return out
 
     def _note_outputs(self, outs, inputs, kept=False, seconds=0.0):

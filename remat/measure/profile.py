@@ -202,7 +202,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     # (below zero where the backward's own transient is smaller)
     out_key = storage_key(act)
     costs.out_freed = 0 if any(storage_key(t) == out_key for t in saved) else costs.out_bytes
-    bwd_delta = in_grad = 0
+    bwd_delta = in_grad = rebuilt_delta = 0
     donor = None
     if twin is not None:
         donor = twin.find((costs.out_bytes, costs.saved_bytes, fwd_peak, costs.out_freed, probe.uses_rng,
@@ -214,7 +214,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     if donor is not None:
         probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or graph.params):
-        bwd_delta, in_grad = run_backward(call, act, x, graph, inst, probe, anchor, release)
+        bwd_delta, in_grad, rebuilt_delta = run_backward(call, act, x, graph, inst, probe, anchor, release)
     del act
     # the real forward's writes stay (as one plain forward's); the backward's are undone
     with torch.no_grad():
@@ -225,6 +225,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     costs.fwd_tmp = max(0, fwd_peak - costs.out_bytes)
     if donor is None:
         costs.bwd_tmp = max(0, bwd_delta - in_grad) - costs.out_freed
+        costs.bwd_rebuilt_less = costs.bwd_tmp - (max(0, rebuilt_delta - in_grad) - costs.out_freed)
     return probe
 
 

@@ -16,7 +16,8 @@ from ..runtime.recompute import NO_SLOTS
 __all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord"]
 
 # the per-stage fields of ``remat.Costs``, in its order
-COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp")
+COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp",
+               "bwd_rebuilt_less")
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class StageCosts:
     saved_bytes: int = None
     fwd_tmp: int = None
     bwd_tmp: int = None
+    bwd_rebuilt_less: int = 0  # what its backward needs less where it is rebuilt (``Costs.bwd_rebuilt_less``)
     out_freed: int = None      # the output's bytes if the stage's own backward does not read it, else 0
     input_kept: bool = None    # its recording keeps its input's storage (saved, or returned as a view)
     caller_holds: bool = None  # the code around the chain held its output as the chain ended
@@ -90,12 +92,14 @@ class Probe:
         """The results of run 2 a twin (Note [Twin stages], remat/measure/twins.py)
         takes, as a dict."""
         c = self.costs
-        return {"bwd_time": c.bwd_time, "bwd_tmp": c.bwd_tmp, "grad_layout": self.grad_layout,
+        return {"bwd_time": c.bwd_time, "bwd_tmp": c.bwd_tmp, "bwd_rebuilt_less": c.bwd_rebuilt_less,
+                "grad_layout": self.grad_layout,
                 "input_grad_layout": self.input_grad_layout}
 
     def take_run2(self, run2):
         """Take a twin's run 2 results (``run2``)."""
-        self.costs.bwd_time, self.costs.bwd_tmp = run2["bwd_time"], run2["bwd_tmp"]
+        c = self.costs
+        c.bwd_time, c.bwd_tmp, c.bwd_rebuilt_less = run2["bwd_time"], run2["bwd_tmp"], run2["bwd_rebuilt_less"]
         self.grad_layout, self.input_grad_layout = run2["grad_layout"], run2["input_grad_layout"]
 
 

@@ -13,6 +13,8 @@ from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
 from .timing import Timer
 
+_SUM = torch.ops.aten.sum.dim_IntList
+
 __all__ = ["backward_again", "node_of", "run_backward"]
 
 
@@ -32,7 +34,8 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
 
     Returns:
         (the backward's peak above its start, the bytes of the gradients of the
-        output and of the input, which simulate counts apart from bwd_tmp).
+        output and of the input, which simulate counts apart from bwd_tmp, and
+        the peak of the stage rebuilt, ``_Releases.rebuilt_peak``).
     """
     cuda, side, params = act.is_cuda, graph.side, graph.params
     # the meter is off between the two runs: what is made here is no stage's
@@ -84,14 +87,17 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
             own.__exit__(None, None, None)
             relay.remove()
         probe.costs.bwd_time = inst.op_seconds - ops_before
+        rebuilt = None
         if cuda:
             bwd_delta = torch.cuda.max_memory_allocated() - base_b
         else:
             bwd_delta = inst.window_peak - released.held
+            if released.rebuilt_peak is not None:
+                rebuilt = min(bwd_delta, released.rebuilt_peak - released.held)
     # the output's gradient stands for the one simulate holds (x[i]), and the
     # input's for the one B(i) adds (x[i-1]); what is left is bwd_tmp
     in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
-    return bwd_delta, in_grad
+    return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt
 
 
 class _Releases:
@@ -102,12 +108,22 @@ class _Releases:
     ``held`` is their bytes at the start. Without the engine's keep-graph query
     (old PyTorch) the runtime keeps them to the stage's end, and so does this.
     With ``free``, the storages also go for real (their tensors dropped from
-    ``saved``, the anchor's list), where the call keeps none of them."""
+    ``saved``, the anchor's list), where the call keeps none of them.
+
+    That is the backward of a stage recorded in the forward phase, whose saved
+    tensors autograd keeps itself: they go once the node has run, after the engine
+    has checked its outputs (summing a bias's gradient to the bias's shape). A
+    stage rebuilt in the backward runs under remat's hooks, which let each go as
+    the engine unpacks it: gone as the node's apply returns, before those sums.
+    ``rebuilt_peak`` is the window's peak as such a backward would see it
+    (``Costs.bwd_rebuilt_less``): what a node lets go is taken off the sums
+    (``sum(..., keepdim=True)``, as ``at::sum_to`` runs it) that end its run."""
 
     def __init__(self, act, stop, saved, sizes, out_key, inst, anchor, free=False):
         self.inst, self.anchor, self.saved = inst, anchor, saved
         self.left, self.pending, self.hooks = {}, [], []
         self.where = {} if free else None   # storage -> the indices of ``saved`` holding it
+        self.rebuilt_peak, self.sums = None, None   # (sums: the most live at the sums ending a node so far)
         if not RELEASES or anchor is None or act.grad_fn is None:
             self.held = 0
             return
@@ -118,21 +134,60 @@ class _Releases:
         if self.where is not None:
             for i, t in enumerate(saved):
                 self.where.setdefault(storage_key(t), []).append(i)
-        self.held = sum(sizes[k] for k in self.left)
+        self.held = self.rebuilt_peak = sum(sizes[k] for k in self.left)
+        self.key_at = [storage_key(t) for t in saved]
+        inst.watch = self._op
         anchor.observe = self.pending.append
         for node in walk([act.grad_fn], stop):
             if type(node).__name__ != "AccumulateGrad":
                 self.hooks.append(node.register_hook(self._ran))
         self.sizes = sizes
 
-    def _ran(self, *_):
+    def _op(self, func, args, kwargs, ran):
+        """An op is to run or ran (``Instrument.watch``): a sum to a shape may be the
+        engine's, after the node's apply; any other op is not."""
+        if func is _SUM and (args[2] if len(args) > 2 else kwargs.get("keepdim", False)):
+            if not ran:
+                if self.where is not None and self.pending:
+                    self._drop_early()
+                return
+            live = self.inst.window_live
+            self.sums = live if self.sums is None else max(self.sums, live)
+            return
+        if not ran:
+            return
+        live = self.inst.window_live
+        self._settle(0)
+        if live > self.rebuilt_peak:
+            self.rebuilt_peak = live
+
+    def _settle(self, freed):
+        if self.sums is not None:
+            self.rebuilt_peak = max(self.rebuilt_peak, self.sums - freed)
+            self.sums = None
+
+    def _drop_early(self):
+        """Let go for real of what the node has read for the last time, as its sums
+        start (the apply that read it has returned, as in a rebuilt stage's backward);
+        ``_release`` counts it at the node's end."""
+        reads = {}
         for i in self.pending:
-            t = self.saved[i]
-            if t is None:
-                continue
-            key = storage_key(t)
+            reads[self.key_at[i]] = reads.get(self.key_at[i], 0) + 1
+        for key, n in reads.items():
+            if self.left.get(key) == n:
+                for j in self.where[key]:
+                    self.saved[j] = None
+
+    def _ran(self, *_):
+        before = self.inst.window_live
+        self._release()
+        self._settle(before - self.inst.window_live)
+
+    def _release(self):
+        for i in self.pending:
+            key = self.key_at[i]
             n = self.left.get(key)
-            if n is not None:
+            if n:
                 self.left[key] = n - 1
                 if n == 1:
                     self.inst.release(self.sizes[key])
@@ -142,6 +197,8 @@ class _Releases:
         self.pending.clear()
 
     def close(self):
+        self._settle(0)
+        self.inst.watch = None
         for h in self.hooks:
             h.remove()
         if self.anchor is not None:
