@@ -160,7 +160,7 @@ int main(int argc, char **argv)
             dr[k] = hostile ? hostile_size(scale) : (k + 1 < alloc && below(2) ? x[k] - (below(4) ? 0 : below(x[k] + 1)) : 0);
             drw[k] = hostile && below(2) ? hostile_size(scale) : (below(2) ? dr[k] : 0);
             /* what a rebuilt B(k) needs less: 0 .. bwd_tmp + out_bytes */
-            rl[k] = hostile && below(2) ? hostile_size(scale) - below(2) * scale
+            rl[k] = hostile && below(2) ? (below(2) ? hostile_size(scale) : -1 - below(3))
                   : (below(2) && x[k] >= 0 && x[k] < (1LL << 62) && bt[k] >= -x[k] && bt[k] < (1LL << 62)
                      ? below(bt[k] + x[k] + 1) : 0);
         }
@@ -176,6 +176,8 @@ int main(int argc, char **argv)
         chain.fwd_drop = below(3) ? NULL : dr;
         chain.fwd_drop_whole = below(3) ? NULL : drw;
         chain.bwd_rebuilt_less = below(3) ? NULL : rl;
+        /* the stage whose output the caller holds: none, the last, any, or out of range */
+        chain.output_held = below(2) ? 0 : below(3) ? n : below(8) ? below(n + 1) : n + 1 - 2 * below(2) * (n + 2);
         /* options: 0..3 a stage (a few counts hostile), each keeping less than the
          * stage's record and rebuilding it in a longer backward, or hostile */
         first[0] = below(60) ? 0 : 1 + below(3);

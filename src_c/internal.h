@@ -51,10 +51,11 @@ typedef struct {
 typedef struct {
     ll n;
     ll *x;      /* x[0..n] */
+    ll *xa;     /* x[k] as held on its own: 0 for the output the caller holds (remat_chain.output_held) */
     ll *s, *ft, *bt;
-    ll *fa;     /* x[k] + ft[k]: what Fn/Fck(k) need */
-    ll *cond;   /* x[k-1] + x[k] + ft[k]: Fn(k) after Fck/Fn(k-1) */
-    ll *fneed;  /* max(s[k], x[k] + ft[k]): Fall(k) */
+    ll *fa;     /* xa[k] + ft[k]: what Fn/Fck(k) need */
+    ll *cond;   /* xa[k-1] + xa[k] + ft[k]: Fn(k) after Fck/Fn(k-1) */
+    ll *fneed;  /* max(s[k], xa[k] + ft[k]): Fall(k) */
     ll *bneed;  /* s[k] + x[k] + x[k-1] + bt[k] (at k = n at least s[k] + x[k]): B(k), before the gradient credit */
     ll *fd;     /* fd[k]: slots of a^k a forward-phase Fall(k+1) lets go (rounded down) */
     ll *fdw;    /* fdw[k]: fd[k] if that also holds with a^k inside a-bar^k, else 0 */

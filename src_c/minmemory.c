@@ -52,8 +52,8 @@ static ll fall_lo(const lotable *L, ll a, ll t, int drop, ll *qout)
 static ll split_lo(const lotable *L, ll a, ll t, ll j)
 {
     const problem *p = L->p;
-    ll xj = p->x[j - 1];
-    return smax(sadd(lo_of(L, j, t, drop_after_split(p, j, t)), xj), sadd(L->lo[pidx(a, j - 1)], xj) - grad(p, t));
+    ll xj = p->x[j - 1], xa = p->xa[j - 1];
+    return smax(sadd(lo_of(L, j, t, drop_after_split(p, j, t)), xa), sadd(L->lo[pidx(a, j - 1)], xj) - grad(p, t));
 }
 
 static int choose_memory(const void *ctx, ll a, ll t, ll m, int drop, ll *jout)

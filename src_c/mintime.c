@@ -65,14 +65,14 @@ static int branch(const table *T, ll a, ll t, ll m, int drop, double bound, doub
     }
     if (a < t && p->fa[a] <= m) {
         for (j = a + 1; j <= t; j++) {
-            ll k = j - 1, xj = p->x[j - 1];
+            ll k = j - 1, xj = p->x[j - 1], xa = p->xa[j - 1];
             double v;
             if (k > a && p->cond[k] > m)
                 break;
             fsum += f[k];
             if (best <= (fsum + bound) * BOUND_SLACK)
                 break;   /* no later split can win (as in remat_compute_row) */
-            v = (fsum + dvalue(T, j, t, drop_after_split(p, j, t), m - xj)) + value(T, a, j - 1, smin(m - xj + g, T->M));
+            v = (fsum + dvalue(T, j, t, drop_after_split(p, j, t), m - xa)) + value(T, a, j - 1, smin(m - xj + g, T->M));
             if (v < best) {
                 best = v;
                 choice = 1;

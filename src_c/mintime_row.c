@@ -103,11 +103,11 @@ KERNEL void const_min(double *b, ll n, double v)
         b[i] = v < b[i] ? v : b[i];
 }
 
-/* buf[m - lb] = min(buf, (f + P(j, t, m - xj)) + P(a, j-1, m - xj + g)) for m in [ms, me]. */
+/* buf[m - lb] = min(buf, (f + P(j, t, m - xa)) + P(a, j-1, m - xj + g)) for m in [ms, me]. */
 static void split_range(const table *T, const lane *ln, double *buf, ll lb, ll ms, ll me, double f,
-                        const row *r1, const row *r2, ll j, ll xj, ll g)
+                        const row *r1, const row *r2, ll j, ll xa, ll xj, ll g)
 {
-    ll e1 = r1->top + xj, e2 = r2->top + xj - g, cur = ms;
+    ll e1 = r1->top + xa, e2 = r2->top + xj - g, cur = ms;
     double c1 = r1->least, c2 = r2->least;
     while (cur <= me) {
         int arr1 = cur <= e1, arr2 = cur <= e2;
@@ -120,14 +120,14 @@ static void split_range(const table *T, const lane *ln, double *buf, ll lb, ll m
         len = end - cur + 1;
         if (arr1 && arr2) {
             if (T->use_float)
-                split_aa_f(b, len, f, (const float *)at(T, r1, cur - xj), (const float *)at(T, r2, cur - xj + g));
+                split_aa_f(b, len, f, (const float *)at(T, r1, cur - xa), (const float *)at(T, r2, cur - xj + g));
             else
-                split_aa_d(b, len, f, (const double *)at(T, r1, cur - xj), sat(ln, r2, j - 1, cur - xj + g));
+                split_aa_d(b, len, f, (const double *)at(T, r1, cur - xa), sat(ln, r2, j - 1, cur - xj + g));
         } else if (arr1) {
             if (T->use_float)
-                split_ac_f(b, len, f, (const float *)at(T, r1, cur - xj), c2);
+                split_ac_f(b, len, f, (const float *)at(T, r1, cur - xa), c2);
             else
-                split_ac_d(b, len, f, (const double *)at(T, r1, cur - xj), c2);
+                split_ac_d(b, len, f, (const double *)at(T, r1, cur - xa), c2);
         } else if (arr2) {
             if (T->use_float)
                 split_ca_f(b, len, f + c1, (const float *)at(T, r2, cur - xj + g));
@@ -224,7 +224,7 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
     for (b = 0; b < nb; b++)
         bmax[b] = buf[SKIP * b];
     for (j = a + 1; j <= t; j++) {
-        ll k = j - 1, xj = p->x[j - 1], ms, b0, b1, k1, k2, e1, e2;
+        ll k = j - 1, xj = p->x[j - 1], xa = p->xa[j - 1], ms, b0, b1, k1, k2, e1, e2;
         const row *r1, *r2;
         double bound;
         if (k > a)
@@ -250,7 +250,7 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
             }
         }
         PREFETCH(r1 + 1);
-        ms = smax(mlow, smax(sadd(r1->lo, xj), sadd(r2->lo, xj) - g));
+        ms = smax(mlow, smax(sadd(r1->lo, xa), sadd(r2->lo, xj) - g));
         if (ms > top)
             continue;
         bound = (fsum + r1->least) + r2->least;
@@ -259,7 +259,7 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
         b0 = (ms - lb) / SKIP;
         for (b1 = b0 + 1; b1 < nb && bmax[b1] > bound; b1++)
             ;   /* b1: the first block after b0 whose values are all <= bound */
-        k1 = skey(r1, lb, b0, xj, &e1);
+        k1 = skey(r1, lb, b0, xa, &e1);
         k2 = skey(r2, lb, b0, xj - g, &e2);
         if (T->use_float)
             test_f(live, b0, b1, fsum, (const float *)T->summary + r1->soff, k1, e1,
@@ -274,7 +274,7 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
             while (e + 1 < b1 && live[e + 1])
                 e++;
             split_range(T, ln, buf, lb, smax(ms, lb + SKIP * b), smin(top, lb + SKIP * e + SKIP - 1), fsum,
-                        r1, r2, j, xj, g);
+                        r1, r2, j, xa, xj, g);
             for (; b <= e; b++)
                 bmax[b] = buf[SKIP * b];
         }

@@ -157,12 +157,12 @@ static void compute_row_naive(const table *T, ll a, ll t, double *buf)
         }
         if (a < t && p->fa[a] <= m) {
             for (j = a + 1; j <= t; j++) {
-                ll k = j - 1, xj = p->x[j - 1];
+                ll k = j - 1, xj = p->x[j - 1], xa = p->xa[j - 1];
                 double c1, c2;
                 if (k > a && p->cond[k] > m)
                     break;
                 fsum += f[k];
-                c1 = value(T, j, t, m - xj);
+                c1 = value(T, j, t, m - xa);
                 if (c1 == INF)
                     continue;
                 c2 = value(T, a, j - 1, smin(m - xj + g, M));

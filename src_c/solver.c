@@ -41,13 +41,14 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
 {
     ll n = c->length, k, q, lo, hi, options = c->option_first ? c->option_first[n] : 0;
     p->n = n;
-    /* (12 arrays of n + 1 ll, first's n + 2, 3 of doubles, then the ways: all 8-byte aligned) */
-    p->mem = malloc((size_t)(n + 1) * (12 * sizeof(ll) + 3 * sizeof(double)) + sizeof(ll)
+    /* (13 arrays of n + 1 ll, first's n + 2, 3 of doubles, then the ways: all 8-byte aligned) */
+    p->mem = malloc((size_t)(n + 1) * (13 * sizeof(ll) + 3 * sizeof(double)) + sizeof(ll)
                     + (size_t)(n + 1 + options) * sizeof(way));
     if (!p->mem)
         return REMAT_E_NOMEM;
     p->x = (ll *)p->mem;
-    p->s = p->x + (n + 1);
+    p->xa = p->x + (n + 1);
+    p->s = p->xa + (n + 1);
     p->ft = p->s + (n + 1);
     p->bt = p->ft + (n + 1);
     p->fa = p->bt + (n + 1);
@@ -63,13 +64,14 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
     p->first = p->lb + (n + 1);
     p->ways = (way *)(void *)(p->first + (n + 2));
     p->lb[0] = p->first[0] = 0;
-    p->x[0] = units(c->input_bytes, slot);
+    p->xa[0] = p->x[0] = units(c->input_bytes, slot);
     p->s[0] = p->ft[0] = p->bt[0] = p->fa[0] = p->cond[0] = p->fneed[0] = p->bneed[0] = 0;
     p->fd[0] = p->fdw[0] = 0;
     p->drops = 0;
     p->tf[0] = p->tn[0] = p->tb[0] = 0.0;
     for (k = 1; k <= n; k++) {
         p->x[k] = units(c->out_bytes[k - 1], slot);
+        p->xa[k] = k == c->output_held ? 0 : p->x[k];
         p->s[k] = units(c->saved_bytes[k - 1], slot);
         p->ft[k] = units(c->fwd_tmp[k - 1], slot);
         p->bt[k] = units(c->bwd_tmp[k - 1], slot);
@@ -83,8 +85,8 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
             p->drops = 1;
     }
     for (k = 1; k <= n; k++) {
-        p->fa[k] = sadd(p->x[k], p->ft[k]);
-        p->cond[k] = sadd(p->x[k - 1], p->fa[k]);
+        p->fa[k] = sadd(p->xa[k], p->ft[k]);
+        p->cond[k] = sadd(p->xa[k - 1], p->fa[k]);
         p->fneed[k] = smax(p->s[k], p->fa[k]);
         p->bneed[k] = bneed(p, k, p->s[k], p->bt[k]);
     }
@@ -104,7 +106,7 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
         for (q++; lo < hi; lo++, q++) {
             w = &p->ways[q];
             w->s = units(c->option_saved_bytes[lo], slot);
-            w->fneed = smax(w->s, sadd(p->x[k], units(c->option_fwd_tmp[lo], slot)));
+            w->fneed = smax(w->s, sadd(p->xa[k], units(c->option_fwd_tmp[lo], slot)));
             w->bneed = w->bneed_rebuilt = bneed(p, k, w->s, units(c->option_bwd_tmp[lo], slot));
             w->tf = c->option_fwd_time[lo];
             w->tb = c->option_bwd_time[lo];
@@ -214,7 +216,7 @@ int remat_emit(const problem *p, remat_chooser choose, const void *ctx, ll m0, l
                 put(&e, REMAT_OP_FN, k, 0);
             st = push(&e, TASK, a, j - 1, smin(m2, mcap), 0);
             if (st == REMAT_OK)
-                st = push(&e, TASK, j, t, m - p->x[j - 1], drop_after_split(p, j, t));
+                st = push(&e, TASK, j, t, m - p->xa[j - 1], drop_after_split(p, j, t));
         }
     }
     free(e.stack);
@@ -280,6 +282,8 @@ static int check_chain(const remat_chain *c, remat_plan *out)
     int i;
     if (n < 1 || n > REMAT_MAX_LENGTH)
         return REMAT_E_LENGTH;
+    if (c->output_held < 0 || c->output_held > n)
+        return REMAT_E_SIZE;
     for (i = 0; i < 3; i++)
         if (!times[i])
             return REMAT_E_NULL;

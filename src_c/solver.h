@@ -65,6 +65,10 @@ typedef struct {
      * Loss with the base record (0 .. bwd_tmp + out_bytes of the stage;
      * remat/solver/schedule.py Note [Accounting] 5) */
     const long long *bwd_rebuilt_less;
+    /* 0, or the stage k (1..L) whose output a^k the caller holds through the
+     * step, counted in the budget outside the chain (remat/measure/chain_record.py
+     * Note [The chain's output]): a^k held on its own takes nothing more */
+    long long output_held;
     /* NULL, or L + 1 entries counting up from 0: the options of stage k (1-based),
      * other ways to record it (remat/solver/option.py Note [Options]), are entries
      * option_first[k-1] .. option_first[k] - 1 of the five arrays after it, option 1

@@ -19,6 +19,7 @@ def best_schedule(costs, budget, persistent):
     """(least time, ops) over all (or all persistent) schedules, or (inf, None)."""
     n = costs.length
     x = costs.sizes()
+    xa = costs.alone_sizes()   # (a^j held on its own)
     s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
     tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
     fd, fdw = (0,) + costs.fwd_drop, (0,) + costs.fwd_drop_whole
@@ -50,7 +51,7 @@ def best_schedule(costs, budget, persistent):
                 ops.append(op)
             return d, tuple(reversed(ops))
         held_s = [ways[j - 1][rec[j][0]][0] for j in range(1, n + 1)]
-        mem = _held(x, held_s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1) \
+        mem = _held(x, xa, held_s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1) \
             + costs.held_bytes
         moves = []
         if forward and nf == n + 1 and mem + x[n] <= budget:
@@ -65,7 +66,7 @@ def best_schedule(costs, budget, persistent):
                 continue
             nf2 = nf + 1 if forward else nf
             for q, (sq, ftq, _, tfq, _) in enumerate(ways[i - 1]):
-                if mem + max(sq, x[i] + ftq) > budget:
+                if mem + max(sq, xa[i] + ftq) > budget:
                     continue
                 g2 = gone   # (rule 9: an option lets nothing go, nor does an a-bar of one)
                 if forward and i > 1 and q == 0 and (
@@ -73,7 +74,7 @@ def best_schedule(costs, budget, persistent):
                     g2 |= 1 << (i - 1)
                 rec2 = rec[:i] + ((q, not forward),) + rec[i + 1:]
                 moves.append((Fall(i, option=q), tfq, (forward, nf2, grad, alone, whole | (1 << i), "all", g2, rec2)))
-            if mem + x[i] + ft[i - 1] <= budget and not (costs.tail and i == n):
+            if mem + xa[i] + ft[i - 1] <= budget and not (costs.tail and i == n):
                 t = tf[i - 1] if forward else tn[i - 1]
                 moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i), gone, rec)))
                 if not persistent or prev == ("f", i - 1):
@@ -101,13 +102,13 @@ def best_schedule(costs, budget, persistent):
     return math.inf, None
 
 
-def _held(x, s, alone, whole, grad):
+def _held(x, xa, s, alone, whole, grad):
     mem = 0
     for j in range(len(x)):
         if (whole >> j) & 1:
             mem += s[j - 1]
         elif (alone >> j) & 1:
-            mem += x[j]
+            mem += xa[j]
     if grad >= 0:
         mem += x[grad]
     return mem

@@ -31,6 +31,8 @@ def random_costs(rng, n, size=20, zero_times=False, tail=None):
     if rng.random() < 0.5:   # B(i) of a rebuilt stage needs less (Costs.bwd_rebuilt_less)
         less = [rng.randint(0, b + o) if rng.random() < 0.5 else 0 for b, o in zip(costs.bwd_tmp, out)]
         costs = Costs(**{**costs.to_dict(), "bwd_rebuilt_less": less})
+    if rng.random() < 0.25:   # the caller holds a^L through the step (Costs.output_held)
+        costs = Costs(**{**costs.to_dict(), "output_held": True, "held_bytes": costs.held_bytes + out[-1]})
     if rng.random() < 0.5:
         return costs
     drop = [o if i < n - 1 and rng.random() < 0.6 else 0 for i, o in enumerate(out)]

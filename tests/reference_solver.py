@@ -26,6 +26,7 @@ def reference_optimal(costs, budget_units, units):
     """
     n = costs.length
     x = costs.sizes()
+    xa = costs.alone_sizes()   # (a^k held on its own)
     s = (0,) + costs.saved_bytes
     ft = (0,) + costs.fwd_tmp
     bt = (0,) + costs.bwd_tmp
@@ -57,21 +58,21 @@ def reference_optimal(costs, budget_units, units):
             loss = sq + x[a] if a == n else 0   # the level Loss reaches, which B(L) starts from
             if q == 0 and t < n:
                 btq = rebuilt[a]
-            if max(sq, x[a] + ftq) <= m and max(sq + x[a] + x[a - 1] + btq, loss) <= m + g + r:
+            if max(sq, xa[a] + ftq) <= m and max(sq + x[a] + x[a - 1] + btq, loss) <= m + g + r:
                 if a == t:
                     c = 0.0
                 else:
                     c = solve(a + 1, t, m - sq + r, t == n and fdw[a] > 0 and q == 0)[0]
                 if c < INF and tfq + c + tbq < best:
                     best, choice = tfq + c + tbq, ("all", q)
-        if a < t and x[a] + ft[a] <= m:
+        if a < t and xa[a] + ft[a] <= m:
             fsum = 0.0
             for j in range(a + 1, t + 1):
                 k = j - 1  # the last stage run forward before the sub-chain j..t
-                if k > a and x[k - 1] + x[k] + ft[k] > m:
+                if k > a and xa[k - 1] + xa[k] + ft[k] > m:
                     break
                 fsum += tf[k] if t == n else tn[k]
-                c1 = solve(j, t, m - x[j - 1], t == n and fd[j - 1] > 0)[0]
+                c1 = solve(j, t, m - xa[j - 1], t == n and fd[j - 1] > 0)[0]
                 if c1 == INF:
                     continue
                 c2 = solve(a, j - 1, m + g - x[j - 1])[0]
@@ -98,7 +99,7 @@ def reference_optimal(costs, budget_units, units):
             g = x[t] if t < n else 0
             out.append(Fck(a))
             out.extend(Fn(k) for k in range(a + 1, j))
-            emit(j, t, m - x[j - 1], out, t == n and fd[j - 1] > 0)
+            emit(j, t, m - xa[j - 1], out, t == n and fd[j - 1] > 0)
             emit(a, j - 1, m + g - x[j - 1], out)
 
     m0 = budget_units - x[0] - costs.held_bytes

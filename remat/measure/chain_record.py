@@ -14,7 +14,8 @@ goes up to one output over the budget (figures: docs/how-it-works.md,
 
 So plans are solved as if the caller held a^L through the whole step (its
 bytes added to ``held_bytes``, and taken out of a-bar^L and of what B(L)
-gives back where measured: ``planning_costs``), until a call shows
+gives back where measured: ``planning_costs``; ``Costs.output_held``, so
+that a^L held on its own, after ``Fck(L)``, counts once), until a call shows
 otherwise: each call (``watch_output``, remat/runtime/runner.py) puts a pre-hook on the node that made a^L which has
 the engine ask, at the end of that backward, whether a^L's storage is still
 alive (a weak reference: PyTorch keeps a storage's Python object as long as
@@ -196,6 +197,7 @@ class ChainRecord:
         data = self.costs.to_dict()
         out = data["out_bytes"][-1]
         data["held_bytes"] += out
+        data["output_held"] = True
         last = self.stages[-1].costs if self.stages else None
         freed = last.out_freed if last is not None else None
         if freed is not None:

@@ -104,6 +104,7 @@ def _chain(costs):
     (chain.fwd_time, chain.fwd_nograd_time, chain.bwd_time, chain.out_bytes,
      chain.saved_bytes, chain.fwd_tmp, chain.bwd_tmp) = keep
     chain.input_bytes = costs.input_bytes
+    chain.output_held = costs.stages if getattr(costs, "output_held", False) else 0
     if any(costs.fwd_drop):   # NULL otherwise: nothing is dropped (solver.h)
         keep.append(ffi.new("long long[]", list(costs.fwd_drop)))
         keep.append(ffi.new("long long[]", list(costs.fwd_drop_whole)))

@@ -71,6 +71,11 @@ class Costs:
             of the backward (``with_tail``).
         tail_kept: of ``held_bytes``, the bytes of the tail's the caller keeps
             (0 without a tail).
+        output_held: ``held_bytes`` counts a^L, the output of the chain's last
+            stage (before its tail, if any), which the code around the chain
+            holds through the step (remat/measure/chain_record.py Note [The
+            chain's output]): a^L held on its own, or made by ``Fall(L)``, takes
+            nothing more (``alone_sizes``).
         options: for each stage, a list of ``Option``: other ways to record it
             that keep less than a-bar^i and rebuild the rest in B(i)
             (remat/solver/option.py Note [Options]); ``Fall(i, option=k)`` runs
@@ -103,6 +108,7 @@ class Costs:
     bwd_rebuilt_less: tuple = None
     tail: bool = False
     tail_kept: int = 0
+    output_held: bool = False
     options: tuple = None
 
     def __post_init__(self):
@@ -133,6 +139,9 @@ class Costs:
             raise CostsError(f"remat: Costs.tail_kept is {kept}; it is part of held_bytes ({self.held_bytes}), "
                              f"and 0 without a tail")
         object.__setattr__(self, "tail_kept", kept)
+        if not isinstance(self.output_held, bool) or (self.output_held and not self.stages):
+            raise CostsError(f"remat: Costs.output_held must be True or False (False without stages), "
+                             f"got {self.output_held!r}")
         object.__setattr__(self, "options", check_options(self.options, self.out_bytes, self.tail))
 
     @property
@@ -227,6 +236,15 @@ class Costs:
     def sizes(self):
         """Return x[0..L]: the input size followed by each stage's output size."""
         return (self.input_bytes,) + self.out_bytes
+
+    def alone_sizes(self):
+        """x[0..L] as each a^j held on its own takes it: ``sizes`` but 0 for the output
+        the caller holds, counted in ``held_bytes`` (``output_held``). The gradient of
+        a^j still takes x[j]."""
+        x = self.sizes()
+        if not self.output_held:
+            return x
+        return x[:self.stages] + (0,) + x[self.stages + 1:]
 
     @classmethod
     def uniform(cls, length, time=1.0, size=1, saved=None, nograd_time=None):

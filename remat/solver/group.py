@@ -154,7 +154,7 @@ def grouped_costs(costs, ranges):
         fields["fwd_drop_whole"].append(costs.fwd_drop_whole[hi - 1])
         fields["options"].append(costs.options[lo - 1] if lo == hi else ())   # (6.)
     return Costs(**fields, input_bytes=costs.input_bytes, held_bytes=costs.held_bytes, tail=costs.tail,
-                 tail_kept=costs.tail_kept)
+                 tail_kept=costs.tail_kept, output_held=costs.output_held)
 
 
 def _group_bwd(x, s, bt, lo, hi):

@@ -8,7 +8,10 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
 
 1. Held memory is the sum of x[j] for every a^j held on its own (not inside
    a held a-bar^j), of s[i] for every held a-bar^i, of the gradient
-   currently flowing back (none before ``Loss``), and of held_bytes.
+   currently flowing back (none before ``Loss``), and of held_bytes. With
+   ``Costs.output_held``, held_bytes counts a^L (L the chain's last stage
+   before its tail), so a^L on its own, or as ``Fall(L)``'s output in its
+   peak (rule 3), counts 0 (``Costs.alone_sizes``); its gradient x[L].
 2. ``Fn(i)``, ``Fck(i)``: need a^(i-1); peak during the op is
    held + x[i] + fwd_tmp[i]; afterwards a^i is held. ``Fn`` then lets go of
    a^(i-1) (it stays reachable if a-bar^(i-1) is held).
@@ -115,11 +118,7 @@ class _LossOp:
     def __repr__(self):
         return "Loss"
 
-    def __str__(self):
-        return "Loss"
-
-    def __reduce__(self):
-        return "Loss"
+    __str__ = __reduce__ = __repr__   # (pickled as the module's Loss)
 
 
 Loss = _LossOp()
@@ -274,12 +273,13 @@ class _Run:
     checks what it needs, then updates them.
     """
 
-    __slots__ = ("n", "x", "s", "ft", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
+    __slots__ = ("n", "x", "xa", "s", "ft", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
                  "whole", "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
 
     def __init__(self, costs):
         n = self.n = costs.length
         x = self.x = costs.sizes()
+        self.xa = costs.alone_sizes()   # (a^j held on its own: 0 for the one the caller holds)
         self.s, self.ft, self.bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
         self.less = costs.bwd_rebuilt_less
         self.late = [False] * (n + 1)    # the held a-bar^j was made after Loss (rule 5)
@@ -340,7 +340,7 @@ class _Run:
         if alone[i - 1]:
             alone[i - 1] = False
             if not whole[i - 1]:
-                mem -= x[i - 1] - gone[i - 1]
+                mem -= self.xa[i - 1] - gone[i - 1]
                 gone[i - 1] = 0
         self.mem = mem + x[i - 1]
         self.grad = i - 1
@@ -371,7 +371,7 @@ class _Run:
                     _bad(pos, op, f"stage {i} has no option {option!r} (Costs.options lists {len(listed)} for it)")
                 o = listed[option - 1]
                 s, ft, tf = o.saved_bytes, o.fwd_tmp, o.fwd_time
-            during = mem + max(s, x[i] + ft)
+            during = mem + max(s, self.xa[i] + ft)
             self.time += tf
             whole[i] = True
             self.rec[i] = option
@@ -385,14 +385,15 @@ class _Run:
                     gone[i - 1] = drop
                     mem -= drop
         else:
-            during = mem + x[i] + self.ft[i - 1]
+            xa = self.xa
+            during = mem + xa[i] + self.ft[i - 1]
             self.time += self.tf[i - 1] if forward else self.tn[i - 1]
             alone[i] = True
-            mem += x[i]
+            mem += xa[i]
             if code == 0 and alone[i - 1]:
                 alone[i - 1] = False
                 if not whole[i - 1]:
-                    mem -= x[i - 1]
+                    mem -= xa[i - 1]
         self.mem = mem
         self.during = during
         if during > self.peak:

@@ -78,7 +78,7 @@ def discretise(costs, slot):
         input_bytes=up(costs.input_bytes), held_bytes=up(costs.held_bytes),
         # (a rebuilt B's transient rounds up on its own)
         bwd_rebuilt_less=[up(b) - up(b - v) for b, v in zip(costs.bwd_tmp, costs.bwd_rebuilt_less)],
-        tail=costs.tail, tail_kept=up(costs.tail_kept),
+        tail=costs.tail, tail_kept=up(costs.tail_kept), output_held=costs.output_held,
         # what is let go rounds down: held less dropped stays at least the bytes
         fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
         options=[[Option(up(o.saved_bytes), o.fwd_time, o.bwd_time, up(o.fwd_tmp), up(o.bwd_tmp)) for o in stage]

@@ -199,3 +199,22 @@ def test_a_rebuilt_backward_needs_less_where_the_costs_say_so(tmp_path):
     simulate(less, per_block, trace)
     simulate(plain, per_block, plain_trace)
     assert [d for _, d, _ in trace] == [d - (3 if op == B(1) else 0) for op, d, _ in plain_trace]
+
+
+def test_an_output_the_caller_holds_counts_once():
+    """With output_held, held_bytes counts a^L: held on its own (after Fck(L)) or as
+    Fall(L)'s output it takes nothing more, its gradient still x[L]; before, the
+    tail's forward counted it twice (a step measured 5% under its prediction)."""
+    base = Costs.uniform(2, size=10, saved=30)
+    plain = base.with_tail(1.0, 1.0, 0, 50, 40, 0)
+    held = Costs(**{**base.to_dict(), "output_held": True, "held_bytes": 10}).with_tail(1.0, 1.0, 0, 50, 40, 0)
+    assert held.alone_sizes() == (10, 10, 0, 0) and held.sizes() == (10, 10, 10, 0)
+    per_block = (Fck(1), Fck(2), Fall(3), Loss, B(3), Fall(2), B(2), Fall(1), B(1))
+    trace, plain_trace = [], []
+    simulate(held, per_block, trace)
+    simulate(plain, per_block, plain_trace)
+    # held_bytes counts a^2 from the start; from Fck(2) on, once, as where the caller lets it go
+    assert [d for _, d, _ in trace][:3] == [30, 30, 80] and [d for _, d, _ in plain_trace][:3] == [20, 30, 80]
+    assert [m for _, _, m in trace][-1] == 10 + [m for _, _, m in plain_trace][-1]   # (held to the end)
+    with pytest.raises(CostsError, match="output_held must be True or False"):
+        Costs(**{**base.to_dict(), "output_held": 1})

@@ -74,6 +74,23 @@ def test_fast_matches_naive_table(seed):
     assert close(fast[1].time, naive[1].time)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_matches_naive_table_where_the_caller_holds_the_output(seed):
+    """The same where the caller holds a^L (Costs.output_held: a^L on its own takes
+    nothing more, only in the split before the tail) at budgets near the least."""
+    rng = random.Random(seed)
+    base = random_costs(rng, rng.randint(10, 30), tail=False)
+    out = base.out_bytes[-1]
+    costs = Costs(**{**base.to_dict(), "output_held": True, "held_bytes": base.held_bytes + out}).with_tail(
+        1.0, 1.0, 2, 10 * max(out, 5), 5 * max(out, 5), 0)
+    least, most = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    for budget in (least + 2 * out, (least + most) // 3):
+        fast = _raw(costs, budget, 50, lib.REMAT_MIN_TIME)
+        naive = _raw(costs, budget, 50, lib.REMAT_MIN_TIME_NAIVE)
+        assert fast[0] == naive[0]
+        assert fast[0] != lib.REMAT_OK or close(fast[1].time, naive[1].time)
+
+
 def test_float_tables_stay_close():
     """Tables too large for doubles fall back to float32 and stay within 1e-6 of the double result."""
     costs = random_costs(random.Random(3), 30)
