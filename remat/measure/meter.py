@@ -116,6 +116,7 @@ class Instrument(TorchDispatchMode):
     remat_meter = True   # (one of remat's: a meter may linger above it, remat/measure/linger.py)
     off = False          # (a lingering meter's metering is over: ops pass straight through)
     watch = None         # called as watch(func, args, kwargs, ran) before (ran False) and after each op not a view
+    leaves = None        # a dict: {id: weak reference} of the leaves needing grad ops take are added to it
 
     def __new__(cls, *args, **kwargs):
         # Note [Dynamo and the meter]: keep Dynamo away only where it is loaded
@@ -226,6 +227,8 @@ class Instrument(TorchDispatchMode):
             plan = _PLANS[func] = (_written_arguments(func._schema), _returns_views(func._schema))
         writes, views = plan
         self.ops += 1
+        if self.leaves is not None:
+            self._note_leaves(args)
         if views:
             t0 = time.perf_counter()
             out = func(*args, **kwargs)
@@ -274,6 +277,11 @@ class Instrument(TorchDispatchMode):
         if self.watch is not None:
             self.watch(func, args, kwargs, True)
         return out
+
+    def _note_leaves(self, args):
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad and id(t) not in self.leaves:
+                self.leaves[id(t)] = weakref.ref(t)
 
     def _note_outputs(self, outs, inputs, kept=False, seconds=0.0):
         created = self.created

@@ -28,8 +28,11 @@ The measuring call meters the tail (``TailMeter``):
    backward, but what runs between those nodes (the engine adding up
    gradients) and code after the block.
 3. As ``B(L)`` starts (a pre-hook on the node that made a^L), the storages
-   the tail made that are still alive, but the gradient it hands the chain,
-   are what the code after the block keeps through the backward (``kept``).
+   the tail made that are still alive, but the gradient it hands the chain
+   and the ``.grad`` a first step gives the head's parameters (resident
+   from then on, as the budget counts gradients; the leaves are found in
+   the tail's graph, or after the block among the ops' arguments), are what
+   the code after the block keeps through the backward (``kept``).
    Until a backward has shown them, the tail counts as its forward's peak,
    kept by no one: the least it can need. The measuring call's plan, made
    as its block ends, is for a later call: it is solved again once the
@@ -63,6 +66,7 @@ and what was not seen, ``remat.explain().tail`` says.
 
 import dataclasses
 import time
+import weakref
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -203,6 +207,7 @@ class TailMeter:
         after, self.after = self.after, None
         if after is not None:
             after.t0 = time.perf_counter()
+            after.meter.leaves = {}
             linger(after.meter)
 
 
@@ -227,6 +232,7 @@ class _Backward:
 
     def __init__(self, meter, out, seen, on_kept):
         self.meter, self.out, self.seen, self.on_kept = meter, out, seen, on_kept
+        self.leaves = []   # (weak references to the leaves whose gradients the tail makes)
         self.done = False
         self.t0 = None
         self.seconds = 0.0
@@ -235,6 +241,9 @@ class _Backward:
         for node in nodes:
             node.register_prehook(self.enter)
             node.register_hook(self.leave)
+            variable = getattr(node, "variable", None)   # (an AccumulateGrad's leaf)
+            if isinstance(variable, torch.Tensor):
+                self.leaves.append(weakref.ref(variable))
         last.register_prehook(self.begin)
 
     def enter(self, grads):
@@ -270,9 +279,14 @@ class _Backward:
             seen.metered, seen.why = False, "its backward ran under torch.func.vmap (batched gradients)"
             return
         out = self.out
+        # a leaf's .grad made here (the first step's: later ones add into it) is resident
+        # from then on, as the budget counts the chain's own parameters' gradients
+        leaves = self.leaves + list((meter.leaves or {}).values())   # (those the code after the block took)
+        grads = {storage_key(v.grad) for v in (r() for r in leaves) if v is not None and v.grad is not None}
+        made = sum(meter.created.get(key, 0) for key in grads)
         # (at least 0: a full-suite run once gave a negative kept, which Costs refuses;
         # not reproduced since)
-        seen.kept = max(0, meter.live - handed - out.alive())
+        seen.kept = max(0, meter.live - handed - made - out.alive())
         seen.backward_peak, seen.backward_seconds = max(0, meter.peak - out.bytes), self.seconds
         if seen.after_block:
             seen.peak, seen.alive = seen.backward_peak, seen.kept

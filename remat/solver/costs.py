@@ -262,12 +262,15 @@ class Costs:
 
     def to_dict(self):
         """A JSON-ready dict of every field; ``options`` (each a dict of its fields)
-        only where some stage has them, and ``bwd_rebuilt_less`` only where it is
-        not 0 everywhere, so that such costs read as before."""
+        only where some stage has them, ``bwd_rebuilt_less`` only where it is not
+        0 everywhere and ``output_held`` only where True, so that such costs read
+        as before."""
         data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name != "options"}
         if not any(self.bwd_rebuilt_less):
             del data["bwd_rebuilt_less"]
+        if not self.output_held:
+            del data["output_held"]
         if self.has_options:
             data["options"] = [[o.to_dict() for o in stage] for stage in self.options]
         return data

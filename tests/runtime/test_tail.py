@@ -229,3 +229,25 @@ def test_a_compiled_step_after_a_first_call_with_a_head_after_the_block():
     for a, b in zip(ref.parameters(), net.parameters()):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)   # (None: the unused tied layer)
     assert any(p.grad is not None for p in net.parameters())
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_the_heads_gradients_made_by_a_first_step_are_not_kept_by_the_tail(after):
+    """A first step makes the head's parameters' .grad (autograd takes the gradient it
+    computed): resident from then on, as the budget counts gradients, not kept by the
+    tail (before, a step over parameters without gradients saw the head's weight
+    gradient kept through every later backward), inside the block or after it."""
+    kept = []
+    for resident in (True, False):
+        torch.manual_seed(0)
+        net = HeadNet(["mlp"] * 3, 200, False, after=after)
+        net.budget = 2**40
+        if resident:
+            for p in net.parameters():
+                p.grad = torch.zeros_like(p)
+        x, mask = make_input(net)
+        loss, _ = net(x, mask, torch.zeros(x.shape[:2], dtype=torch.long))
+        loss.backward()
+        kept.append(remat.explain().tail.kept)
+        remat.clear_cache()
+    assert kept[0] == kept[1] < 200 * net.d * 4   # (the head's weight gradient)
