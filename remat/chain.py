@@ -23,9 +23,10 @@ call: warned of, remat/runtime/runner.py ``_path_changed``). A call that
 stops short of the recorded stages (a depth that alternates, an early exit)
 runs the plan's prefix and keeps the record, whose stages it is a path of:
 alternating depths are measured once, on the longer path (before, every
-return to the longer path measured it again); only a second such call in a
-row drops the record, for the shorter path to be measured and have a plan of
-its own. At most ``CACHE_SIZE``
+return to the longer path measured it again); only a second call in a row
+that stops at the same stage (or a fourth that stops short anywhere) drops
+the record, for the shorter path to be measured and have a plan of its own:
+three depths in turn are measured once too. At most ``CACHE_SIZE``
 keys are kept (least recently used first out).
 """
 

@@ -57,8 +57,9 @@ _warned_writes = set()   # names of stages warned of by ``_new_writes``
 _warned_paths = set()    # chain sites warned of by ``_path_changed``
 _path_changes = {}       # chain key -> calls in a row that left its recorded path
 PATH_CHANGES = 3         # such calls before the warning
-_shorter = {}            # chain key -> calls in a row that stopped short of its recorded stages
-SHORTER_AGAIN = 2        # such calls before the shorter path is measured
+_shorter = {}            # chain key -> (stage, calls in a row that stopped there, that stopped short at all)
+SHORTER_AGAIN = 2        # calls in a row stopping at one stage before the shorter path is measured
+SHORTER_ANY = 4          # calls in a row stopping short anywhere before it is
 
 
 def site_text(site):
@@ -267,8 +268,10 @@ class Runner:
             self.run.ops = None
             if len(_shorter) > 1000:
                 _shorter.clear()
-            short = _shorter[self.key] = _shorter.get(self.key, 0) + 1
-            if short < SHORTER_AGAIN:
+            last, same, any_ = _shorter.get(self.key, (k, 0, 0))
+            same = same + 1 if last == k else 1
+            _shorter[self.key] = (k, same, any_ + 1)
+            if same < SHORTER_AGAIN and any_ + 1 < SHORTER_ANY:   # (depths in turn keep the longest)
                 return False
             _shorter.pop(self.key, None)
             self._path_changed()

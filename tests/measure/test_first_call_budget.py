@@ -149,3 +149,25 @@ def test_first_call_with_a_costs_file_keeps_under_the_budget(tmp_path):
     remat.clear_cache()
     peaks = [_step(blocks, budget, costs=path) for _ in range(3)]
     assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_three_depths_in_turn_are_measured_once():
+    """Depths 12, 8 and 10 in turn run the longest path's record (the shorter ones its
+    plan's prefix) and stay under the budget; before, every return to 12 measured it
+    again (two short calls in a row dropped the record). Depths that stay shorter
+    still get a record of their own."""
+    from remat.measure import measuring
+
+    blocks = _blocks(12, d=64)
+    budget = 2 * minimum_budget(_costs(blocks))
+    made = []
+    init = measuring.Measurer.__init__
+    measuring.Measurer.__init__ = lambda self, *a, **k: made.append(1) or init(self, *a, **k)
+    try:
+        remat.clear_cache()
+        peaks = [_step(blocks, budget, depth=d) for d in (12, 8, 10) * 3]
+        assert len(made) == 1 and max(peaks) <= budget, (made, peaks, budget)
+        peaks += [_step(blocks, budget, depth=8) for _ in range(3)]
+        assert len(made) == 2 and max(peaks) <= budget   # (8 twice in a row: its own record)
+    finally:
+        measuring.Measurer.__init__ = init
