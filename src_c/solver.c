@@ -282,15 +282,13 @@ static int check_chain(const remat_chain *c, remat_plan *out)
     int i;
     if (n < 1 || n > REMAT_MAX_LENGTH)
         return REMAT_E_LENGTH;
-    if (c->output_held < 0 || c->output_held > n)
-        return REMAT_E_SIZE;
     for (i = 0; i < 3; i++)
         if (!times[i])
             return REMAT_E_NULL;
     for (i = 0; i < 4; i++)
         if (!sizes[i])
             return REMAT_E_NULL;
-    if (c->input_bytes < 0 || c->input_bytes >= REMAT_MAX_BYTES) {
+    if (c->input_bytes < 0 || c->input_bytes >= REMAT_MAX_BYTES || c->output_held < 0 || c->output_held > n) {
         out->bad_stage = 0;
         return REMAT_E_SIZE;
     }
