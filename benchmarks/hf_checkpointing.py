@@ -1,11 +1,14 @@
 """remat against Hugging Face's own checkpointing on a GPT-2, the whole step
 (docs/how-it-works.md, "The tail"): plain PyTorch, ``gradient_checkpointing_enable()``
 (also with torch's selective checkpointing keeping matmul and attention outputs:
-``hf_checkpointing_sac``) and ``remat.wrap(model, model.transformer.h, budget=b)``
-at several budgets, side by side in one process.
+``hf_checkpointing_sac``), on a GPU ``torch.compile`` under the min-cut
+partitioner's ``activation_memory_budget`` (``--compile 0.5,0.1``: one method per
+value), and ``remat.wrap(model, model.transformer.h, budget=b)`` at several
+budgets, side by side in one process.
 
     python benchmarks/hf_checkpointing.py [--rounds 7] [--layers 12] [--width 256] [--vocab 8000]
-                                          [--batch 4] [--length 128] [--out hf_checkpointing-cpu.json]
+                                          [--batch 4] [--length 128] [--compile 0.5,0.1]
+                                          [--out hf_checkpointing-cpu.json]
 
 For each method: the peak from the chain's opening (the budget's scope: what
 the step allocates from the first block's call, its input counted, to the end
@@ -15,8 +18,12 @@ was allocated on a GPU), the whole step's (from the model's forward: the
 embeddings' output and dropout mask come on top), its step time
 (the median over ``rounds`` rounds, each running every method once, in turn),
 and for remat the whole-step peak ``remat.explain().predicted_peak`` predicts.
-Budgets: 0.95x and 1x HF checkpointing's peak, HF with SAC's peak, and 20%, 35% and
-60% of plain's.
+Budgets: 0.95x and 1x HF checkpointing's peak, HF with SAC's peak, each compiled
+method's whole-step peak, and 20%, 35% and 60% of plain's.
+A compiled step's peak is its whole step's (a hook in the compiled model
+would break its graph), so remat at that budget is held to the larger scope.
+``--compile`` needs CUDA: under the CPU storage meter (a Python dispatch mode)
+the compiled step runs uncompiled.
 Each remat run starts from a fresh copy: its first call measures, the next
 two refine the times (remat/measure/refine.py), then the rounds run; every
 call's peak is checked against the budget, the first ones included.
@@ -25,6 +32,7 @@ Writes benchmarks/results/hf_checkpointing-<device>.json and prints a markdown t
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -54,9 +62,12 @@ def build(layers, width, vocab, seed=0):
 class Step:
     """One method: a model, its training step (no optimizer) and its measures."""
 
-    def __init__(self, name, model, device, budget=None):
+    def __init__(self, name, model, device, budget=None, compiled=None):
         self.name, self.model, self.device, self.budget = name, model.to(device), device, budget
+        self.compiled = compiled   # activation_memory_budget of a torch.compile'd step, or None
+        self.forward = model if compiled is None else torch.compile(model)
         self.times, self.peaks, self.scoped, self.predicted = [], [], [], None
+        self.outside = 0
         for p in self.model.parameters():   # resident gradients: every step adds into them
             p.grad = torch.zeros_like(p)
 
@@ -84,7 +95,8 @@ class Step:
                 scope.set_gate(True)
                 opened.append(True)
 
-        hook = self.model.transformer.h[0].register_forward_pre_hook(open_scope)
+        hook = None if self.compiled is not None else \
+            self.model.transformer.h[0].register_forward_pre_hook(open_scope)
         whole = scope = None
         if cuda:
             torch.cuda.synchronize()
@@ -96,17 +108,22 @@ class Step:
             scope.__enter__()
         t0 = time.perf_counter()
         try:
-            self.model(ids, labels=ids).loss.backward()
+            with _memory_budget(self.compiled):
+                self.forward(ids, labels=ids).loss.backward()
         finally:
-            hook.remove()
+            if hook is not None:
+                hook.remove()
             if not cuda:
                 scope.__exit__(None, None, None)
                 whole.__exit__(None, None, None)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        if cuda:
+        if cuda and not opened:   # (a compiled step: its whole step is the scope)
+            peak = scoped = torch.cuda.max_memory_allocated() - base
+        elif cuda:
             before, at_open = opened[0]
+            self.outside = at_open - base   # (held from before the chain opens to the step's end)
             scoped = torch.cuda.max_memory_allocated() - at_open
             peak = max(before, torch.cuda.max_memory_allocated()) - base
         else:
@@ -114,6 +131,15 @@ class Step:
         if self.budget is not None:
             self.predicted = remat.explain().predicted_peak
         return seconds, peak, scoped
+
+
+def _memory_budget(value):
+    """The context a compiled step runs in: the partitioner's ``activation_memory_budget``
+    (read as the step's graphs are compiled, on its first call), or nothing."""
+    if value is None:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+    return functorch_config.patch(activation_memory_budget=value)
 
 
 def main():
@@ -125,9 +151,15 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", default="",
+                        help="activation_memory_budget values of torch.compile'd steps, comma-separated (CUDA)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    compile_budgets = [float(v) for v in args.compile.split(",") if v.strip()]
+    if compile_budgets and device.type != "cuda":
+        parser.error("--compile needs --device cuda: under the CPU storage meter (a Python dispatch mode) "
+                     "the compiled step would run uncompiled")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     base = build(args.layers, args.width, args.vocab)
     g = torch.Generator().manual_seed(0)
@@ -143,13 +175,24 @@ def main():
         gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": _sac_contexts})
     for s in (plain, hf, sac):   # warm-up: a first step allocates what later steps reuse
         s.run(batches[0])
+    compiled, failed = [], {}
+    for v in compile_budgets:   # (a compiler that fails leaves the other methods to run)
+        s = Step(f"compile({v})", copy.deepcopy(base), device, compiled=v)
+        try:
+            s.run(batches[0])
+        except Exception as exc:
+            failed[s.name] = f"{type(exc).__name__}: {exc}"[:400]
+            continue
+        compiled.append(s)
     plain_peak = max(plain.run(b)[2] for b in batches[:2])
     hf_peak = max(hf.run(b)[2] for b in batches[:2])
     sac_peak = max(sac.run(b)[2] for b in batches[:2])
-    budgets = {"0.95x HF": int(0.95 * hf_peak), "HF's peak": hf_peak, "HF+SAC's peak": sac_peak,
-               "20% of plain": int(0.2 * plain_peak), "35% of plain": int(0.35 * plain_peak),
-               "60% of plain": int(0.6 * plain_peak)}
-    methods = [plain, hf, sac]
+    budgets = {"0.95x HF": int(0.95 * hf_peak), "HF's peak": hf_peak, "HF+SAC's peak": sac_peak}
+    for s in compiled:   # (its whole step's peak, less what the eager steps hold from before the chain opens)
+        budgets[f"{s.name}'s peak"] = max(s.run(b)[2] for b in batches[:2]) - hf.outside
+    budgets.update({"20% of plain": int(0.2 * plain_peak), "35% of plain": int(0.35 * plain_peak),
+                    "60% of plain": int(0.6 * plain_peak)})
+    methods = [plain, hf, sac, *compiled]
     first_calls = {}
     for label, budget in budgets.items():
         model = copy.deepcopy(base)
@@ -178,7 +221,7 @@ def main():
             row["under_budget"] = max(s.scoped) <= s.budget
             row["first_calls_under_budget"] = all(p <= s.budget for p in first_calls[s.name])
         rows.append(row)
-    failed = {k: v for k, v in first_calls.items() if isinstance(v, str)}
+    failed.update({k: v for k, v in first_calls.items() if isinstance(v, str)})
     result = {"device": device.type, "machine": _machine(device), "torch": torch.__version__,
               "model": vars(args), "plain_peak": plain_peak, "hf_peak": hf_peak, "hf_sac_peak": sac_peak,
               "budgets": budgets, "rows": rows,
@@ -210,6 +253,10 @@ def table(result):
         first = ", ".join(mib(p) for p in r.get("first_calls_peak_bytes", []))
         lines.append(f"| {r['method']} | {budget} | {mib(r['scoped_peak_bytes'])} | {predicted} | "
                      f"{mib(r['peak_bytes'])} | {first} | {r['over_plain']:.2f}x |")
+    if any(r["method"].startswith("compile(") for r in result["rows"]):
+        lines.append("\ncompile(v): torch.compile under activation_memory_budget=v; its peak is the whole "
+                     "step's, and remat's budget there is that less what HF's step holds from before the "
+                     "chain opens (the embeddings' output)")
     for name, why in result["refused"].items():
         lines.append(f"\n{name}: {why}")
     return "\n".join(lines)
