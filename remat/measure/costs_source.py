@@ -70,7 +70,8 @@ def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
     drop, whole = forward_drops(stages)
     costs = Costs(**{f: [getattr(s, f) for s in stages] for f in COST_FIELDS}, input_bytes=input_bytes,
                   fwd_drop=drop, fwd_drop_whole=whole, held_bytes=held_bytes,
-                  options=[_option_of(s) for s in stages] if options else None)
+                  options=[_option_of(s, b) for s, b in zip(stages, [input_bytes] + [s.out_bytes for s in stages])]
+                  if options else None)
     rank = 0
     if distributed():
         box = [costs.to_dict()]
@@ -103,11 +104,12 @@ def _runs(listed, stage, saved):
     return True
 
 
-def _option_of(stage):
-    """The options of a stage (a ``StageCosts``), its ``policies`` set: measured,
-    or as the costs of the chain measured again after it tell; [] where none."""
+def _option_of(stage, in_bytes):
+    """The options of a stage (a ``StageCosts``) whose input is ``in_bytes``, its
+    ``policies`` set: measured, or as the costs of the chain measured again after
+    it tell; [] where none."""
     if stage.kept is not None and stage.fwd_time is not None:
-        options, stage.policies = stage_options(stage)
+        options, stage.policies = stage_options(stage, in_bytes)
         return options
     return list(stage.options)
 

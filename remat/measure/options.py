@@ -33,7 +33,9 @@ and adds up the time of the other ops; no run is added to the first call.
    outlive the ops that used them; option 2 lets them go at the stage's end).
    ``bwd_tmp``: the base's plus what the rebuild makes again (the base record
    less the option's), held through B(i); at least the rebuild's own
-   transient, the forward's less what the cache hands back.
+   transient, the forward's less what the cache hands back, less the gradient
+   of a^(i-1) that rule 5 adds (the rebuild runs before it exists: counting it
+   put an option's B(i) up to 12% over the measured whole-step peak).
 5. A kept output an op then writes in place (a ReLU(inplace=True) after a
    linear) is not kept: the cache would hand back the written tensor, which
    the recomputation writes again; the runtime drops it from the cache and
@@ -83,10 +85,11 @@ def kept_seen(inst, keys, out_key):
                     min(1.0, share), min(1.0, unsaved))
 
 
-def stage_options(costs):
-    """The options of a stage measured whole (a ``StageCosts`` with ``kept``), as far
-    as they are offered (Note [Measuring an option] 5): (a list of ``Option``, the
-    policy each runs with: ``KEEP_EXPENSIVE`` or ``KEEP_SAVED``)."""
+def stage_options(costs, in_bytes):
+    """The options of a stage measured whole (a ``StageCosts`` with ``kept``), whose
+    input a^(i-1) is ``in_bytes``, as far as they are offered (Note [Measuring an
+    option] 5): (a list of ``Option``, the policy each runs with: ``KEEP_EXPENSIVE``
+    or ``KEEP_SAVED``)."""
     seen = costs.kept
     if seen is None or not seen.any_kept or not costs.backward_measured:
         return [], ()
@@ -99,7 +102,7 @@ def stage_options(costs):
             bwd_time=costs.bwd_time + share * costs.fwd_time + seen.ops * again,
             fwd_tmp=costs.fwd_tmp + seen.kept - seen.kept_saved,
             bwd_tmp=max(costs.bwd_tmp + costs.saved_bytes - costs.out_bytes - keeps,
-                        costs.fwd_tmp + costs.out_bytes - keeps))
+                        costs.fwd_tmp + costs.out_bytes - keeps - in_bytes))
 
     listed = []
     if costs.out_bytes + seen.kept < costs.saved_bytes:

@@ -194,16 +194,19 @@ def test_kept_output_written_in_place_is_not_kept():
     remat.clear_cache()
 
 
-# (the MLP's expensive outputs are all saved, by its GELU and its output: no option 2)
-@pytest.mark.parametrize("kinds, which", [(["mlp"] * 6, 1), (["attn", "mlp"] * 3, 1), (["attn", "mlp"] * 3, 2)])
+# (the MLP's expensive outputs are all saved, by its GELU and its output: no option 2;
+# at width 8 the rebuild's transient decides B(i), which once counted a^(i-1)'s
+# gradient as well and came out up to 7% over the measured peak)
+@pytest.mark.parametrize("kinds, which, d", [(["mlp"] * 6, 1, 32), (["attn", "mlp"] * 3, 1, 32),
+                                             (["attn", "mlp"] * 3, 2, 32), (["mlp"] * 3, 1, 8)])
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7])
-def test_measured_option_bytes_are_what_the_runtime_holds(kinds, fraction, which):
+def test_measured_option_bytes_are_what_the_runtime_holds(kinds, fraction, which, d):
     """With the measured option ``which`` chosen wherever it fits (made faster than
     the records, its bytes as measured), a later step's metered peak is under the
     budget and within 3% of explain()'s predicted peak: the option keeps the bytes
-    the measuring call says it keeps."""
+    the measuring call says it keeps, and its B(i) needs what the costs say."""
     torch.manual_seed(0)
-    net = Net(kinds, d=32)
+    net = Net(kinds, d=d)
     with pytest.MonkeyPatch.context() as mp:
         planning = _measured_options_cheap(which)
         mp.setattr(ChainRecord, "planning_costs", planning)

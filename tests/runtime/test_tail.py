@@ -20,15 +20,15 @@ class HeadNet(Net):
     ``after`` it (``return self.head(x)`` after the block); returns (loss, logits)
     where ``keep``, as a model output that holds its logits."""
 
-    def __init__(self, kinds, vocab, keep, after=False):
+    def __init__(self, kinds, vocab, keep, after=False, options="auto"):
         super().__init__(kinds)
         self.head = nn.Linear(self.d, vocab) if vocab else None
-        self.keep, self.after = keep, after
+        self.keep, self.after, self.options = keep, after, options
 
     def forward(self, x, mask, target=None):
         if self.budget is None:
             return self._rest(super().forward(x, mask), target)
-        with remat.chain(budget=self.budget, algorithm=self.algorithm):
+        with remat.chain(budget=self.budget, algorithm=self.algorithm, options=self.options):
             for s in self.stages:
                 x = s(x, mask)
             if not self.after:
@@ -64,19 +64,19 @@ def step(net, seed, metered=False):
 
 
 @given(st.lists(st.sampled_from(SEQ_KINDS), min_size=1, max_size=8), st.sampled_from([0, 8, 24, 80]),
-       st.booleans(), st.floats(0, 1), st.booleans())
+       st.booleans(), st.floats(0, 1), st.booleans(), st.booleans())
 # a head ten times a stage's output, kept: the plan checkpoints the last stage
-@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, False)
-@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, True)
-@example(["relu", "dropout"], 0, False, 0.0, True)
-def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after):
+@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, False, False)
+@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, True, True)
+@example(["relu", "dropout"], 0, False, 0.0, True, False)
+def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, options):
     """Random chains with a head and loss inside the chain's block or after it (none,
-    or of 1 to 10 times a stage's output bytes), the logits kept or not, at random
-    budgets: once the first call's backward has shown the tail, every step's
-    whole-step peak is under the budget and within 10% of explain().predicted_peak,
-    and losses and gradients are plain PyTorch's bitwise."""
+    or of 1 to 10 times a stage's output bytes), the logits kept or not, stage
+    options measured or not, at random budgets: once the first call's backward has
+    shown the tail, every step's whole-step peak is under the budget and within 10%
+    of explain().predicted_peak, and losses and gradients are plain PyTorch's bitwise."""
     torch.manual_seed(0)
-    base = HeadNet(kinds, vocab, keep, after)
+    base = HeadNet(kinds, vocab, keep, after, options)
     ref = copy.deepcopy(base)
     net = copy.deepcopy(base)
     net.budget = 2**40

@@ -27,7 +27,7 @@ def test_every_remat_call_is_under_its_budget_and_at_its_prediction(tmp_path):
     for r in remat_rows:
         assert r["under_budget"] and r["first_calls_under_budget"], r
         assert r["scoped_peak_bytes"] == r["predicted_peak"], r
-    # a budget refused names the chain's least, which is under HF checkpointing's peak here
+    # a budget refused names the chain's least
     for why in result["refused"].values():
         assert "minimum" in why
     assert "remat at HF's peak" in rows
