@@ -91,6 +91,8 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
                 assert torch.equal(u, v), seed
         peak, predicted = got[3], remat.explain().predicted_peak
         assert peak <= net.budget, (seed, peak, net.budget, predicted)
+        # (10%: on chains this small the model's safe-side approximations are a large
+        # share, docs/limitations.md; the benchmarks' models are within 3%)
         assert peak >= 0.9 * predicted, (seed, peak, predicted)
 
 
