@@ -128,7 +128,7 @@ class Instrument(TorchDispatchMode):
     def _should_skip_dynamo(cls):
         return False
 
-    def __init__(self, exclude=(), sources=(), protect=None, writes=True):
+    def __init__(self, exclude=(), sources=(), protect=None, writes=True, timeline=False):
         super().__init__()
         self._writes = writes   # note (and clone) the older tensors ops write in place
         self.made = None        # a list: weak references to the tensors ops return are added to it
@@ -161,6 +161,8 @@ class Instrument(TorchDispatchMode):
         # the time of the op that made each (read for live ones only: an address is used again)
         self.kept, self.kept_bytes, self.kept_written = {}, 0, 0
         self.ops, self.cheap_seconds, self.kept_seconds = 0, 0.0, {}
+        # (``timeline``: the live bytes kept ops did not make, and all, at each storage made; the kept ones' spans)
+        self._timeline, self._unkept, self.unkept_live, self.events, self.spans = timeline, set(), 0, [], {}
 
     def ignore_writes(self, tensors):
         """Writes into ``tensors`` from now on are not state of the region (not noted)."""
@@ -190,13 +192,20 @@ class Instrument(TorchDispatchMode):
             if not self.created.get(st._cdata):
                 self._track(st, st.nbytes())
 
-    def _track(self, st, nbytes):
-        """Count storage ``st`` as ``nbytes`` live until it is freed."""
+    def _track(self, st, nbytes, kept=False):
+        """Count storage ``st`` as ``nbytes`` live until it is freed (``kept``: a kept op made it)."""
         key = st._cdata
         self.created[key] = nbytes
         self.live += nbytes
         if self.live > self.peak:
             self.peak = self.live
+        if self._timeline:   # (Note [Measuring an option] 4, remat/measure/options.py)
+            if kept:
+                self.spans[key] = [len(self.events), None, nbytes]   # (first event, last, bytes)
+            else:
+                self._unkept.add(key)
+                self.unkept_live += nbytes
+            self.events.append((self.unkept_live, self.live))
         # PyTorch keeps a storage's Python object alive as long as the storage
         self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes, free=self._free: free(key, nbytes))
 
@@ -207,6 +216,12 @@ class Instrument(TorchDispatchMode):
         self._derived.discard(key)
         if self.created.pop(key, None) is not None:
             self.live -= nbytes
+            if key in self._unkept:
+                self._unkept.discard(key)
+                self.unkept_live -= nbytes
+            elif key in self.spans:   # (it ends; its key may be used again)
+                span = self.spans[key, len(self.events)] = self.spans.pop(key)
+                span[1] = len(self.events)
             if key in self.window:
                 self.window.discard(key)
                 self.window_live -= nbytes
@@ -297,7 +312,7 @@ class Instrument(TorchDispatchMode):
                 continue
             # storages made while the gate is shut are not metered at all
             nbytes = st.nbytes() if self.gate else 0
-            self._track(st, nbytes)
+            self._track(st, nbytes, kept)
             if kept:
                 self.kept[key] = nbytes
                 self.kept_bytes += nbytes

@@ -29,13 +29,22 @@ and adds up the time of the other ops; no run is added to the first call.
    scales with it. It misses the stage's Python and remat's replay around the
    rebuild; on CPU the calls that refine the times measure the option where
    their plan runs it (Note [Timing the second call], 5, remat/measure/refine.py).
-4. ``fwd_tmp``: the base's, plus the kept storages autograd did not save (they
-   outlive the ops that used them; option 2 lets them go at the stage's end).
+4. ``fwd_tmp``: the peak of the forward with the kept outputs cached (those
+   autograd did not save outlive the ops that used them; option 2 lets them go
+   at the stage's end): run 1's live bytes at each storage made, with the kept
+   ones gone by then (``timeline`` of the meter); on CUDA the base's plus all
+   kept storages autograd did not save.
    ``bwd_tmp``: the base's plus what the rebuild makes again (the base record
    less the option's), held through B(i); at least the rebuild's own
-   transient, the forward's less what the cache hands back, less the gradient
-   of a^(i-1) that rule 5 adds (the rebuild runs before it exists: counting it
-   put an option's B(i) up to 12% over the measured whole-step peak).
+   transient, less the gradient of a^(i-1) that rule 5 adds (the rebuild runs
+   before it exists). That transient is the peak, over run 1's forward, of
+   the storages it made other than the kept ops' outputs (the cache hands
+   those back), with the kept outputs option 2 makes again as they were
+   live, and those written in place (``timeline`` of the meter), less a^i
+   where B(i) does not read it and the cache does not hold it (it went with
+   the next stage's backward: ``out_freed``). On CUDA, where the allocator rounds what the meter
+   counts, it is the forward's transient less what the cache hands back
+   instead, which assumes every kept output alive at the forward's peak.
 5. A kept output an op then writes in place (a ReLU(inplace=True) after a
    linear) is not kept: the cache would hand back the written tensor, which
    the recomputation writes again; the runtime drops it from the cache and
@@ -69,11 +78,14 @@ class KeptSeen(NamedTuple):
     ops: int             # ops the forward dispatched
     cheap_share: float   # share of the forward's op time in the ops not kept
     unsaved_share: float = 0.0   # and in the kept ops whose outputs autograd did not save (nor returned)
+    rebuild: tuple = None  # the peak of what the rebuild makes, options 1 and 2 (the meter's, on CPU; None on CUDA)
+    out_kept: bool = False  # a kept op made the output (the cache holds a^i until B(i))
+    forward: int = None     # the peak of a forward that caches the kept outputs (CPU; None on CUDA)
 
 
-def kept_seen(inst, keys, out_key):
-    """``KeptSeen`` of a forward the meter ``inst`` has just run, whose saved
-    storages are ``keys`` ({storage: bytes}) and output storage ``out_key``."""
+def kept_seen(inst, keys, out_key, cuda=False):
+    """``KeptSeen`` of a forward the meter ``inst`` has just run (on CUDA if ``cuda``),
+    whose saved storages are ``keys`` ({storage: bytes}) and output storage ``out_key``."""
     total = inst.kept_bytes - inst.kept_written - (inst.kept.get(out_key, 0) or 0)
     saved = sum(n for key, n in keys.items() if key != out_key and key in inst.kept)
     spent = inst.op_seconds
@@ -81,8 +93,36 @@ def kept_seen(inst, keys, out_key):
     # (the time of the kept ops whose outputs stay: saved, or the output; live ones only)
     staying = sum(inst.kept_seconds.get(key, 0.0) for key in inst.kept if key in keys or key == out_key)
     unsaved = max(0.0, spent - inst.cheap_seconds - staying) / spent if spent > 0 else 0.0
+    # (on CUDA the allocator's rounding is not the meter's: the forward's peak bounds it there)
+    rebuild = None if cuda else tuple(_rebuild_peak(inst, keep) + inst.kept_written for keep in (
+        (), [key for key in inst.kept if key in keys or key == out_key]))
+    forward = None if cuda else _peak(inst, 1, [(last, None, n) for _, last, n in inst.spans.values()
+                                                if last is not None])
     return KeptSeen(total, saved, inst.kept_bytes > 0 or any(inst.kept), inst.kept_written, inst.ops,
-                    min(1.0, share), min(1.0, unsaved))
+                    min(1.0, share), min(1.0, unsaved), rebuild, inst.kept.get(out_key) is not None, forward)
+
+
+def _rebuild_peak(inst, handed):
+    """The peak of what a rebuild of the forward ``inst`` metered (with ``timeline``)
+    makes where the cache hands back the kept ops' outputs, all of them (``handed``
+    empty: option 1) or only those of storages ``handed`` (option 2): the others'
+    live bytes at each storage made, and the kept ones made again that are live then."""
+    return _peak(inst, 0, [span for key, span in inst.spans.items() if handed and key not in handed])
+
+
+def _peak(inst, which, spans):
+    """The peak over the events of the meter ``inst`` (``timeline``) of their
+    ``which`` count (0: what kept ops did not make; 1: all) plus the bytes of the
+    ``spans`` ([first event, event it ends at or None, bytes]) live at each."""
+    delta = [0] * (len(inst.events) + 1)
+    for first, last, n in spans:
+        delta[first] += n
+        delta[len(inst.events) if last is None else last] -= n
+    peak = extra = 0
+    for j, counts in enumerate(inst.events):
+        extra += delta[j]
+        peak = max(peak, counts[which] + extra)
+    return peak
 
 
 def stage_options(costs, in_bytes):
@@ -96,13 +136,16 @@ def stage_options(costs, in_bytes):
     forward, again = dispatch_overhead()
 
     def option(keeps, share):
+        # (what the rebuild makes: the outputs of kept ops it is not handed back, besides option 1's)
+        rebuild = costs.fwd_tmp + costs.out_bytes - keeps if seen.rebuild is None else \
+            seen.rebuild[0 if keeps == seen.kept else 1] - (0 if seen.out_kept else costs.out_freed or 0)
         return Option(
             saved_bytes=costs.out_bytes + keeps,
             fwd_time=costs.fwd_time + seen.ops * forward,
             bwd_time=costs.bwd_time + share * costs.fwd_time + seen.ops * again,
-            fwd_tmp=costs.fwd_tmp + seen.kept - seen.kept_saved,
-            bwd_tmp=max(costs.bwd_tmp + costs.saved_bytes - costs.out_bytes - keeps,
-                        costs.fwd_tmp + costs.out_bytes - keeps - in_bytes))
+            fwd_tmp=costs.fwd_tmp + seen.kept - seen.kept_saved if seen.forward is None else
+            max(seen.forward - costs.out_bytes, costs.fwd_tmp),
+            bwd_tmp=max(costs.bwd_tmp + costs.saved_bytes - costs.out_bytes - keeps, rebuild - in_bytes))
 
     listed = []
     if costs.out_bytes + seen.kept < costs.saved_bytes:

@@ -134,7 +134,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     probe.saved_elsewhere, probe.saved_cached = sum(elsewhere.values()), sum(cached.values())
     keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
     probe.costs = StageCosts(out_bytes, saved_seen=max(sum(keys.values()), out_bytes),
-                             kept=kept_seen(inst, keys, storage_key(act)))
+                             kept=kept_seen(inst, keys, storage_key(act), act.is_cuda))
     # side inputs needing grad (remat/measure/leaves.py grad_side_inputs): their gradients are
     # taken at their edges, as x's is, not as parameters'
     side = grad_side_inputs(call, x) if act.requires_grad else []
@@ -171,7 +171,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     # (a copy in between would sum the gradients reaching x in another order where x
     # has several users: bits apart). The meter refuses an op writing x before it
     # runs (x untouched), and the backward below stops at x without running its node
-    inst = Instrument(exclude=[x], sources=[x], protect=x)
+    inst = Instrument(exclude=[x], sources=[x], protect=x, timeline=True)
     cuda, saved, version = x.is_cuda, anchor.saved, x._version
     if cuda:
         torch.cuda.synchronize()
