@@ -92,8 +92,9 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
         peak, predicted = got[3], remat.explain().predicted_peak
         assert peak <= net.budget, (seed, peak, net.budget, predicted)
         # (10%: on chains this small the model's safe-side approximations are a large
-        # share, docs/limitations.md; the benchmarks' models are within 3%)
-        assert peak >= 0.9 * predicted, (seed, peak, predicted)
+        # share, docs/limitations.md; the benchmarks' models are within 3%. 20% with
+        # options, whose forward counts what autograd saves as held: the same file)
+        assert peak >= (0.8 if options else 0.9) * predicted, (seed, peak, predicted)
 
 
 def test_a_large_head_checkpoints_the_last_stage_and_explain_says_what_it_saw():
