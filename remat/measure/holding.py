@@ -43,7 +43,10 @@ each go once read for the last time, as a step's backward does
 hands the stage is the engine's only, and the parameters' gradients are let
 go as they come (a step adds them into resident ones, which the budget does
 not count: buffers standing in for those would count). So the first call
-stays under the budget (tests/measure/test_first_call_budget.py); on CUDA,
+stays under the budget (tests/measure/test_first_call_budget.py), but near
+a chain's least budget, where a stage met for the first time is measured
+with its output alive, or again for its gradient's layout (run 4), which
+can go over it (docs/limitations.md); on CUDA,
 where the saved tensors are held through that backward, within a stage's
 saved bytes of it.
 """
