@@ -188,20 +188,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
     forward_writes = dict(inst.mutated)
     costs = probe.costs
-    # (saved_seen is what a forward with costs from a file checks them against)
-    costs.fwd_time, costs.bwd_time = fwd_time, 0.0
-    costs.saved_bytes, costs.saved_seen = costs.saved_seen, None
-    # whether the stage, recorded, keeps its input's storage (saved, or returned as a
-    # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
-    in_key = storage_key(x)
-    returned = [t for t in tree_leaves(probe.out) if isinstance(t, torch.Tensor)]
-    costs.input_kept = any(storage_key(t) == in_key for t in saved + returned)
-    # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
-    # next stage needs it; by B(i) the next stage's backward has let it go, unless
-    # this stage's own backward reads it: if not, bwd_tmp gives its bytes back
-    # (below zero where the backward's own transient is smaller)
-    out_key = storage_key(act)
-    costs.out_freed = 0 if any(storage_key(t) == out_key for t in saved) else costs.out_bytes
+    _forward_costs(costs, fwd_time, x, act, saved, probe.out)
     bwd_delta = in_grad = rebuilt_delta = 0
     donor = None
     if twin is not None:
@@ -227,6 +214,25 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
         costs.bwd_tmp = max(0, bwd_delta - in_grad) - costs.out_freed
         costs.bwd_rebuilt_less = costs.bwd_tmp - (max(0, rebuilt_delta - in_grad) - costs.out_freed)
     return probe
+
+
+def _forward_costs(costs, fwd_time, x, act, saved, out):
+    """Set what run 1 tells of a stage's ``costs``: its forward time, its saved bytes,
+    whether it keeps its input and whether its backward reads its output ``act``."""
+    # (saved_seen is what a forward with costs from a file checks them against)
+    costs.fwd_time, costs.bwd_time = fwd_time, 0.0
+    costs.saved_bytes, costs.saved_seen = costs.saved_seen, None
+    # whether the stage, recorded, keeps its input's storage (saved, or returned as a
+    # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
+    in_key = storage_key(x)
+    returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    costs.input_kept = any(storage_key(t) == in_key for t in saved + returned)
+    # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
+    # next stage needs it; by B(i) the next stage's backward has let it go, unless
+    # this stage's own backward reads it: if not, bwd_tmp gives its bytes back
+    # (below zero where the backward's own transient is smaller)
+    out_key = storage_key(act)
+    costs.out_freed = 0 if any(storage_key(t) == out_key for t in saved) else costs.out_bytes
 
 
 def _graph_shape(node, stop):

@@ -69,15 +69,7 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
             with inst:
                 _backward(act, grad_out, x if x.requires_grad else None, params, grads, side)
         except BaseException as exc:
-            if isinstance(exc, RuntimeError) and "use_reentrant=True" in str(exc):
-                raise StageError(
-                    f"remat: stage {call.index} ({call.name}) runs torch.utils.checkpoint with "
-                    f"use_reentrant=True inside, whose backward cannot be run on one stage alone, as "
-                    f"remat's first call measures each stage. Pass use_reentrant=False (or drop the "
-                    f"checkpoint: remat decides what to recompute), or measure the costs once that way "
-                    f"and pass the file: remat.chain(..., costs=\"costs.json\")") from exc
-            if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
-                exc.add_note(_BACKWARD_FAILED)
+            _backward_failed(call, exc)
             raise
         finally:
             if released is not None:
@@ -203,6 +195,20 @@ class _Releases:
             h.remove()
         if self.anchor is not None:
             self.anchor.observe = None
+
+
+def _backward_failed(call, exc):
+    """Say why a stage's measured backward (run 2) raised ``exc``: a StageError for a
+    reentrant checkpoint inside the stage, else a note on the exception."""
+    if isinstance(exc, RuntimeError) and "use_reentrant=True" in str(exc):
+        raise StageError(
+            f"remat: stage {call.index} ({call.name}) runs torch.utils.checkpoint with "
+            f"use_reentrant=True inside, whose backward cannot be run on one stage alone, as "
+            f"remat's first call measures each stage. Pass use_reentrant=False (or drop the "
+            f"checkpoint: remat decides what to recompute), or measure the costs once that way "
+            f"and pass the file: remat.chain(..., costs=\"costs.json\")") from exc
+    if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
+        exc.add_note(_BACKWARD_FAILED)
 
 
 _BACKWARD_FAILED = (
