@@ -45,8 +45,9 @@ go as they come (a step adds them into resident ones, which the budget does
 not count: buffers standing in for those would count). So the first call
 stays under the budget (tests/measure/test_first_call_budget.py), but near
 a chain's least budget, where a stage met for the first time is measured
-with its output alive, or again for its gradient's layout (run 4), which
-can go over it (docs/limitations.md); on CUDA,
+with its output alive, or again for its gradient's layout (run 4: at the
+call's end where ``run4_fits``, else in the call's own backward), which can
+go over it (docs/limitations.md); on CUDA,
 where the saved tensors are held through that backward, within a stage's
 saved bytes of it.
 """
@@ -172,6 +173,24 @@ class Holding:
                 f"that, its forward with its input and its backward, and no schedule needs less "
                 f"(the stages after it were not measured, which may need more); raise the budget or split "
                 f"the stage", least)
+
+    def run4_fits(self, costs, run, outs, tail=0):
+        """Whether run 4 of a stage of ``costs`` (Note [Measuring a stage] in
+        remat/measure/profile.py: a fresh forward and backward of it) fits the budget
+        beside what the call holds now, as far as it knows: the chain's input, the
+        stage inputs ``run`` holds, the saved tensors kept, the stage outputs alive
+        (``outs``: stage -> weak reference) and ``tail`` (bytes). Beside a chain stored
+        whole, run 4 once put a first call 41% over the budget."""
+        record = self.record
+        k = next(i for i, s in enumerate(record.stages, 1) if s.costs is costs)
+        alive = {j: ref() for j, ref in outs.items()}
+        storages = run.held_storages() + [t.untyped_storage() for t in alive.values() if t is not None]
+        held = record.input_bytes + self.held_bytes + tail + sum({st._cdata: st.nbytes() for st in storages}.values())
+        x_in = record.input_bytes if k == 1 else record.stages[k - 2].costs.out_bytes
+        # its input (made again if let go) and its gradient, a fresh forward's saved tensors (its
+        # output among them), the output's gradient and a copy of it, and the backward's transient
+        again = x_in if k > 1 and alive.get(k - 1) is None else 0
+        return held + again + x_in + costs.saved_bytes + 2 * costs.out_bytes + max(0, costs.bwd_tmp) <= self.budget
 
     def rebuild_holds(self, run, j, k):
         """The stages strictly between j and k whose input a rebuild of stage k from

@@ -50,7 +50,7 @@ from .record import StageRecord
 from .chain_record import ChainRecord
 from .holding import Holding
 from .refine import ATTEMPTS
-from .stage_backward import backward_again
+from .stage_backward import Run4
 from .twins import Twin
 from .timing import Timer, timed_step, warm_cuda
 
@@ -99,6 +99,7 @@ class Measurer:
         self.upstream = None
         self.measured = {}       # stage -> its ``_Measured``
         self.relayout = None     # (the ``_Measured`` of the stage before, the layout its gradient has) due for run 4
+        self.run4 = Run4(self.new, self.measured, self.run)   # (run 4, now or in the call's own backward)
         self.twins = {}          # Note [Twin stages]: key -> stage
         self.outs = {}           # stage -> weak reference to the activation it returned
         # what it holds (Note [Measuring within the budget], remat/measure/holding.py)
@@ -192,6 +193,8 @@ class Measurer:
             if twin is not None:
                 twin.register(k)
         self._record(call, ident, x, probe, rng0, held)
+        if k > 1 and x.grad_fn is not None and self.given is None:   # (run 4 of stage k-1, if left for later)
+            x.register_hook(lambda grad, run4=self.run4, i=k - 1, o=self.options: run4.arrived(i, grad, o))
         return probe.out
 
     def _anchored(self, call, x):
@@ -305,32 +308,21 @@ class Measurer:
         if call.grad_replay and self.given is None:
             costs.fwd_nograd_time = costs.fwd_time
 
-    def _measure_backward_again(self):
+    def _measure_backward_again(self, tail=0):
         """Run 4 of Note [Measuring a stage] for the stage due (if any), after the
-        saved tensors of the stage past it have gone or been kept."""
+        saved tensors of the stage past it have gone or been kept (``tail``: the bytes
+        the chain's tail holds, at the call's end). One that would not fit beside what
+        the call holds is left to the call's own backward (``Run4.later``)."""
         due, self.relayout = self.relayout, None
         while due is not None:
             m, layout = due
-            i = m.index
-            costs = self.new.stages[i - 1].costs
-            if i < self.diverged or costs is None or not costs.backward_measured:
+            costs = self.new.stages[m.index - 1].costs
+            if m.index < self.diverged or costs is None or not costs.backward_measured:
                 return
-            x = m.x()
-            if x is None:   # (let go, remat/measure/holding.py: made again from an input held below)
-                x = self.run.input_of(i)
-            again = backward_again(m.call, x, m.cuda, m.rng0, m.writes, layout, costs.out_freed or 0,
-                                   self.grad_pool, m.leaves)
-            if again is None:
+            if not self.holding.run4_fits(costs, self.run, self.outs, tail):
+                self.run4.later[m.index] = layout
                 return
-            seconds, costs.bwd_tmp, seen = again
-            # (run 4 frees as autograd does: what a rebuilt backward needs less is run 2's)
-            costs.bwd_rebuilt_less = min(costs.bwd_rebuilt_less, costs.bwd_tmp + costs.out_bytes)
-            if not m.cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
-                costs.bwd_time = seconds   # timed_step's unmetered time stands
-            # a stage that passes the layout on (an elementwise one) hands it further down
-            last = self.measured.get(i - 1)
-            due = (last, seen) if last is not None and last.layout is not None and seen not in (None, last.layout) \
-                else None
+            due = self.run4.again(m, layout, self.grad_pool)
 
     # the chain's end -----------------------------------------------------
 
@@ -338,15 +330,18 @@ class Measurer:
         """Stage k returned the activation ``act``."""
         self.outs[k] = weakref.ref(act)
 
-    def finish(self, last):
-        """The end of the measuring call, whose last stage was ``last``: the
-        chain's record and its costs (on failure, the call undone)."""
+    def finish(self, last, tail=0):
+        """The end of the measuring call, whose last stage was ``last`` (its tail
+        holding ``tail`` bytes): the chain's record and its costs (on failure, the call
+        undone)."""
         new = self.new
         try:
             try:
-                self._measure_backward_again()
+                self._measure_backward_again(tail)
             finally:
                 self.measured, self.grad_pool, self.upstream = {}, None, None
+                if not self.run4.later:   # (what the graph's hooks keep of this call)
+                    self.run4.measured = self.run4.run = None
             new.caller_holds(self.outs, last)
             if self.given is None:
                 for i, extra in enumerate(shared_grad_transients([s.held for s in new.stages])):

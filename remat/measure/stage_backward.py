@@ -274,7 +274,58 @@ def _backward(out, grad, x, params, grads, side=()):
             h.remove()
 
 
-def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=()):
+class Run4:
+    """Run 4 of Note [Measuring a stage] (remat/measure/profile.py) of a measuring
+    call's stages, into their costs in the chain's record ``new``. One that would not
+    fit beside what the call holds (``later``: stage -> layout) runs in the call's own
+    backward, as the stage's gradient arrives (``arrived``), before the stage is
+    rebuilt there; the record's costs then take its figures and its plans go. Only
+    this object, not the measuring call, stays with the graph for that."""
+
+    def __init__(self, new, measured, run):
+        self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
+        self.later = {}
+
+    def again(self, m, layout, pool=None, grad=None):
+        """Run 4 of the stage of ``m`` for its gradient laid out so (``grad``, the
+        one that arrived, or None); the stage before it and its layout where that
+        stage is due in turn (one that passes the layout on hands it further down),
+        else None."""
+        costs = self.new.stages[m.index - 1].costs
+        x = m.x()
+        if x is None:   # (let go, remat/measure/holding.py: made again from an input held below)
+            x = self.run.input_of(m.index)
+        again = backward_again(m.call, x, m.cuda, m.rng0, m.writes, layout, costs.out_freed or 0, pool,
+                               m.leaves, grad)
+        if again is None:
+            return None
+        seconds, costs.bwd_tmp, seen = again
+        # (run 4 frees as autograd does: what a rebuilt backward needs less is run 2's)
+        costs.bwd_rebuilt_less = min(costs.bwd_rebuilt_less, costs.bwd_tmp + costs.out_bytes)
+        if not m.cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
+            costs.bwd_time = seconds   # timed_step's unmetered time stands
+        last = self.measured.get(m.index - 1)
+        return (last, seen) if last is not None and last.layout is not None and seen not in (None, last.layout) \
+            else None
+
+    def arrived(self, i, grad, options):
+        """Stage i's gradient ``grad`` arrived in the measuring call's backward."""
+        layout = self.later.pop(i, None)
+        if layout is None:
+            return
+        due = self.again(self.measured[i], layout, grad=grad)
+        if due is not None:   # (when its own gradient arrives)
+            self.later[due[0].index] = due[1]
+        from .costs_source import chain_costs
+        new = self.new
+        new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None, None,
+                                options)
+        new.plans = {}
+        if not self.later:
+            self.measured = self.run = None
+
+
+def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=(), given=None):
     """Run 4 of Note [Measuring a stage] (remat/measure/profile.py): bwd_time and bwd_tmp of a stage measured
     again, its output's gradient laid out with strides ``layout``, on a fresh
     forward of a detached copy of its input from the RNG and in-place state it
@@ -286,6 +337,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         out_freed: the output's bytes if the stage's backward does not read it.
         pool: a ``GradPool`` for the parameters' gradients, or None.
         leaves: ids of tensors also used behind the stage (``Upstream.leaves``).
+        given: the gradient to hand the stage, laid out so (one in a backward), or None.
 
     Returns:
         (bwd_time, bwd_tmp, strides of the gradient it hands its input or None),
@@ -305,7 +357,8 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         inputs = [xin] if xin.requires_grad else []
         if not act.requires_grad or not (inputs or params):
             return None
-        grad = torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
+        grad = given.detach() if given is not None else \
+            torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
         relay = act.register_hook(_engine_owned)   # as in run_backward
         handed = []
         hook = xin.register_hook(lambda g: handed.append(g.stride())) if xin.requires_grad else None

@@ -277,7 +277,7 @@ class ChainCall:
                               lambda seen: backward_seen(record[0], spec, budget, published, plan_for, seen))
         self.in_stage = True   # stages inside the stage measured again run plainly
         try:
-            new = measurer.finish(self.k)
+            new = measurer.finish(self.k, tail.alive)
         finally:
             self.in_stage = False
         new.tail = tail
