@@ -348,7 +348,7 @@ class _Run:
     def forward_op(self, pos, op, i, code):
         """``Fn(i)``, ``Fck(i)`` (rule 2) or ``Fall(i)`` (rule 3, and rule 6 in the
         forward phase)."""
-        x, alone, whole = self.x, self.alone, self.whole
+        alone, whole = self.alone, self.whole
         forward = self.forward
         if forward:
             if i != self.next_fwd:
