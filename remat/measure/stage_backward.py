@@ -7,7 +7,7 @@ another layout of its output's gradient (run 4).
 import torch
 
 from ..errors import StageError
-from .leaves import HeldHooks, StepGrads, stage_leaves, stop_nodes, walk
+from .leaves import GradPool, HeldHooks, StepGrads, stage_leaves, stop_nodes, walk
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
@@ -313,7 +313,7 @@ class Run4:
         layout = self.later.pop(i, None)
         if layout is None:
             return
-        due = self.again(self.measured[i], layout, grad=grad)
+        due = self.again(self.measured[i], layout, GradPool(), grad)   # (a buffer the size of its largest weight)
         if due is not None:   # (when its own gradient arrives)
             self.later[due[0].index] = due[1]
         from .costs_source import chain_costs
