@@ -174,15 +174,15 @@ class Holding:
                 f"(the stages after it were not measured, which may need more); raise the budget or split "
                 f"the stage", least)
 
-    def run4_fits(self, costs, run, outs, tail=0):
-        """Whether run 4 of a stage of ``costs`` (Note [Measuring a stage] in
+    def run4_fits(self, k, run, outs, tail=0):
+        """Whether run 4 of stage k (Note [Measuring a stage] in
         remat/measure/profile.py: a fresh forward and backward of it) fits the budget
         beside what the call holds now, as far as it knows: the chain's input, the
         stage inputs ``run`` holds, the saved tensors kept, the stage outputs alive
         (``outs``: stage -> weak reference) and ``tail`` (bytes). Beside a chain stored
         whole, run 4 once put a first call 41% over the budget."""
         record = self.record
-        k = next(i for i, s in enumerate(record.stages, 1) if s.costs is costs)
+        costs = record.stages[k - 1].costs
         alive = {j: ref() for j, ref in outs.items()}
         storages = run.held_storages() + [t.untyped_storage() for t in alive.values() if t is not None]
         held = record.input_bytes + self.held_bytes + tail + sum({st._cdata: st.nbytes() for st in storages}.values())

@@ -319,7 +319,8 @@ class Measurer:
             costs = self.new.stages[m.index - 1].costs
             if m.index < self.diverged or costs is None or not costs.backward_measured:
                 return
-            if not self.holding.run4_fits(costs, self.run, self.outs, tail):
+            # (not under torch.distributed: ranks would measure, and share the costs, apart)
+            if not distributed() and not self.holding.run4_fits(m.index, self.run, self.outs, tail):
                 self.run4.later[m.index] = layout
                 return
             due = self.run4.again(m, layout, self.grad_pool)
@@ -348,6 +349,7 @@ class Measurer:
                     costs = new.stages[i].costs
                     if extra and i + 1 >= self.diverged and costs is not None and costs.backward_measured:
                         costs.bwd_tmp += extra
+                        self.run4.extra[i + 1] = extra   # (kept if run 4 comes later)
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given, self.options)
             new.from_file = self.given is not None

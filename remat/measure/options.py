@@ -135,10 +135,10 @@ def stage_options(costs, in_bytes):
         return [], ()
     forward, again = dispatch_overhead()
 
-    def option(keeps, share):
+    def option(which, keeps, share):
         # (what the rebuild makes: the outputs of kept ops it is not handed back, besides option 1's)
         rebuild = costs.fwd_tmp + costs.out_bytes - keeps if seen.rebuild is None else \
-            seen.rebuild[0 if keeps == seen.kept else 1] - (0 if seen.out_kept else costs.out_freed or 0)
+            seen.rebuild[which - 1] - (0 if seen.out_kept else costs.out_freed or 0)
         return Option(
             saved_bytes=costs.out_bytes + keeps,
             fwd_time=costs.fwd_time + seen.ops * forward,
@@ -149,9 +149,9 @@ def stage_options(costs, in_bytes):
 
     listed = []
     if costs.out_bytes + seen.kept < costs.saved_bytes:
-        listed.append((option(seen.kept, seen.cheap_share), KEEP_EXPENSIVE))
+        listed.append((option(1, seen.kept, seen.cheap_share), KEEP_EXPENSIVE))
     if seen.kept_saved < seen.kept and costs.out_bytes + seen.kept_saved < costs.saved_bytes:
-        listed.append((option(seen.kept_saved, min(1.0, seen.cheap_share + seen.unsaved_share)), KEEP_SAVED))
+        listed.append((option(2, seen.kept_saved, min(1.0, seen.cheap_share + seen.unsaved_share)), KEEP_SAVED))
     return [o for o, _ in listed], tuple(p for _, p in listed)
 
 

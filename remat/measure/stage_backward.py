@@ -7,6 +7,7 @@ another layout of its output's gradient (run 4).
 import torch
 
 from ..errors import StageError
+from .costs_source import chain_costs
 from .leaves import GradPool, HeldHooks, StepGrads, stage_leaves, stop_nodes, walk
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
@@ -285,6 +286,7 @@ class Run4:
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
         self.later = {}
+        self.extra = {}   # stage -> what the call's end added to its bwd_tmp (gradients held across stages)
 
     def again(self, m, layout, pool=None, grad=None):
         """Run 4 of the stage of ``m`` for its gradient laid out so (``grad``, the
@@ -299,7 +301,8 @@ class Run4:
                                m.leaves, grad)
         if again is None:
             return None
-        seconds, costs.bwd_tmp, seen = again
+        seconds, bwd_tmp, seen = again
+        costs.bwd_tmp = bwd_tmp + self.extra.get(m.index, 0)
         # (run 4 frees as autograd does: what a rebuilt backward needs less is run 2's)
         costs.bwd_rebuilt_less = min(costs.bwd_rebuilt_less, costs.bwd_tmp + costs.out_bytes)
         if not m.cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
@@ -316,7 +319,6 @@ class Run4:
         due = self.again(self.measured[i], layout, GradPool(), grad)   # (a buffer the size of its largest weight)
         if due is not None:   # (when its own gradient arrives)
             self.later[due[0].index] = due[1]
-        from .costs_source import chain_costs
         new = self.new
         new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None, None,
                                 options)
