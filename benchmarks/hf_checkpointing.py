@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -67,7 +68,7 @@ class Step:
         self.compiled = compiled   # activation_memory_budget of a torch.compile'd step, or None
         self.forward = model if compiled is None else torch.compile(model)
         self.times, self.peaks, self.scoped, self.predicted = [], [], [], None
-        self.outside = 0
+        self.outside, self.plan = 0, None
         for p in self.model.parameters():   # resident gradients: every step adds into them
             p.grad = torch.zeros_like(p)
 
@@ -130,6 +131,7 @@ class Step:
             peak, scoped = whole.peak, scope.peak
         if self.budget is not None:
             self.predicted = remat.explain().predicted_peak
+            self.plan = _forward_ops(remat.explain().schedule)
         return seconds, peak, scoped
 
 
@@ -194,15 +196,26 @@ def main():
                     "60% of plain": int(0.6 * plain_peak)})
     methods = [plain, hf, sac, *compiled]
     first_calls = {}
-    for label, budget in budgets.items():
+    # (and, at HF's peaks, with whole stages only: what options buy; on CPU they are off already)
+    runs = [(label, budget, "auto") for label, budget in budgets.items()]
+    if device.type == "cuda" or os.environ.get("REMAT_BENCH_BOTH"):
+        runs[2:2] = [(label, budgets[label], False) for label in ("HF's peak", "HF+SAC's peak")]
+    for label, budget, options in runs:
         model = copy.deepcopy(base)
-        remat.wrap(model, model.transformer.h, budget=budget)
-        s = Step(f"remat at {label}", model, device, budget)
+        remat.wrap(model, model.transformer.h, budget=budget, options=options)
+        s = Step(f"remat{'' if options else ' (no options)'} at {label}", model, device, budget)
+        t0 = time.perf_counter()
         try:
             first_calls[s.name] = [s.run(b)[2] for b in batches[:3]]   # measuring, then two refining calls
         except remat.BudgetError as exc:
             first_calls[s.name] = str(exc)
             continue
+        except Exception as exc:   # (reported with the rest, not the end of a device run)
+            first_calls[s.name] = f"failed: {type(exc).__name__}: {exc}"[:400]
+            traceback.print_exc()
+            continue
+        print(f"{s.name}: first calls {[round(p / 2**20, 1) for p in first_calls[s.name]]} MiB "
+              f"(budget {budget / 2**20:.1f}) in {time.perf_counter() - t0:.1f} s; {s.plan}", file=sys.stderr)
         methods.append(s)
     for r in range(args.rounds):
         for s in (methods if r % 2 == 0 else methods[::-1]):
@@ -217,6 +230,7 @@ def main():
                "step_seconds": statistics.median(s.times), "over_plain": statistics.median(s.times) / plain_time}
         if s.budget is not None:
             row["predicted_peak"] = s.predicted
+            row["forward_ops"] = s.plan
             row["first_calls_peak_bytes"] = first_calls[s.name]
             row["under_budget"] = max(s.scoped) <= s.budget
             row["first_calls_under_budget"] = all(p <= s.budget for p in first_calls[s.name])
@@ -232,6 +246,14 @@ def main():
     print(table(result))
 
 
+def _forward_ops(schedule):
+    """How the plan's forward phase runs the stages, counted: "Fall:o1 x4, Fck x8"."""
+    from remat.solver.schedule import Loss
+    ops = schedule.ops[:schedule.ops.index(Loss)] if schedule is not None else []
+    modes = [f"Fall:o{op.option}" if getattr(op, "option", 0) else type(op).__name__ for op in ops]
+    return ", ".join(f"{m} x{modes.count(m)}" for m in sorted(set(modes), key=modes.index))
+
+
 def _machine(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -245,14 +267,14 @@ def table(result):
              f"batch {result['model']['batch']}x{result['model']['length']} on {result['machine']} "
              f"(torch {result['torch']})", "",
              "| method | budget MiB | peak from the chain's opening MiB | predicted MiB | whole-step peak MiB | "
-             "first calls' peaks MiB | step vs plain |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "first calls' peaks MiB | step vs plain | plan's forward |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         budget = mib(r["budget"]) if r["budget"] is not None else ""
         predicted = mib(r["predicted_peak"]) if r.get("predicted_peak") is not None else ""
         first = ", ".join(mib(p) for p in r.get("first_calls_peak_bytes", []))
         lines.append(f"| {r['method']} | {budget} | {mib(r['scoped_peak_bytes'])} | {predicted} | "
-                     f"{mib(r['peak_bytes'])} | {first} | {r['over_plain']:.2f}x |")
+                     f"{mib(r['peak_bytes'])} | {first} | {r['over_plain']:.2f}x | {r.get('forward_ops') or ''} |")
     if any(r["method"].startswith("compile(") for r in result["rows"]):
         lines.append("\ncompile(v): torch.compile under activation_memory_budget=v; its peak is the whole "
                      "step's, and remat's budget there is that less what HF's step holds from before the "

@@ -85,16 +85,7 @@ def _keys(t):
 
 def _storage_keys(args, kwargs):
     """Storage ids of the tensors among an op's arguments (lists of tensors included)."""
-    keys = set()
-    for values in (args, kwargs.values()):
-        for a in values:
-            if isinstance(a, torch.Tensor):
-                keys.update(_keys(a))
-            elif isinstance(a, (list, tuple)):
-                for t in a:
-                    if isinstance(t, torch.Tensor):
-                        keys.update(_keys(t))
-    return keys
+    return {key for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) for key in _keys(a)}
 
 
 def storage_key(t):
@@ -117,6 +108,7 @@ class Instrument(TorchDispatchMode):
     off = False          # (a lingering meter's metering is over: ops pass straight through)
     watch = None         # called as watch(func, args, kwargs, ran) before (ran False) and after each op not a view
     leaves = None        # a dict: {id: weak reference} of the leaves needing grad ops take are added to it
+    sync = False         # synchronize CUDA around each op: its time is its kernels' (options' shares on a GPU)
 
     def __new__(cls, *args, **kwargs):
         # Note [Dynamo and the meter]: keep Dynamo away only where it is loaded
@@ -245,10 +237,7 @@ class Instrument(TorchDispatchMode):
         if self.leaves is not None:
             self._note_leaves(args)
         if views:
-            t0 = time.perf_counter()
-            out = func(*args, **kwargs)
-            dt = time.perf_counter() - t0
-            self.op_seconds += dt
+            out, dt = self._timed(func, args, kwargs)
             self.cheap_seconds += dt
             return out
         inputs = _storage_keys(args, kwargs)
@@ -271,10 +260,7 @@ class Instrument(TorchDispatchMode):
             self.reads.update(inputs)
         if self.watch is not None:
             self.watch(func, args, kwargs, False)
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        dt = time.perf_counter() - t0
-        self.op_seconds += dt
+        out, dt = self._timed(func, args, kwargs)
         kept = not writes and getattr(func, "overloadpacket", None) in KEPT_OPS
         if not kept:
             self.cheap_seconds += dt
@@ -292,6 +278,18 @@ class Instrument(TorchDispatchMode):
         if self.watch is not None:
             self.watch(func, args, kwargs, True)
         return out
+
+    def _timed(self, func, args, kwargs):
+        """``func``'s result and its seconds (kernels included where ``sync``)."""
+        if self.sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        if self.sync:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.op_seconds += dt
+        return out, dt
 
     def _note_leaves(self, args):
         for t in args:

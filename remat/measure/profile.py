@@ -173,6 +173,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     # runs (x untouched), and the backward below stops at x without running its node
     inst = Instrument(exclude=[x], sources=[x], protect=x, timeline=True)
     cuda, saved, version = x.is_cuda, anchor.saved, x._version
+    inst.sync = cuda   # (options' shares of the time: kernels', not launches'; fwd_time is timed_step's there)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
