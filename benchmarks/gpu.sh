@@ -4,7 +4,7 @@
 # benchmarks/hf_checkpointing.py on GPT-2 small (124M, batch 8 x 1024, fp32) with the
 # CUDA allocator: plain PyTorch, HF checkpointing, HF checkpointing with torch SAC,
 # torch.compile under activation_memory_budget=0.5, and remat (with and without
-# stage options) at their peaks and at shares of plain's. About 8 minutes on an H200.
+# stage options) at their peaks and at shares of plain's. About 6 minutes on an H200.
 # The device image has torch and transformers but no cffi: carry its wheels (cffi,
 # pycparser for Python 3.12) in .whl.
 #

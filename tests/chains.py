@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import remat
+from remat.measure.holding import measuring_least
 from remat.solver.schedule import simulate
 from remat.solver.solve import minimum_budget, solve, store_all
 
@@ -241,8 +242,10 @@ def random_chains(draw):
 
 def budget_for(costs, algorithm, fraction):
     """A budget ``fraction`` of the way from the chain's minimum to its store-all peak,
-    raised to what ``algorithm`` needs if it is not the optimal one."""
-    low = minimum_budget(costs)
+    raised to what ``algorithm`` needs if it is not the optimal one. The minimum is
+    a first call's, which measures each stage whole: with options (Costs.options)
+    a plan can need less than that."""
+    low = max(minimum_budget(costs), measuring_least(costs))
     high = simulate(costs, store_all(costs.length)).peak
     budget = int(low + fraction * (high - low))
     if algorithm != "optimal":

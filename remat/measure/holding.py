@@ -59,7 +59,7 @@ import torch
 from ..errors import BudgetError
 from ..units import format_bytes
 
-__all__ = ["Holding"]
+__all__ = ["Holding", "measuring_least"]
 
 
 def _sharded():
@@ -68,6 +68,24 @@ def _sharded():
     its own backward (Note [Measuring within the budget])."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized()
+
+
+def stage_least(x_in, out, saved, fwd_tmp, bwd_tmp):
+    """What measuring a stage needs, its input ``x_in`` bytes and its record as
+    measured: its forward holds its input; its backward makes its input's gradient
+    (a schedule may have let the input go by then: Costs.fwd_drop)."""
+    return max(x_in + max(saved, out + fwd_tmp), saved + out + x_in + bwd_tmp)
+
+
+def measuring_least(costs):
+    """The least budget a first call that measures the chain of ``costs`` runs
+    under: its most demanding stage's ``stage_least``. A plan may need less than
+    that where the stages' options (``Costs.options``) keep less than their
+    records: measuring runs each stage whole."""
+    costs = costs.without_tail()
+    x = costs.sizes()
+    return max(stage_least(x[i], costs.out_bytes[i], costs.saved_bytes[i], costs.fwd_tmp[i], costs.bwd_tmp[i])
+               for i in range(costs.length))
 
 
 class Holding:
@@ -161,10 +179,7 @@ class Holding:
         if fields is None or None in fields:
             return
         x_in = x.untyped_storage().nbytes()
-        out, saved, fwd_tmp, bwd_tmp = fields
-        # its forward holds its input; its backward makes its input's gradient, and a
-        # schedule may have let the input go by then (Costs.fwd_drop)
-        least = max(x_in + max(saved, out + fwd_tmp), saved + out + x_in + bwd_tmp)
+        least = stage_least(x_in, *fields)
         self.largest = max(self.largest, least - x_in)
         if least > self.budget:
             raise BudgetError(

@@ -9,6 +9,7 @@ import torch.nn as nn
 from hypothesis import given, strategies as st
 
 import remat
+from remat.measure.holding import measuring_least
 from remat.measure.meter import Instrument
 from remat.solver.solve import minimum_budget, store_all
 
@@ -97,6 +98,10 @@ def test_a_stage_that_cannot_fit_raises_before_the_stages_after_it():
     assert info.value.minimum > 3 * minimum_budget(costs)
     assert 2 in calls and not {3, 4, 5, 6} & set(calls)   # (the stages after it never ran)
     assert all(torch.equal(a, p) for a, p in zip(state, (p for b in chain for p in b.parameters())))
+    # (the bytes it names are measuring_least's, the least a first call of this chain needs:
+    # with options a plan may need less, and tests take the larger as the minimum)
+    whole = _costs(chain)
+    assert info.value.minimum == measuring_least(whole) > measuring_least(costs)
 
 
 def test_alternating_depths_are_measured_once(monkeypatch):
