@@ -52,7 +52,7 @@ from .holding import Holding
 from .refine import ATTEMPTS
 from .stage_backward import Run4
 from .twins import Twin
-from .timing import Timer, timed_step, warm_cuda
+from .timing import Timer, timed_rebuild, timed_step, warm_cuda
 
 __all__ = ["Measurer"]
 
@@ -187,6 +187,8 @@ class Measurer:
             probe.costs.fwd_nograd_time = theirs.costs.fwd_nograd_time
             if cuda:   # timed_step's, not run 2's (launch time on CUDA), which ``twin`` kept
                 probe.costs.fwd_time, probe.costs.bwd_time = theirs.costs.fwd_time, theirs.costs.bwd_time
+                if probe.costs.kept is not None and theirs.costs.kept is not None:
+                    probe.costs.kept = probe.costs.kept._replace(rebuild_seconds=theirs.costs.kept.rebuild_seconds)
             call.grad_replay = theirs.grad_replay
         else:
             self._measure_nograd(call, x, probe, rng0, cuda)
@@ -301,6 +303,8 @@ class Measurer:
             costs.fwd_nograd_time = timer.seconds
             if cuda:
                 costs.fwd_time, costs.bwd_time = timed_step(call, x, cuda, rng0, state)
+                if self.options and costs.kept is not None and costs.kept.any_kept:
+                    costs.kept = costs.kept._replace(rebuild_seconds=timed_rebuild(call, x, cuda, rng0, state))
         # Note [Replaying a stage] 4: a stage whose forward without recording
         # differs from the recorded one is recomputed with grad mode on
         act = first(probe.out)

@@ -29,6 +29,13 @@ and adds up the time of the other ops; no run is added to the first call.
    scales with it. It misses the stage's Python and remat's replay around the
    rebuild; on CPU the calls that refine the times measure the option where
    their plan runs it (Note [Timing the second call], 5, remat/measure/refine.py).
+   On CUDA no call refines them, and the meter's op times carry a
+   synchronisation each (launches alone would say nothing of the kernels),
+   so option 1's rebuild is timed instead (``timed_rebuild``, with run 3):
+   its bwd_time is the base's plus that rebuild, option 2's plus the share
+   of the kept ops it makes again. On an H200 the share put GPT-2 blocks'
+   option 1 at 1.7 ms over the base backward, where plans using it ran about
+   0.6 ms a block over.
 4. ``fwd_tmp``: the peak of the forward with the kept outputs cached (those
    autograd did not save outlive the ops that used them; option 2 lets them go
    at the stage's end): run 1's live bytes at each storage made, with the kept
@@ -81,6 +88,7 @@ class KeptSeen(NamedTuple):
     rebuild: tuple = None  # the peak of what the rebuild makes, options 1 and 2 (the meter's, on CPU; None on CUDA)
     out_kept: bool = False  # a kept op made the output (the cache holds a^i until B(i))
     forward: int = None     # the peak of a forward that caches the kept outputs (CPU; None on CUDA)
+    rebuild_seconds: float = None   # a rebuild under option 1's cache, timed (CUDA: ``timed_rebuild``)
 
 
 def kept_seen(inst, keys, out_key, cuda=False):
@@ -142,7 +150,8 @@ def stage_options(costs, in_bytes):
         return Option(
             saved_bytes=costs.out_bytes + keeps,
             fwd_time=costs.fwd_time + seen.ops * forward,
-            bwd_time=costs.bwd_time + share * costs.fwd_time + seen.ops * again,
+            bwd_time=costs.bwd_time + (share * costs.fwd_time + seen.ops * again if seen.rebuild_seconds is None
+                                       else seen.rebuild_seconds + (share - seen.cheap_share) * costs.fwd_time),
             fwd_tmp=costs.fwd_tmp + seen.kept - seen.kept_saved if seen.forward is None else
             max(seen.forward - costs.out_bytes, costs.fwd_tmp),
             bwd_tmp=max(costs.bwd_tmp + costs.saved_bytes - costs.out_bytes - keeps, rebuild - in_bytes))

@@ -9,9 +9,10 @@ import time
 import torch
 
 from .leaves import StepGrads, stage_leaves, stop_nodes
+from ..runtime.option_modes import option_contexts
 from ..runtime.replay import restore_tensors
 
-__all__ = ["Timer", "timed_step", "warm_cuda"]
+__all__ = ["Timer", "timed_rebuild", "timed_step", "warm_cuda"]
 
 _warm = set()   # CUDA devices warm_cuda has set up
 
@@ -82,3 +83,26 @@ def _timed_step(call, x, cuda, rng0, state):
                     torch.autograd.backward(out, grad_out, inputs=inputs + params)
                 tb = timer.seconds
     return tf.seconds, tb
+
+
+def timed_rebuild(call, x, cuda, rng0, state):
+    """Seconds of a rebuild of the stage under option 1's cache (on CUDA: Note
+    [Measuring an option] 3, remat/measure/options.py): the kept ops' outputs handed
+    back, the other ops run again, recording, as B(i) runs it; the lesser of two,
+    each after a recording forward that fills the cache. None where the rebuild
+    fails (the estimate from the cheap ops' share stands)."""
+    best = None
+    for _ in range(2):
+        keep, hand = option_contexts()
+        xin = x.detach().requires_grad_(x.requires_grad)
+        try:
+            with rng0.replayed(), restore_tensors(state), torch.enable_grad():
+                with keep:
+                    call.activation(xin)
+            with rng0.replayed(), restore_tensors(state), torch.enable_grad():
+                with Timer(cuda) as timer, hand:
+                    call.activation(xin)
+        except Exception:   # (a timing, not the stage's result: the estimate stands)
+            return None
+        best = timer.seconds if best is None else min(best, timer.seconds)
+    return best
