@@ -17,17 +17,15 @@ checked against the chain's record (same stage object, input shape, side inputs
 by signature, training flags of its module and submodules, autocast state,
 parameters' dtypes and requires_grad; the module of a stage the plan records
 whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
-the chain takes another path, the rest of it is measured again and the
-record replaced (a path changing from call to call is measured on every
-call: warned of, remat/runtime/runner.py ``_path_changed``). A call that
-stops short of the recorded stages (a depth that alternates, an early exit)
-runs the plan's prefix and keeps the record, whose stages it is a path of:
-alternating depths are measured once, on the longer path (before, every
-return to the longer path measured it again); only a second call in a row
-that stops at the same stage (or a fourth that stops short anywhere) drops
-the record, for the shorter path to be measured and have a plan of its own:
-three depths in turn are measured once too. At most ``CACHE_SIZE``
-keys are kept (least recently used first out).
+the chain takes another path, the rest of it is measured again and the record
+replaced (a path changing from call to call is measured on every call: warned
+of, ``_path_changed`` in remat/runtime/runner.py). A call that stops short of the
+recorded stages (a depth that alternates, an early exit) runs the plan's prefix
+and keeps the record: alternating depths are measured once, on the longer path;
+a second call in a row that stops at the same stage (or a fourth that stops
+short anywhere) drops it, for the shorter path to be measured and planned on its
+own (three depths in turn are measured once too). At most ``CACHE_SIZE`` keys
+are kept (least recently used first out).
 """
 
 import functools
@@ -41,6 +39,7 @@ import torch
 
 from .dynamo import DYNAMO_SKIPS
 from .errors import BudgetError, StageError
+from .measure.holding import least_budget
 from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_peaks
 from .solver.schedule import Loss
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
@@ -136,24 +135,20 @@ _last = [None]   # the Explanation of the latest chain call
 class Explanation:
     """What remat knows about one chain: costs, budget, schedule.
 
-    ``costs`` are those the schedule was solved on, the chain's tail (the head
-    and loss after its last stage) their last stage (``Costs.tail``);
-    ``measured`` those the chain measured (or read), as its costs file holds
-    them. They differ by the tail and by the chain's output, counted in
-    ``held_bytes`` while the code around the chain may hold it through the
-    backward (Note [The chain's output], remat/measure/chain_record.py).
-    ``tail`` is what the measuring call saw of the tail (``TailSeen``, Note
-    [The chain's tail] in remat/measure/tail.py), or None; ``predicted_peak``
-    the schedule's whole-step peak in bytes (None without a schedule);
-    ``times`` where the stages' times come from (first-call estimates, or how
-    many calls refined them), and ``held`` what ``held_bytes`` is, {words:
-    bytes}, as the chain's record (``record``) says."""
+    ``costs`` are those the schedule was solved on, the chain's tail (the head and
+    loss after its last stage) their last stage (``Costs.tail``); ``measured`` those
+    the chain measured (or read), as its costs file holds them. They differ by the
+    tail and by the chain's output, counted in ``held_bytes`` while the code around
+    the chain may hold it through the backward (Note [The chain's output],
+    remat/measure/chain_record.py). ``tail`` is what the measuring call saw of the
+    tail (``TailSeen``, Note [The chain's tail] in remat/measure/tail.py) or None,
+    ``predicted_peak`` the schedule's whole-step peak in bytes (None without one),
+    ``times`` where the stages' times come from (first-call estimates, or how many
+    calls refined them), ``held`` what ``held_bytes`` is, {words: bytes}, as the
+    chain's record (``record``) says, and ``least_budget`` the least budget."""
 
     def __init__(self, costs, schedule, budget, names, measured=None, record=None):
-        self.costs = costs
-        self.schedule = schedule
-        self.budget = budget
-        self.names = names
+        self.costs, self.schedule, self.budget, self.names = costs, schedule, budget, names
         self.measured = costs if measured is None else measured
         self.tail = record.tail if record is not None else None
         self._record = record   # (``times`` and ``held`` are asked of it when read: not on every call)
@@ -168,6 +163,11 @@ class Explanation:
     def held(self):
         """What ``held_bytes`` counts, {words: bytes}."""
         return self._record.held_parts() if self._record is not None else {}
+
+    @property
+    def least_budget(self):
+        """The least budget in bytes every call runs under, the measuring one too (remat/measure/holding.py)."""
+        return least_budget(self.costs, self.measured, self._record)
 
     @property
     def predicted_peak(self):

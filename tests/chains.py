@@ -191,7 +191,24 @@ def measured_costs(net, batch=4, length=6, device="cpu"):
     target = torch.randn(x.shape, generator=torch.Generator().manual_seed(100)).to(device)
     y = probe(x, mask)
     (y * target).sum().backward()
-    return remat.explain().costs
+    costs = remat.explain().costs
+    remember_least(costs)
+    return costs
+
+
+_FIRST_CALL = {}   # id(Costs measured_costs returned) -> (them, the least every call of their chain needs)
+
+
+def remember_least(costs):
+    """Note ``remat.explain().least_budget`` as that of ``costs``, the latest chain's."""
+    _FIRST_CALL[id(costs)] = (costs, remat.explain().least_budget)
+
+
+def least_budget(costs):
+    """The least budget every call of the chain of ``costs`` runs under, its first
+    included (``Explanation.least_budget``, as noted by ``remember_least``; else
+    from the costs alone, which may be below what measuring a stage held)."""
+    return _FIRST_CALL.get(id(costs), (None, max(minimum_budget(costs), measuring_least(costs))))[1]
 
 
 def head_step(blocks, head, x, budget):
@@ -245,7 +262,7 @@ def budget_for(costs, algorithm, fraction):
     raised to what ``algorithm`` needs if it is not the optimal one. The minimum is
     a first call's, which measures each stage whole: with options (Costs.options)
     a plan can need less than that."""
-    low = max(minimum_budget(costs), measuring_least(costs))
+    low = least_budget(costs)
     high = simulate(costs, store_all(costs.length)).peak
     budget = int(low + fraction * (high - low))
     if algorithm != "optimal":

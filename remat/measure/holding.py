@@ -57,9 +57,10 @@ import weakref
 import torch
 
 from ..errors import BudgetError
+from ..solver.solve import minimum_budget
 from ..units import format_bytes
 
-__all__ = ["Holding", "measuring_least"]
+__all__ = ["Holding", "least_budget", "measuring_least"]
 
 
 def _sharded():
@@ -77,15 +78,26 @@ def stage_least(x_in, out, saved, fwd_tmp, bwd_tmp):
     return max(x_in + max(saved, out + fwd_tmp), saved + out + x_in + bwd_tmp)
 
 
-def measuring_least(costs):
+def measuring_least(costs, record=None):
     """The least budget a first call that measures the chain of ``costs`` runs
-    under: its most demanding stage's ``stage_least``. A plan may need less than
-    that where the stages' options (``Costs.options``) keep less than their
-    records: measuring runs each stage whole."""
+    under: its most demanding stage's ``stage_least``, or what measuring a stage
+    held at once (``StageCosts.measure_peak``) where ``record``, the chain's
+    ``ChainRecord``, has it; the chain's input beside a later stage's. A plan may need less: measuring runs each stage
+    whole (not under an option, ``Costs.options``) and its backward beside the
+    stage's input and output, where B(i) may have let them go."""
     costs = costs.without_tail()
     x = costs.sizes()
-    return max(stage_least(x[i], costs.out_bytes[i], costs.saved_bytes[i], costs.fwd_tmp[i], costs.bwd_tmp[i])
-               for i in range(costs.length))
+    peaks = [s.costs.measure_peak or 0 for s in record.stages if s.costs is not None] if record is not None else []
+    return max(max(stage_least(x[i], costs.out_bytes[i], costs.saved_bytes[i], costs.fwd_tmp[i], costs.bwd_tmp[i]),
+                   peaks[i] if i < len(peaks) else 0) + (x[0] if i else 0) for i in range(costs.length))
+
+
+def least_budget(costs, measured, record=None):
+    """The least budget every call of a chain runs under, the one that measures it
+    included: the least any plan of its ``costs`` needs (``minimum_budget``) or,
+    if more, what measuring its most demanding stage held beside the chain's input
+    (``measuring_least`` of the costs it ``measured``, its ``record``)."""
+    return max(minimum_budget(costs), measuring_least(measured, record))
 
 
 class Holding:
@@ -167,11 +179,13 @@ class Holding:
                     kept.append((i, ref, n))
             self.inputs = kept
 
-    def fits(self, call, x, costs, given=None):
+    def fits(self, call, x, costs, given=None, chain_input=0):
         """Raise ``BudgetError`` if the budget cannot hold stage ``call`` alone: its
-        input, its forward and its backward (Note [Measuring within the budget]);
-        note the most a stage's measuring needed so far (``largest``). Its ``costs``
-        as measured, or as the costs file ``given`` says (its own not measured)."""
+        input, its forward and its backward (Note [Measuring within the budget]),
+        and the chain's input (``chain_input`` bytes, which the caller holds)
+        beside them; note the most a stage's measuring needed so far (``largest``).
+        Its ``costs`` as measured, or as the costs file ``given`` says (its own not
+        measured)."""
         fields = None if costs is None else (costs.out_bytes, costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp)
         if (fields is None or None in fields) and given is not None and call.index <= given.length:
             i = call.index - 1
@@ -179,15 +193,16 @@ class Holding:
         if fields is None or None in fields:
             return
         x_in = x.untyped_storage().nbytes()
-        least = stage_least(x_in, *fields)
+        least = max(stage_least(x_in, *fields), (costs.measure_peak or 0) if costs is not None else 0)
         self.largest = max(self.largest, least - x_in)
+        least += chain_input if call.index > 1 else 0
         if least > self.budget:
             raise BudgetError(
                 f"remat: budget {format_bytes(self.budget)} is below this chain's minimum of "
-                f"{format_bytes(least)} or more ({least} bytes): stage {call.index} ({call.name}) alone needs "
-                f"that, its forward with its input and its backward, and no schedule needs less "
-                f"(the stages after it were not measured, which may need more); raise the budget or split "
-                f"the stage", least)
+                f"{format_bytes(least)} or more ({least} bytes) for its first call: stage {call.index} ({call.name}) "
+                f"alone needs that to be measured, its forward and its backward beside its input and output "
+                f"(the stages after it were not measured, which may need more); raise the budget, split "
+                f"the stage, or measure at a larger budget once and keep the costs (remat.chain(costs=...))", least)
 
     def run4_fits(self, k, run, outs, tail=0):
         """Whether run 4 of stage k (Note [Measuring a stage] in

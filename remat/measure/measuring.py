@@ -173,7 +173,7 @@ class Measurer:
             self.run.watch(anchor, first(probe.out))
         holding = self.holding
         try:
-            holding.fits(call, x, probe.costs, self.given)
+            holding.fits(call, x, probe.costs, self.given, self.new.input_bytes)
         except BudgetError:
             self.undo()
             raise

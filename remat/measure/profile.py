@@ -203,6 +203,9 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
         probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or graph.params):
         bwd_delta, in_grad, rebuilt_delta = run_backward(call, act, x, graph, inst, probe, anchor, release)
+        if not cuda:   # (run 2 holds the output, and the input beside its gradient: more than any B(i))
+            # (and the gradient handed in, one element expanded, made outside the meter)
+            costs.measure_peak = inst.peak + x.untyped_storage().nbytes() + act.element_size()
     del act
     # the real forward's writes stay (as one plain forward's); the backward's are undone
     with torch.no_grad():

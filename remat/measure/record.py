@@ -43,6 +43,7 @@ class StageCosts:
     kept: tuple = None         # what run 1 saw of options 1 and 2 (``KeptSeen``, remat/measure/options.py)
     options: tuple = ()        # the options as the costs of a chain measured again after it tell (``of``)
     policies: tuple = ()       # what each of its options keeps (remat/measure/options.py, ``stage_options``)
+    measure_peak: int = None   # the most its measuring runs 1 and 2 held at once, its input counted (CPU)
 
     @property
     def backward_measured(self):

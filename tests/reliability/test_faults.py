@@ -18,7 +18,7 @@ import remat
 from chains import IMG_KINDS, SEQ_KINDS, make_stage, tracked_runs
 from remat.runtime.recompute import replaying
 from remat.solver.schedule import Fall, simulate
-from remat.solver.solve import minimum_budget, store_all
+from remat.solver.solve import store_all
 
 _chain_module = sys.modules["remat.runtime.chain_call"]
 D = 8
@@ -103,7 +103,7 @@ def _budget(model, fraction, algorithm="optimal"):
     probe.budget, probe.algorithm = 2**50, "store_all"
     _step(probe, 0)
     costs = remat.explain().costs
-    low, high = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    low, high = remat.explain().least_budget, simulate(costs, store_all(costs.length)).peak
     return max(int(low + fraction * (high - low)), remat.solve(costs, 2**50, algorithm).peak
                if algorithm != "optimal" else low)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from chains import Net, assert_same, costs_file_step, make_input, measured_costs, run_blocks, train
+from chains import Net, assert_same, costs_file_step, least_budget, make_input, measured_costs, run_blocks, train
 from remat.solver.solve import minimum_budget
 
 
@@ -68,17 +68,31 @@ def test_budget_units(text, expected):
 
 def test_budget_below_minimum_names_the_minimum_and_leaves_state(monkeypatch):
     """A budget under the chain's minimum raises BudgetError giving the minimum in human
-    units; RNG and BatchNorm statistics are as before the call; a larger budget then
-    re-solves from the cached costs (no stage is measured again) and is exact. (The
-    first call's minimum is that of the costs as measured; from the next call on, one
-    that counts the chain's output as held until a backward shows it let go.)"""
+    units; RNG and BatchNorm statistics are as before the call, and so is the cache: a
+    larger budget then measures every stage and is exact. (On this chain of small
+    stages the first call's minimum is what measuring a stage holds, beside the
+    chain's input, more than any plan needs on the costs as measured.)"""
     torch.manual_seed(0)
-    base = Net(["mlp", "bn", "dropout", "attn", "bn"])
+    base = Net(["mlp", "bn", "dropout", "attn", "bn"] * 3)
     costs = measured_costs(base)
-    low = minimum_budget(remat.explain().measured)
+    measured = remat.explain().measured
     net = copy.deepcopy(base)
-    net.budget = low - 1
     x, mask = make_input(net)
+    # (the first call's least, as the errors of first calls name it: what measuring a stage
+    # holds beside the chain's input, more than any plan needs on the costs as measured; a
+    # measuring call under a larger budget, which lets go of less, may read more)
+    probe = copy.deepcopy(base)
+    probe.budget = 1
+    for _ in range(len(base.stages) + 2):
+        try:
+            probe(x, mask)
+            break
+        except remat.BudgetError as exc:
+            probe.budget = exc.minimum
+    low = probe.budget
+    assert minimum_budget(measured) < low <= least_budget(costs)
+    remat.clear_cache()
+    net.budget = low - 1
     rng = torch.get_rng_state()
     buffers = [b.clone() for b in net.buffers()]
     with pytest.raises(remat.BudgetError, match=r"minimum of [0-9.]+ (KiB|B|MiB)") as info:
@@ -86,20 +100,17 @@ def test_budget_below_minimum_names_the_minimum_and_leaves_state(monkeypatch):
     assert str(low) in str(info.value)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
-    measured = remat.explain().costs
     with pytest.raises(remat.BudgetError, match=r"minimum of [0-9.]+ (KiB|B|MiB)") as again:
         net(x, mask)   # the same budget again: the same minimum (no backward has told of a^L)
     assert str(low) in str(again.value) and again.value.__context__ is None
-    net.budget = minimum_budget(costs)
-    ref = copy.deepcopy(base)
-    train_ref = train(ref)
+    net.budget = least_budget(costs)   # (the loop holds the output: later calls need that too)
     runs = []
     measuring = sys.modules["remat.measure.measuring"]
     real = measuring.instrumented_run
     monkeypatch.setattr(measuring, "instrumented_run", lambda *a, **k: runs.append(1) or real(*a, **k))
-    assert_same(train_ref, train(net))
-    assert runs == []
-    assert remat.explain().measured.saved_bytes == measured.saved_bytes
+    assert_same(train(copy.deepcopy(base)), train(net))
+    # (a stage that did not fit was measured again: the failed call kept nothing of it)
+    assert len(runs) == len(base.stages) and remat.explain().measured.saved_bytes == measured.saved_bytes
 
 
 def test_retrying_with_the_minimum_named_runs():
@@ -112,16 +123,15 @@ def test_retrying_with_the_minimum_named_runs():
     net.budget = 1
     x, mask = make_input(net)
     said = []
-    for _ in range(3):   # (an error raised while measuring names the least the stages so far need)
-        with pytest.raises(remat.BudgetError) as info:
+    for _ in range(4):   # (an error raised while measuring names the least the stages so far need)
+        try:
             net(x, mask)
-        said.append(str(info.value))
-        assert info.value.minimum == int(re.search(r"\((\d+) bytes", said[-1]).group(1)) > net.budget
-        net.budget = info.value.minimum
-        if "where the code around the chain keeps its output" in said[-1]:
             break
-    held = int(re.search(r"\((\d+) bytes\) where the code around the chain keeps its output", said[-1]).group(1))
-    assert held > net.budget
+        except remat.BudgetError as info:
+            said.append(str(info))
+            assert info.minimum == int(re.search(r"\((\d+) bytes", said[-1]).group(1)) > net.budget
+            net.budget = info.minimum
+    assert said and len(said) < 4
     assert_same(train(copy.deepcopy(base), hold=False), train(net, hold=False))
     assert remat.explain().schedule.peak <= net.budget
 
