@@ -82,12 +82,14 @@ def measuring_least(costs, record=None):
     """The least budget a first call that measures the chain of ``costs`` runs
     under: its most demanding stage's ``stage_least``, or what measuring a stage
     held at once (``StageCosts.measure_peak``) where ``record``, the chain's
-    ``ChainRecord``, has it; the chain's input beside a later stage's. A plan may need less: measuring runs each stage
-    whole (not under an option, ``Costs.options``) and its backward beside the
-    stage's input and output, where B(i) may have let them go."""
+    ``ChainRecord``, has it; the chain's input beside a later stage's. A plan
+    may need less: measuring runs each stage whole (not under an option,
+    ``Costs.options``) and its backward beside the stage's input and output,
+    where B(i) may have let them go."""
     costs = costs.without_tail()
     x = costs.sizes()
-    peaks = [s.costs.measure_peak or 0 for s in record.stages if s.costs is not None] if record is not None else []
+    peaks = [(s.costs.measure_peak or 0) if s.costs is not None else 0 for s in record.stages] \
+        if record is not None else []
     return max(max(stage_least(x[i], costs.out_bytes[i], costs.saved_bytes[i], costs.fwd_tmp[i], costs.bwd_tmp[i]),
                    peaks[i] if i < len(peaks) else 0) + (x[0] if i else 0) for i in range(costs.length))
 
