@@ -1,12 +1,12 @@
 """``Instrument``: a storage meter and in-place write detector for one region
 of code, as a TorchDispatchMode (Note [Measuring a stage] in remat/measure/profile.py).
 
-While active it (a) meters the storages allocated by the ops it sees, each
-counted once and let go when its last reference goes (weak references on the
-storage objects, which PyTorch keeps alive as long as the storage lives),
-(b) notes every tensor that existed before and that an op writes in place,
-cloning it first (Note 3 of remat/runtime/replay.py), and (c) adds up the time spent
-inside the ops themselves, its own work left out.
+While active it (a) meters the storages allocated by the ops it sees, each counted
+once and let go when its last reference goes (weak references on the storage
+objects, which PyTorch keeps alive as long as the storage lives), (b) notes every
+tensor that existed before and that an op writes in place, cloning it first (Note
+3 of remat/runtime/replay.py), and (c) adds up the time spent inside the ops
+themselves, its own work left out (on CUDA, with ``sync``, their kernels').
 
 Note [Dynamo and the meter]
 ---------------------------
@@ -34,11 +34,8 @@ __all__ = ["Instrument", "storage_key"]
 
 # Ops that write some arguments in place although their schema does not say
 # so (BatchNorm's running statistics): op name -> argument positions.
-_UNDECLARED_WRITES = {
-    "aten::native_batch_norm": (3, 4),
-    "aten::cudnn_batch_norm": (3, 4),
-    "aten::miopen_batch_norm": (3, 4),
-}
+_UNDECLARED_WRITES = {"aten::native_batch_norm": (3, 4), "aten::cudnn_batch_norm": (3, 4),
+                      "aten::miopen_batch_norm": (3, 4)}
 
 
 def _written_arguments(schema):
@@ -78,14 +75,18 @@ def dense_parts(t):
 
 
 def _keys(t):
-    if t.layout == torch.strided:
-        return (t.untyped_storage()._cdata,)
-    return tuple(p.untyped_storage()._cdata for p in dense_parts(t))
+    return (t.untyped_storage()._cdata,) if t.layout == torch.strided else \
+        tuple(p.untyped_storage()._cdata for p in dense_parts(t))
 
 
 def _storage_keys(args, kwargs):
     """Storage ids of the tensors among an op's arguments (lists of tensors included)."""
-    return {key for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) for key in _keys(a)}
+    keys = set()
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                keys.update(_keys(t))
+    return keys
 
 
 def storage_key(t):
