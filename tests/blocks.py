@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import torch.nn.utils.parametrizations as P
 
 import remat
-from remat.solver.solve import minimum_budget
 
 
 # The models of test_parameters.py and test_changes_before_backward.py.
@@ -55,14 +54,15 @@ class PosNet(nn.Module):
 
 
 def pos_pair(bn=False, n=5):
-    """A model and its remat twin at the chain's minimum budget (every stage but the
-    last recomputed), the cache cleared after the probe that found it."""
+    """A model and its remat twin at the chain's least budget (its first call's,
+    ``Explanation.least_budget``; every stage but the last recomputed), the cache
+    cleared after the probe that found it."""
     torch.manual_seed(0)
     ref = PosNet(n, bn=bn)
     probe = copy.deepcopy(ref)
     probe.budget = 2**40
     probe(torch.randn(4, 8, 16)).sum().backward()
-    low = minimum_budget(remat.explain().costs)
+    low = remat.explain().least_budget
     remat.clear_cache()
     net = copy.deepcopy(ref)
     net.budget = low
@@ -161,13 +161,12 @@ def train_blocks(net, x, steps=3, seed=1):
 
 
 def block_budgets(net, x):
-    """The chain's minimum and the middle of minimum..store-all, from a measuring call
-    on a copy (the model itself stays untouched)."""
+    """The chain's least budget (its first call's) and the middle of least..store-all,
+    from a measuring call on a copy (the model itself stays untouched)."""
     probe = copy.deepcopy(net)
     probe.budget = 2**40
     train_blocks(probe, x, steps=1)
-    costs = remat.explain().costs
-    low, high = minimum_budget(costs), remat.explain().schedule.peak
+    low, high = remat.explain().least_budget, remat.explain().schedule.peak
     remat.clear_cache()
     return low, (low + high) // 2
 

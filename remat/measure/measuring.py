@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import Run, _Saved
 from ..runtime.recompute import Replay, state_plan
-from ..runtime.replay import capture_rng, cuda_devices, param_flags, restore_tensors
+from ..runtime.replay import bitwise_equal, capture_rng, cuda_devices, param_flags, restore_tensors
 from ..runtime.stage_call import first, input_signature, module_dicts, module_structure
 from ..errors import BudgetError
 from ..units import format_bytes
@@ -166,6 +166,8 @@ class Measurer:
                                          self.upstream)
         held = self._held(call, x, probe)
         if self.given is None and probe.costs is not None:
+            if probe.costs.measure_peak is not None:   # (the copies of written state this call holds, outside the meter)
+                probe.costs.measure_peak += self._state_copies(probe.writes)
             self._due_for_run4(call, x, cuda, rng0, probe)
         self._replayable(call, probe, kept, rng0, held)
         self.run.settle(anchor, len(kept), x)
@@ -261,6 +263,14 @@ class Measurer:
         self.measured[k] = _Measured(k, call, weakref.ref(x), cuda, rng0, list(probe.writes), probe.grad_layout,
                                      frozenset(self.upstream.leaves))
 
+    def _state_copies(self, writes):
+        """Bytes of the values from before the call of the state stages wrote in
+        place (``writes`` of this stage's, and those this call holds already: to
+        undo the call, and for run 4), each storage once."""
+        copies = [old for _, old in self.originals.values()] + [old for _, old in writes]
+        copies += [old for m in self.measured.values() for _, old in m.writes]
+        return sum({storage_key(old): old.untyped_storage().nbytes() for old in copies}.values())
+
     def _replayable(self, call, probe, kept, rng0, held):
         """What a recomputation of the stage replays and checks (Note [Replaying a
         stage], remat/runtime/replay.py), on ``call``."""
@@ -308,7 +318,7 @@ class Measurer:
         # Note [Replaying a stage] 4: a stage whose forward without recording
         # differs from the recorded one is recomputed with grad mode on
         act = first(probe.out)
-        call.grad_replay = not (isinstance(act, torch.Tensor) and _bitwise_equal(nograd_out, act))
+        call.grad_replay = not (isinstance(act, torch.Tensor) and bitwise_equal(nograd_out, act))
         if call.grad_replay and self.given is None:
             costs.fwd_nograd_time = costs.fwd_time
 
@@ -371,14 +381,6 @@ class Measurer:
         with torch.no_grad():
             for t, old in self.originals.values():
                 t.copy_(old)
-
-
-def _bitwise_equal(a, b):
-    """Same shape, dtype and bits (NaNs included)."""
-    return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-            and torch.equal(a.reshape(-1).view(torch.uint8) if a.is_contiguous() and b.is_contiguous()
-                            else a.contiguous().reshape(-1).view(torch.uint8),
-                            b.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def _held_first(chain_record, held, kind, k, nbytes):

@@ -3,7 +3,8 @@ of code, as a TorchDispatchMode (Note [Measuring a stage] in remat/measure/profi
 
 While active it (a) meters the storages allocated by the ops it sees, each counted
 once and let go when its last reference goes (weak references on the storage
-objects, which PyTorch keeps alive as long as the storage lives), (b) notes every
+objects, which PyTorch keeps alive as long as the storage lives; no callback holds
+the meter: that cycle kept a finished meter's state copies to the next GC), (b) notes every
 tensor that existed before and that an op writes in place, cloning it first (Note
 3 of remat/runtime/replay.py), and (c) adds up the time spent inside the ops
 themselves, its own work left out (on CUDA, with ``sync``, their kernels').
@@ -54,7 +55,6 @@ def _returns_views(schema):
 
 _PLANS = {}   # op -> (_written_arguments, _returns_views) of its schema
 _TO_COPY = torch.ops.aten._to_copy.default
-
 
 _COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_csc: ("ccol_indices", "row_indices"),
                torch.sparse_bsr: ("crow_indices", "col_indices"), torch.sparse_bsc: ("ccol_indices", "row_indices")}
@@ -139,6 +139,8 @@ class Instrument(TorchDispatchMode):
         self._blind = set()   # writes seen only by their effect (``note_changed``)
         self.op_seconds = 0.0   # time inside the ops it let through
         self._refs = {}
+        me = weakref.ref(self)   # (see the module's docstring)
+        self._on_free = lambda key, nbytes: (inst := me()) is not None and inst._free(key, nbytes)
         self._exclude = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
         # storages made from older tensors alone (parameters, buffers), not from
         # ``sources``, what the region made or nothing: autocast's cached casts of the weights
@@ -199,8 +201,7 @@ class Instrument(TorchDispatchMode):
                 self._unkept.add(key)
                 self.unkept_live += nbytes
             self.events.append((self.unkept_live, self.live))
-        # PyTorch keeps a storage's Python object alive as long as the storage
-        self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes, free=self._free: free(key, nbytes))
+        self._refs[key] = weakref.ref(st, lambda _, key=key, nbytes=nbytes, free=self._on_free: free(key, nbytes))
 
     def _free(self, key, nbytes):
         self._refs.pop(key, None)

@@ -13,6 +13,7 @@ from hypothesis import given, strategies as st
 import remat
 from remat.measure import twins as twins_module
 from remat.measure.measuring import Measurer
+from remat.measure.meter import Instrument, storage_key
 from chains import IMG_KINDS, SEQ_KINDS, Net, make_input, run_blocks
 from remat.solver.solve import minimum_budget
 
@@ -329,3 +330,45 @@ def test_signature_check_agrees_with_the_signature():
                 assert signature_matches(sig, xb, cb, dicts) == (input_signature(xb, cb, dicts) == sig)
         block[1].train(not train)
         assert not signature_matches(sig, xb, cb, dicts)
+
+
+def test_a_finished_meter_goes_with_its_last_user():
+    """A meter holds no reference to itself through the storages it watches (their
+    callbacks), so it and what it noted (copies of state written in place) go when
+    its last user lets go of it, not when the cycle collector runs."""
+    import gc
+    import weakref
+
+    state = torch.zeros(8)
+    gc.disable()
+    try:
+        with Instrument() as inst:
+            made = torch.randn(8) * 2
+            state.add_(1)
+        copy = weakref.ref(inst.mutated[storage_key(state)][1])
+        gone = weakref.ref(inst)
+        del inst
+        assert gone() is None and copy() is None
+        del made   # (its storage's callback finds no meter: nothing to count)
+    finally:
+        gc.enable()
+
+
+def test_run_3_compares_outputs_bitwise_in_place():
+    """Run 3's check that a forward without recording gives the recorded output
+    (Note [Replaying a stage] 4) reads both where they lie: no copy of either (a
+    transposed output was copied twice), NaNs equal to themselves, -0.0 not 0.0."""
+    from remat.runtime.replay import bitwise_equal as _bitwise_equal
+
+    a = torch.randn(64, 32).t()
+    a[0, 0] = float("nan")
+    b = a.clone()
+    with Instrument(writes=False) as inst:
+        same = _bitwise_equal(a, b)
+    assert same and inst.peak == 0
+    b[1, 1] = -b[1, 1] if b[1, 1] != 0 else 1.0
+    assert not _bitwise_equal(a, b)
+    assert not _bitwise_equal(torch.zeros(3), -torch.zeros(3)) and torch.equal(torch.zeros(3), -torch.zeros(3))
+    z = torch.randn(4, 3, dtype=torch.complex64).t()
+    assert _bitwise_equal(z, z.clone()) and _bitwise_equal(torch.tensor([True]), torch.tensor([True]))
+    assert not _bitwise_equal(a, a[:, :-1])
