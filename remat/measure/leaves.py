@@ -84,6 +84,10 @@ class GradPool:
     def __init__(self):
         self._flat = {}
 
+    def nbytes(self):
+        """The bytes its buffers hold."""
+        return sum(flat.untyped_storage().nbytes() for flat in self._flat.values())
+
     def grads(self, params):
         """A buffer shaped like each of ``params``, all views of one (their values are
         garbage: only the time of adding into them counts)."""

@@ -158,7 +158,7 @@ class Measurer:
             if self.grad_pool is None:
                 self.grad_pool = GradPool()
             twin = Twin(self.twins, ident, call, x)
-            release = not self.holding.keep_all
+            release, pooled = not self.holding.keep_all, self.grad_pool.nbytes()   # (the pool's: stages before made it)
             probe = instrumented_run(call, ident, x, rng0, hooks, anchor, self.upstream, twin, release=release)
             twin.keep(probe)
         else:   # costs come from a file: learn only what replay needs, from this forward
@@ -166,8 +166,8 @@ class Measurer:
                                          self.upstream)
         held = self._held(call, x, probe)
         if self.given is None and probe.costs is not None:
-            if probe.costs.measure_peak is not None:   # (the copies of written state this call holds, outside the meter)
-                probe.costs.measure_peak += self._state_copies(probe.writes)
+            if probe.costs.measure_peak is not None:   # (what this call holds outside the stage's meter)
+                probe.costs.measure_peak += pooled + self._state_copies(probe.writes)
             self._due_for_run4(call, x, cuda, rng0, probe)
         self._replayable(call, probe, kept, rng0, held)
         self.run.settle(anchor, len(kept), x)
@@ -357,6 +357,8 @@ class Measurer:
                 self.measured, self.grad_pool, self.upstream = {}, None, None
                 if not self.run4.later:   # (what the graph's hooks keep of this call)
                     self.run4.measured = self.run4.run = None
+                else:   # (a run 4 cascades down only: the stages above hold their state copies no more)
+                    self.run4.measured = {i: m for i, m in self.run4.measured.items() if i <= max(self.run4.later)}
             new.caller_holds(self.outs, last)
             if self.given is None:
                 for i, extra in enumerate(shared_grad_transients([s.held for s in new.stages])):

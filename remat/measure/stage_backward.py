@@ -4,6 +4,8 @@ as a backward that frees its graph runs it, and again on a fresh forward with
 another layout of its output's gradient (run 4).
 """
 
+import functools
+
 import torch
 
 from ..errors import StageError
@@ -228,9 +230,16 @@ def node_of(x):
     return x.view_as(x).grad_fn.next_functions[0][0]
 
 
-def _engine_owned(grad):
-    """A copy of ``grad`` that nothing but the autograd engine holds."""
-    return grad.clone()
+@functools.cache
+def _edge_roots():
+    """Whether the engine starts a backward from a ``GradientEdge`` (as PyTorch 2.7 and later's does)."""
+    try:
+        w = torch.zeros((), requires_grad=True)
+        torch.autograd.graph._engine_run_backward((torch.autograd.graph.get_gradient_edge(w * 1),), (torch.ones(()),),
+                                                  False, False, (w,), allow_unreachable=True, accumulate_grad=True)
+        return w.grad is not None
+    except Exception:
+        return False
 
 
 def _backward(out, grad, x, params, grads, side=()):
@@ -285,8 +294,7 @@ class Run4:
 
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
-        self.later = {}
-        self.extra = {}   # stage -> what the call's end added to its bwd_tmp (gradients held across stages)
+        self.later, self.extra = {}, {}   # (extra: stage -> what the call's end added to its bwd_tmp, held gradients)
 
     def again(self, m, layout, pool=None, grad=None):
         """Run 4 of the stage of ``m`` for its gradient laid out so (``grad``, the
@@ -361,9 +369,14 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             return None
         grad = given.detach() if given is not None else \
             torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
-        relay = act.register_hook(_engine_owned)   # as in run_backward
+        relay = act.register_hook(torch.clone)   # (a copy only the engine holds, as in run_backward)
         handed = []
         hook = xin.register_hook(lambda g: handed.append(g.stride())) if xin.requires_grad else None
+        # the output goes where its backward does not read it, as in a step's B(i) (held, run 4 in the call's
+        # backward went one output over the budget): from its edge; the start below is taken without it
+        out_bytes = act.numel() * act.element_size()
+        if not torch.overrides.has_torch_function((act,)) and _edge_roots():
+            act = torch.autograd.graph.get_gradient_edge(act)
         with StepGrads(params, pool) as grads:
             inst.ignore_writes(grads)
             if cuda:
@@ -373,11 +386,15 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             inst.peak = inst.live
             ops_before = inst.op_seconds
             with Timer(cuda) as timer, inst:
-                torch.autograd.backward(act, grad, inputs=inputs + params)
+                if isinstance(act, torch.Tensor):
+                    torch.autograd.backward(act, grad, inputs=inputs + params)
+                else:   # (its edge: grad is made to its shape, or the one the engine handed this stage)
+                    torch.autograd.graph._engine_run_backward((act,), (grad,), False, False, tuple(inputs + params),
+                                                              allow_unreachable=True, accumulate_grad=True)
             peak = torch.cuda.max_memory_allocated() if cuda else inst.peak
         relay.remove()
         if hook is not None:
             hook.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
-        in_grad = (x.untyped_storage().nbytes() if call.input_requires_grad else 0) + act.numel() * act.element_size()
+        in_grad = (x.untyped_storage().nbytes() if call.input_requires_grad else 0) + out_bytes
         return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None

@@ -306,25 +306,37 @@ def test_run_4_that_does_not_fit_waits_for_the_backward(kinds):
     remat.clear_cache()
 
 
-@pytest.mark.parametrize("kinds,vocab", [(["dropout", "mlp"], 8), (["mlp"], 0), (["ln", "mlp", "tied", "mlp"], 8)])
-def test_first_call_at_the_least_budget_stays_under_it(kinds, vocab):
+@pytest.mark.parametrize("kinds,vocab,after,below", [
+    (["dropout", "mlp"], 8, False, True), (["mlp"], 0, False, True), (["ln", "mlp", "tied", "mlp"], 8, False, True),
+    (["gelu", "linear", "bn"], 0, True, False), (["tied", "bn", "mlp"], 0, True, False),
+    (["scale", "tied", "linear", "bn", "dropout", "relu"], 0, False, False)])
+def test_first_call_at_the_least_budget_stays_under_it(kinds, vocab, after, below):
     """At ``remat.explain().least_budget`` the measuring call stays under the budget:
     measuring a stage's backward (run 2) holds its output and its input beside its
     input's gradient, and the chain's input beside them, which no plan's B(i) does.
-    Before the least budget counted them, these first calls went 8.5% over it
-    (9732 B against 8968), and the budget a plan needs raised no error."""
+    Before the least budget counted them, the first three first calls went 8.5%
+    over it (9732 B against 8968), and the budget a plan needs raised no error. The
+    last three went 13%, 2.4% and 10% over it: run 4 in the call's backward held
+    the fresh output its backward does not read, run 2 the buffer earlier stages'
+    parameter gradients went to, and stage meters the BatchNorm statistics' copies
+    (a reference cycle). One byte below it (``below``), the first call raises naming it
+    (the other three: a tight call measures a few bytes less than one that kept
+    everything, and may run there, up to 1 byte over)."""
     torch.manual_seed(0)
-    base = HeadNet(kinds, vocab, False)
+    base = HeadNet(kinds, vocab, False, after)
     ref = copy.deepcopy(base)
     ref.budget = 2**40
     step(ref, 0)
     step(ref, 1)
     least = remat.explain().least_budget
-    assert least >= remat.solver.solve.minimum_budget(remat.explain().costs)
+    plans = remat.solver.solve.minimum_budget(remat.explain().costs)
+    assert least >= plans
     remat.clear_cache()
     net = copy.deepcopy(base)
     net.budget = least
     assert [step(net, seed)[3] <= least for seed in range(3)] == [True] * 3
+    if not below:
+        return
     remat.clear_cache()
     net.budget = least - 1
     with pytest.raises(remat.BudgetError) as info:
