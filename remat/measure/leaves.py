@@ -2,11 +2,13 @@
 buffers the measuring call's stage backwards add into (Note [Measuring a
 stage] 2 in remat/measure/profile.py)."""
 
+import functools
+
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "grad_side_inputs", "shared_grad_transients", "side_grads",
-           "stage_leaves", "stop_nodes", "walk"]
+__all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "edge_backward", "edge_roots", "grad_side_inputs",
+           "shared_grad_transients", "side_grads", "stage_leaves", "stop_nodes", "walk"]
 
 
 def stop_nodes(tensors):
@@ -199,3 +201,57 @@ def shared_grad_transients(held):
             later.update(key for key in g if not isinstance(key, tuple))
         out.append(sum(v for key, v in h.items() if not isinstance(key, tuple) and key in later))
     return out
+
+
+@functools.cache
+def edge_roots():
+    """Whether the engine starts a backward from a ``GradientEdge`` (as PyTorch 2.7 and later's does)."""
+    try:
+        w = torch.zeros((), requires_grad=True)
+        torch.autograd.graph._engine_run_backward((torch.autograd.graph.get_gradient_edge(w * 1),), (torch.ones(()),),
+                                                  False, False, (w,), allow_unreachable=True, accumulate_grad=True)
+        return w.grad is not None
+    except Exception:
+        return False
+
+
+def edge_backward(out, grad, x, params, grads, side=()):
+    """The stage's backward on the real forward's graph (kept for the real backward
+    later), for ``grad = ones_like(out)``, as a training step runs it, stopping at
+    its input ``x`` (or None) without running x's node: that node is the stage
+    before's (it would unpack that stage's saved tensors; FSDP's autograd Function
+    on the root's inputs would reshard the parameters). So it takes the gradients
+    at the edges of x and of ``params``, as ``torch.autograd.grad`` does (an input's
+    node runs in ``backward``'s mode), x's held to the end as a training step holds
+    it for the stage before; each parameter's is added into its buffer of ``grads``
+    by a hook, as AccumulateGrad adds into an existing ``.grad`` (dropped where its
+    buffer is None), and leaves a zero that takes no memory. The engine is called directly where PyTorch allows: the
+    public call checks grad's shape with sympy, imported on first use (half a
+    second of a first call, for a check that cannot fail here)."""
+    zeros = {}
+
+    def adder(buf):
+        def add(g):
+            if buf is not None:
+                buf.add_(g)
+            if g.layout != torch.strided:
+                return g
+            key = (g.dtype, g.device)
+            if key not in zeros:
+                zeros[key] = torch.zeros((), dtype=g.dtype, device=g.device)
+            return zeros[key].expand(g.shape)
+        return add
+
+    handles = [p.register_hook(adder(b)) for p, b in zip(params, grads)]
+    inputs = ([] if x is None else [x]) + list(side) + list(params)
+    try:
+        run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+        edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+        if run is None or edge is None or torch.overrides.has_torch_function((out, grad, *inputs)):
+            torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
+        else:
+            run((out,), (grad,), True, False, tuple(edge(t) for t in inputs), allow_unreachable=True,
+                accumulate_grad=False)
+    finally:
+        for h in handles:
+            h.remove()

@@ -24,7 +24,7 @@ this order:
    times the next calls refine (Note [Timing the second call]). Saved tensors
    the call keeps none of go once read for the last time; the gradient of the
    input is made and held to the end, not kept. The engine takes the gradients at the
-   edges of the input and of the parameters (``_backward``, remat/measure/stage_backward.py), so the input's
+   edges of the input and of the parameters (``edge_backward``, remat/measure/leaves.py), so the input's
    node, the previous stage's, does not run, nor do AccumulateGrad and its
    hooks (FSDP1's post-backward); the input's and parameters' own hooks are
    held back. A

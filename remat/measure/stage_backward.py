@@ -4,13 +4,11 @@ as a backward that frees its graph runs it, and again on a fresh forward with
 another layout of its output's gradient (run 4).
 """
 
-import functools
-
 import torch
 
 from ..errors import StageError
 from .costs_source import chain_costs
-from .leaves import GradPool, HeldHooks, StepGrads, stage_leaves, stop_nodes, walk
+from .leaves import GradPool, HeldHooks, StepGrads, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
@@ -70,7 +68,7 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
         ops_before = inst.op_seconds
         try:
             with inst:
-                _backward(act, grad_out, x if x.requires_grad else None, params, grads, side)
+                edge_backward(act, grad_out, x if x.requires_grad else None, params, grads, side)
         except BaseException as exc:
             _backward_failed(call, exc)
             raise
@@ -230,60 +228,6 @@ def node_of(x):
     return x.view_as(x).grad_fn.next_functions[0][0]
 
 
-@functools.cache
-def _edge_roots():
-    """Whether the engine starts a backward from a ``GradientEdge`` (as PyTorch 2.7 and later's does)."""
-    try:
-        w = torch.zeros((), requires_grad=True)
-        torch.autograd.graph._engine_run_backward((torch.autograd.graph.get_gradient_edge(w * 1),), (torch.ones(()),),
-                                                  False, False, (w,), allow_unreachable=True, accumulate_grad=True)
-        return w.grad is not None
-    except Exception:
-        return False
-
-
-def _backward(out, grad, x, params, grads, side=()):
-    """The stage's backward on the real forward's graph (kept for the real backward
-    later), for ``grad = ones_like(out)``, as a training step runs it, stopping at
-    its input ``x`` (or None) without running x's node: that node is the stage
-    before's (it would unpack that stage's saved tensors; FSDP's autograd Function
-    on the root's inputs would reshard the parameters). So it takes the gradients
-    at the edges of x and of ``params``, as ``torch.autograd.grad`` does (an input's
-    node runs in ``backward``'s mode), x's held to the end as a training step holds
-    it for the stage before; each parameter's is added into its buffer of ``grads``
-    by a hook, as AccumulateGrad adds into an existing ``.grad`` (dropped where its
-    buffer is None), and leaves a zero that takes no memory. The engine is called directly where PyTorch allows: the
-    public call checks grad's shape with sympy, imported on first use (half a
-    second of a first call, for a check that cannot fail here)."""
-    zeros = {}
-
-    def adder(buf):
-        def add(g):
-            if buf is not None:
-                buf.add_(g)
-            if g.layout != torch.strided:
-                return g
-            key = (g.dtype, g.device)
-            if key not in zeros:
-                zeros[key] = torch.zeros((), dtype=g.dtype, device=g.device)
-            return zeros[key].expand(g.shape)
-        return add
-
-    handles = [p.register_hook(adder(b)) for p, b in zip(params, grads)]
-    inputs = ([] if x is None else [x]) + list(side) + list(params)
-    try:
-        run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-        edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
-        if run is None or edge is None or torch.overrides.has_torch_function((out, grad, *inputs)):
-            torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
-        else:
-            run((out,), (grad,), True, False, tuple(edge(t) for t in inputs), allow_unreachable=True,
-                accumulate_grad=False)
-    finally:
-        for h in handles:
-            h.remove()
-
-
 class Run4:
     """Run 4 of Note [Measuring a stage] (remat/measure/profile.py) of a measuring
     call's stages, into their costs in the chain's record ``new``. One that would not
@@ -294,7 +238,7 @@ class Run4:
 
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
-        self.later, self.extra = {}, {}   # (extra: stage -> what the call's end added to its bwd_tmp, held gradients)
+        self.later, self.waiting, self.extra = {}, {}, {}   # (extra: stage -> what the call's end added to its bwd_tmp)
 
     def again(self, m, layout, pool=None, grad=None):
         """Run 4 of the stage of ``m`` for its gradient laid out so (``grad``, the
@@ -320,18 +264,34 @@ class Run4:
             else None
 
     def arrived(self, i, grad, options):
-        """Stage i's gradient ``grad`` arrived in the measuring call's backward."""
+        """Stage i's gradient ``grad`` arrived in the measuring call's backward (i = 0:
+        the backward ended). A stage whose saved tensors the call kept waits for its
+        own backward to end (``waiting``): a fresh copy beside them went over the budget."""
+        for j in sorted((j for j in self.waiting if j > i), reverse=True):   # (their backward is over)
+            self._again_in_backward(j, self.waiting.pop(j), None, options)
         layout = self.later.pop(i, None)
-        if layout is None:
+        anchor = self.measured[i].anchor() if layout is not None else None
+        if anchor is not None and anchor.saved:
+            if not self.waiting:   # (the chain's first stage has no input gradient to wait for)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.arrived(0, None, options))
+            self.waiting[i] = layout
+        elif layout is not None:
+            self._again_in_backward(i, layout, grad, options)
+
+    def _again_in_backward(self, i, layout, grad, options):
+        try:
+            due = self.again(self.measured[i], layout, GradPool(), grad)   # (a buffer the size of its largest weight)
+        except StageError:   # (waited: its input gone, none held below to make it again: run 2's figures stand)
+            if grad is not None:
+                raise
             return
-        due = self.again(self.measured[i], layout, GradPool(), grad)   # (a buffer the size of its largest weight)
         if due is not None:   # (when its own gradient arrives)
             self.later[due[0].index] = due[1]
         new = self.new
         new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None, None,
                                 options)
         new.plans = {}
-        if not self.later:
+        if not self.later and not self.waiting:
             self.measured = self.run = None
 
 
@@ -367,15 +327,24 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         inputs = [xin] if xin.requires_grad else []
         if not act.requires_grad or not (inputs or params):
             return None
-        grad = given.detach() if given is not None else \
-            torch.empty_strided(act.shape, layout, dtype=act.dtype, device=act.device).fill_(1)
-        relay = act.register_hook(torch.clone)   # (a copy only the engine holds, as in run_backward)
+        shape, dtype, device, out_bytes = act.shape, act.dtype, act.device, act.numel() * act.element_size()
+        grad = torch.ones((), dtype=dtype, device=device).expand(shape)   # (handed in as no memory)
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if given is not None and not cuda and use_count is not None:
+            # the engine's is an alias of the call's own gradient (held by its backward anyway), metered
+            # as a copy would be: made as it comes in, gone once nothing but what held it before does
+            key, base = storage_key(given), use_count(given.untyped_storage()._cdata)
+            inst.watch = lambda *_: key in inst.created and use_count(key) <= base and \
+                inst._free(key, inst.created[key])
+            relay = act.register_hook(lambda _: inst.count(alias := given.detach()) or alias)
+        else:   # the engine's own, laid out so, made as it comes in (as in run_backward)
+            layout = layout if given is None else given.stride()
+            relay = act.register_hook(lambda _: torch.empty_strided(shape, layout, dtype=dtype, device=device).fill_(1))
         handed = []
         hook = xin.register_hook(lambda g: handed.append(g.stride())) if xin.requires_grad else None
         # the output goes where its backward does not read it, as in a step's B(i) (held, run 4 in the call's
         # backward went one output over the budget): from its edge; the start below is taken without it
-        out_bytes = act.numel() * act.element_size()
-        if not torch.overrides.has_torch_function((act,)) and _edge_roots():
+        if not torch.overrides.has_torch_function((act,)) and edge_roots():
             act = torch.autograd.graph.get_gradient_edge(act)
         with StepGrads(params, pool) as grads:
             inst.ignore_writes(grads)
