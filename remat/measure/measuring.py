@@ -70,7 +70,6 @@ class _Measured:
     writes: list
     layout: tuple      # strides of its output's gradient in run 2
     leaves: frozenset  # the leaves behind it as they were (later stages add this one's own)
-    anchor: object = None   # a weak reference to its anchor, whose ``saved`` the call may keep
 
 
 class Measurer:
@@ -169,7 +168,7 @@ class Measurer:
         if self.given is None and probe.costs is not None:
             if probe.costs.measure_peak is not None:   # (what this call holds outside the stage's meter)
                 probe.costs.measure_peak += pooled + self._state_copies(probe.writes)
-            self._due_for_run4(call, x, cuda, rng0, probe, anchor)
+            self._due_for_run4(call, x, cuda, rng0, probe)
         self._replayable(call, probe, kept, rng0, held)
         self.run.settle(anchor, len(kept), x)
         if kept:
@@ -249,7 +248,7 @@ class Measurer:
                 f"managed", RuntimeWarning, stacklevel=3)
         return held
 
-    def _due_for_run4(self, call, x, cuda, rng0, probe, anchor):
+    def _due_for_run4(self, call, x, cuda, rng0, probe):
         """Note what run 4 of Note [Measuring a stage] needs of this stage; due now for
         the stage before if this stage's backward hands it another layout than
         the one it was measured with."""
@@ -262,7 +261,7 @@ class Measurer:
         if last is not None and last.layout is not None and seen not in (None, last.layout):
             self.relayout = (last, seen)
         self.measured[k] = _Measured(k, call, weakref.ref(x), cuda, rng0, list(probe.writes), probe.grad_layout,
-                                     frozenset(self.upstream.leaves), weakref.ref(anchor))
+                                     frozenset(self.upstream.leaves))
 
     def _state_copies(self, writes):
         """Bytes of the values from before the call of the state stages wrote in

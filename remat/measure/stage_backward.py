@@ -238,7 +238,7 @@ class Run4:
 
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
-        self.later, self.waiting, self.extra = {}, {}, {}   # (extra: stage -> what the call's end added to its bwd_tmp)
+        self.later, self.extra = {}, {}   # (extra: stage -> what the call's end added to its bwd_tmp, held gradients)
 
     def again(self, m, layout, pool=None, grad=None):
         """Run 4 of the stage of ``m`` for its gradient laid out so (``grad``, the
@@ -264,34 +264,18 @@ class Run4:
             else None
 
     def arrived(self, i, grad, options):
-        """Stage i's gradient ``grad`` arrived in the measuring call's backward (i = 0:
-        the backward ended). A stage whose saved tensors the call kept waits for its
-        own backward to end (``waiting``): a fresh copy beside them went over the budget."""
-        for j in sorted((j for j in self.waiting if j > i), reverse=True):   # (their backward is over)
-            self._again_in_backward(j, self.waiting.pop(j), None, options)
+        """Stage i's gradient ``grad`` arrived in the measuring call's backward."""
         layout = self.later.pop(i, None)
-        anchor = self.measured[i].anchor() if layout is not None else None
-        if anchor is not None and anchor.saved:
-            if not self.waiting:   # (the chain's first stage has no input gradient to wait for)
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.arrived(0, None, options))
-            self.waiting[i] = layout
-        elif layout is not None:
-            self._again_in_backward(i, layout, grad, options)
-
-    def _again_in_backward(self, i, layout, grad, options):
-        try:
-            due = self.again(self.measured[i], layout, GradPool(), grad)   # (a buffer the size of its largest weight)
-        except StageError:   # (waited: its input gone, none held below to make it again: run 2's figures stand)
-            if grad is not None:
-                raise
+        if layout is None:
             return
+        due = self.again(self.measured[i], layout, GradPool(), grad)   # (a buffer the size of its largest weight)
         if due is not None:   # (when its own gradient arrives)
             self.later[due[0].index] = due[1]
         new = self.new
         new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None, None,
                                 options)
         new.plans = {}
-        if not self.later and not self.waiting:
+        if not self.later:
             self.measured = self.run = None
 
 
