@@ -215,9 +215,9 @@ def edge_roots():
         return False
 
 
-def edge_backward(out, grad, x, params, grads, side=()):
+def edge_backward(out, grad, x, params, grads, side=(), keep=True):
     """The stage's backward on the real forward's graph (kept for the real backward
-    later), for ``grad = ones_like(out)``, as a training step runs it, stopping at
+    later, where ``keep``), for ``grad = ones_like(out)``, as a training step runs it, stopping at
     its input ``x`` (or None) without running x's node: that node is the stage
     before's (it would unpack that stage's saved tensors; FSDP's autograd Function
     on the root's inputs would reshard the parameters). So it takes the gradients
@@ -248,9 +248,9 @@ def edge_backward(out, grad, x, params, grads, side=()):
         run = getattr(torch.autograd.graph, "_engine_run_backward", None)
         edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
         if run is None or edge is None or torch.overrides.has_torch_function((out, grad, *inputs)):
-            torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(out, inputs, grad, retain_graph=keep, allow_unused=True)
         else:
-            run((out,), (grad,), True, False, tuple(edge(t) for t in inputs), allow_unreachable=True,
+            run((out,), (grad,), keep, False, tuple(edge(t) for t in inputs), allow_unreachable=True,
                 accumulate_grad=False)
     finally:
         for h in handles:

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import StageError
 from .costs_source import chain_costs
-from .leaves import GradPool, HeldHooks, StepGrads, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
+from .leaves import HeldHooks, StepGrads, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
@@ -268,7 +268,7 @@ class Run4:
         layout = self.later.pop(i, None)
         if layout is None:
             return
-        due = self.again(self.measured[i], layout, GradPool(), grad)   # (a buffer the size of its largest weight)
+        due = self.again(self.measured[i], layout, None, grad)
         if due is not None:   # (when its own gradient arrives)
             self.later[due[0].index] = due[1]
         new = self.new
@@ -330,8 +330,10 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         # backward went one output over the budget): from its edge; the start below is taken without it
         if not torch.overrides.has_torch_function((act,)) and edge_roots():
             act = torch.autograd.graph.get_gradient_edge(act)
-        with StepGrads(params, pool) as grads:
-            inst.ignore_writes(grads)
+        # (no pool: the parameters' gradients are let go, not added into buffers that stand in for their
+        # resident ``.grad``, which a step's B(i) does not hold beside it; nor is the add's time counted)
+        with StepGrads(params, pool) if pool is not None else HeldHooks(params) as grads:
+            inst.ignore_writes(grads if pool is not None else ())
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -339,7 +341,10 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             inst.peak = inst.live
             ops_before = inst.op_seconds
             with Timer(cuda) as timer, inst:
-                if isinstance(act, torch.Tensor):
+                if pool is None:
+                    edge_backward(act, grad, xin if xin.requires_grad else None, params, [None] * len(params),
+                                  keep=False)
+                elif isinstance(act, torch.Tensor):
                     torch.autograd.backward(act, grad, inputs=inputs + params)
                 else:   # (its edge: grad is made to its shape, or the one the engine handed this stage)
                     torch.autograd.graph._engine_run_backward((act,), (grad,), False, False, tuple(inputs + params),
