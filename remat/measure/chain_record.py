@@ -127,6 +127,7 @@ class ChainRecord:
         self.refined = 0         # calls whose own times replaced the measured ones (remat/measure/refine.py)
         self.from_file = False   # the costs came from a costs file
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
+        self.state_copies = 0    # bytes of written state the measuring call held copies of to its end
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held

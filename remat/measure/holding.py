@@ -96,10 +96,13 @@ def measuring_least(costs, record=None):
 
 def least_budget(costs, measured, record=None):
     """The least budget every call of a chain runs under, the one that measures it
-    included: the least any plan of its ``costs`` needs (``minimum_budget``) or,
-    if more, what measuring its most demanding stage held beside the chain's input
-    (``measuring_least`` of the costs it ``measured``, its ``record``)."""
-    return max(minimum_budget(costs), measuring_least(measured, record))
+    included: the least any plan of its ``costs`` needs (``minimum_budget``), with
+    the copies of written state the measuring call held through its tail (to undo
+    itself, and for run 4), or, if more, what measuring its most demanding stage
+    held beside the chain's input (``measuring_least`` of the costs it ``measured``,
+    its ``record``)."""
+    copies = record.state_copies if record is not None else 0
+    return max(minimum_budget(costs) + copies, measuring_least(measured, record))
 
 
 class Holding:

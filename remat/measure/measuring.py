@@ -351,6 +351,7 @@ class Measurer:
         undone)."""
         new = self.new
         try:
+            new.state_copies = self._state_copies(())
             try:
                 self._measure_backward_again(tail)
             finally:
