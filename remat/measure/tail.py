@@ -240,6 +240,8 @@ class _Backward:
         self.done = False
         self.t0 = None
         self.seconds = 0.0
+        self.forward = None   # the meter's peak before the backward, and the backward's above a^L so far
+        self.most = 0
 
     def hook(self, nodes, last):
         for node in nodes:
@@ -253,6 +255,12 @@ class _Backward:
     def enter(self, grads):
         if self.done:
             return
+        # each node's peak taken apart, a^L's bytes off only while it lives: it can go before the
+        # backward's peak (a head that copied a transposed a^L saves only the copy), and that
+        # peak less a^L came out one output under what later calls held
+        if self.forward is None:
+            self.forward = self.meter.peak
+        self.meter.peak = self.meter.live
         for g in grads:
             if isinstance(g, torch.Tensor):
                 self.meter.count(g)   # (made by code after the block, which is not metered)
@@ -265,6 +273,7 @@ class _Backward:
         self.meter.__exit__(None, None, None)
         self.seconds += time.perf_counter() - self.t0
         self.t0 = None
+        self.most = max(self.most, self.meter.peak - self.out.alive())
 
     def begin(self, grads):
         """``B(L)`` starts: the tail's backward is over. What it made that is alive
@@ -291,7 +300,8 @@ class _Backward:
         # (at least 0: a full-suite run once gave a negative kept, which Costs refuses;
         # not reproduced since)
         seen.kept = max(0, meter.live - handed - made - out.alive())
-        seen.backward_peak, seen.backward_seconds = max(0, meter.peak - out.bytes), self.seconds
+        forward = meter.peak if self.forward is None else self.forward
+        seen.backward_peak, seen.backward_seconds = max(0, forward - out.bytes, self.most), self.seconds
         if seen.after_block:
             seen.peak, seen.alive = seen.backward_peak, seen.kept
             seen.backward_seconds = time.perf_counter() - self.t0

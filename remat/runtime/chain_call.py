@@ -294,6 +294,7 @@ class ChainCall:
             if isinstance(exc, RematError):
                 self.spec.explained(new.costs, None, self.budget, new.names, new.costs, new)
             raise
+        measurer.originals.clear()   # (nothing to undo now: the copies of written state go)
         self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, new)
         published[0] = self.spec.last
         self.tail.linger()   # (a tail after the block: Note [The chain's tail] 5, remat/measure/tail.py)
