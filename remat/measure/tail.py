@@ -167,11 +167,12 @@ class TailMeter:
         if meter is not None:
             meter.__exit__(None, None, None)
 
-    def seen(self, act, outputs, on_kept):
+    def seen(self, act, outputs, on_kept, read=False):
         """The block ended after the last stage returned ``act`` (a^L; ``outputs`` are
         the activations every stage returned): what the last window saw
         (``TailSeen``); its backward is metered (Note [The chain's tail] 2), and
-        ``on_kept(seen)`` is called as ``B(L)`` starts, the backward's figures set."""
+        ``on_kept(seen)`` is called as ``B(L)`` starts, the backward's figures set;
+        ``read``: the last stage's own backward reads a^L (``_Output``)."""
         meter, self.meter = self.meter, None
         if meter is None:
             return TailSeen(why=self.why)
@@ -191,7 +192,7 @@ class TailMeter:
                                 "after the block was not metered (a dispatch mode of another's was active, "
                                 "torch.distributed, or an output needing no gradient): have the head and loss "
                                 "inside it")
-        out = _Output(meter, act)
+        out = _Output(meter, act, read)
         seen = TailSeen(True, meter.peak - out.bytes, meter.live - out.alive(), None, None, meter.op_seconds)
         roots = {t.grad_fn for ref in made if (t := ref()) is not None and t.grad_fn is not None}
         if node is None or not roots:
@@ -215,8 +216,8 @@ class _Output:
     """a^L under the tail's meter, counted from the window's start (Note [The chain's
     tail] 4): the meter's figures, less ``bytes``, are the tail's above the chain's end."""
 
-    def __init__(self, meter, act):
-        self.meter = meter
+    def __init__(self, meter, act, read=False):
+        self.meter, self.read = meter, read   # (read: the last stage's backward reads a^L: Note 4)
         self.key = storage_key(act)
         self.bytes = meter.created.get(self.key, 0)
         self.storage = weakref.ref(act.untyped_storage())
@@ -255,9 +256,10 @@ class _Backward:
     def enter(self, grads):
         if self.done:
             return
-        # each node's peak taken apart, a^L's bytes off only while it lives: it can go before the
-        # backward's peak (a head that copied a transposed a^L saves only the copy), and that
-        # peak less a^L came out one output under what later calls held
+        # each node's peak taken apart, a^L's bytes off where plans count them at BTail in a-bar^L
+        # and the meter does not: a^L gone here (a head that copied a transposed a^L saves only the
+        # copy) but kept by the last stage's saved tensors in later calls (``read``) is not taken
+        # off twice (it put later calls one output over the budget)
         if self.forward is None:
             self.forward = self.meter.peak
         self.meter.peak = self.meter.live
@@ -273,7 +275,8 @@ class _Backward:
         self.meter.__exit__(None, None, None)
         self.seconds += time.perf_counter() - self.t0
         self.t0 = None
-        self.most = max(self.most, self.meter.peak - self.out.alive())
+        out = self.out
+        self.most = max(self.most, self.meter.peak - (out.bytes if out.alive() or not out.read else 0))
 
     def begin(self, grads):
         """``B(L)`` starts: the tail's backward is over. What it made that is alive

@@ -273,8 +273,9 @@ class ChainCall:
         measurer = self.part
         # (what the tail's backward hooks hold: no activation, so not self, whose prev is a^L)
         record, published, spec, budget = [None], [None], self.spec, self.budget
-        tail = self.tail.seen(self.prev, [ref() for ref in measurer.outs.values()],
-                              lambda seen: backward_seen(record[0], spec, budget, published, plan_for, seen))
+        read = bool(measurer.new.stages) and getattr(measurer.new.stages[-1].costs, "out_freed", None) == 0
+        tail = self.tail.seen(self.prev, [ref() for ref in measurer.outs.values()],   # (read: B(L) reads a^L)
+                              lambda seen: backward_seen(record[0], spec, budget, published, plan_for, seen), read)
         self.in_stage = True   # stages inside the stage measured again run plainly
         try:
             new = measurer.finish(self.k, tail.alive)
