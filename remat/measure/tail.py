@@ -182,7 +182,7 @@ class TailMeter:
         node = act.grad_fn if isinstance(act, torch.Tensor) else None
         if not made and stayed and node is not None and alone() and not distributed():   # (5 of the Note)
             seen = TailSeen(True, why="", after_block=True)
-            self.after = back = _Backward(meter, _Output(meter, act), seen, on_kept)
+            self.after = back = _Backward(meter, _Output(meter, act, read), seen, on_kept)
             # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
             act.register_hook(lambda g: back.begin((g,)))
             return seen
@@ -303,8 +303,9 @@ class _Backward:
         # (at least 0: a full-suite run once gave a negative kept, which Costs refuses;
         # not reproduced since)
         seen.kept = max(0, meter.live - handed - made - out.alive())
-        forward = meter.peak if self.forward is None else self.forward
-        seen.backward_peak, seen.backward_seconds = max(0, forward - out.bytes, self.most), self.seconds
+        forward = meter.peak if self.forward is None else self.forward   # (a^L's off as in ``leave``)
+        forward -= out.bytes if out.alive() or not out.read or self.forward is not None else 0
+        seen.backward_peak, seen.backward_seconds = max(0, forward, self.most), self.seconds
         if seen.after_block:
             seen.peak, seen.alive = seen.backward_peak, seen.kept
             seen.backward_seconds = time.perf_counter() - self.t0
