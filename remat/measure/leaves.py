@@ -205,7 +205,7 @@ def shared_grad_transients(held):
 
 @functools.cache
 def edge_roots():
-    """Whether the engine starts a backward from a ``GradientEdge`` (as PyTorch 2.7 and later's does)."""
+    """Whether the engine starts a backward from a ``GradientEdge`` (recent PyTorch's does: probed once)."""
     try:
         w = torch.zeros((), requires_grad=True)
         torch.autograd.graph._engine_run_backward((torch.autograd.graph.get_gradient_edge(w * 1),), (torch.ones(()),),
