@@ -8,7 +8,7 @@ import torch
 
 from ..errors import StageError
 from .costs_source import chain_costs
-from .leaves import HeldHooks, StepGrads, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
+from .leaves import HeldHooks, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
@@ -330,10 +330,12 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         # backward went one output over the budget): from its edge; the start below is taken without it
         if not torch.overrides.has_torch_function((act,)) and edge_roots():
             act = torch.autograd.graph.get_gradient_edge(act)
-        # (no pool: the parameters' gradients are let go, not added into buffers that stand in for their
-        # resident ``.grad``, which a step's B(i) does not hold beside it; nor is the add's time counted)
-        with StepGrads(params, pool) if pool is not None else HeldHooks(params) as grads:
-            inst.ignore_writes(grads if pool is not None else ())
+        # each parameter's gradient is added into the pool's buffer standing in for its resident ``.grad``,
+        # or, with no pool (in the call's backward, where a step's B(i) holds no such buffer), let go, the
+        # add's time then not counted; the input's is held to the end, as for the stage before
+        with HeldHooks(params):
+            grads = pool.grads(params) if pool is not None else [None] * len(params)
+            inst.ignore_writes([g for g in grads if g is not None])
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -341,14 +343,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             inst.peak = inst.live
             ops_before = inst.op_seconds
             with Timer(cuda) as timer, inst:
-                if pool is None:
-                    edge_backward(act, grad, xin if xin.requires_grad else None, params, [None] * len(params),
-                                  keep=False)
-                elif isinstance(act, torch.Tensor):
-                    torch.autograd.backward(act, grad, inputs=inputs + params)
-                else:   # (its edge: grad is made to its shape, or the one the engine handed this stage)
-                    torch.autograd.graph._engine_run_backward((act,), (grad,), False, False, tuple(inputs + params),
-                                                              allow_unreachable=True, accumulate_grad=True)
+                edge_backward(act, grad, xin if xin.requires_grad else None, params, grads, keep=False)
             peak = torch.cuda.max_memory_allocated() if cuda else inst.peak
         relay.remove()
         if hook is not None:
