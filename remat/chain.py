@@ -301,11 +301,11 @@ class chain:
             each stage once to learn what to replay); if not, the measured
             costs are written there. Under torch.distributed every rank uses
             rank 0's costs, so all ranks run the same schedule.
-        options: plan option 1 of each stage where it pays (True, the
-            default): record it keeping the outputs of its matmuls,
-            convolutions and attention kernels, and recompute the rest in its
-            backward (docs/how-it-works.md, "Options"). False: each stage is
-            recorded whole or not at all.
+        options: True: plan each stage's options where they pay, recording it
+            with the outputs of its matmuls, convolutions and attention kernels
+            (all, those autograd saves, or the costliest per byte) and the rest
+            recomputed in its backward (docs/how-it-works.md, "Options"); False:
+            each stage recorded whole or not at all; "auto" (default): True on CUDA.
         hints: a ``ChainHints`` (for ``remat.wrap`` and ``remat.Sequential``).
 
     Raises:

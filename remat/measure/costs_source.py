@@ -43,7 +43,7 @@ def read_costs(path):
 def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
     """The costs of a measuring call: ``given`` (read from ``path``) checked against
     what the call saw, else the measured ``stages`` (rank 0's under torch.distributed),
-    written to ``path`` if one is given; with options 1 and 2 of each stage where
+    written to ``path`` if one is given; with options 1 and 2 and the rungs of each stage where
     they are offered (remat/measure/options.py) if ``options``.
 
     Args:
@@ -61,7 +61,8 @@ def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
             warnings.warn(
                 f"remat: the costs in {path} list options (remat.Option: other ways to record a stage) other "
                 f"than those remat's runtime runs, option 1, which keeps the outputs of a stage's matmuls, "
-                f"convolutions and attention, and option 2, those of them autograd saves (their bytes not those "
+                f"convolutions and attention, option 2, those of them autograd saves, and the rungs, those of its "
+                f"calls of most FLOPs per byte (their bytes not those "
                 f"this chain's forward shows, or more options); this chain plans without them (remat.solve "
                 f"plans with them)",
                 RuntimeWarning, stacklevel=4)
@@ -87,16 +88,17 @@ def _runs(listed, stage, saved):
     """Whether the options ``listed`` for a stage in a costs file, whose record
     keeps ``saved`` bytes, are some of those the runtime runs, as this call's
     forward of the stage (a ``StageCosts`` of it) shows them: options 1 and 2 as
-    far as offered, each keeping those bytes (remat/measure/options.py Note
-    [Measuring an option]). If so, the stage's ``policies`` are set for them."""
+    far as offered, and its rungs, each keeping those bytes (remat/measure/options.py
+    Note [Measuring an option]). If so, the stage's ``policies`` are set for them."""
     seen = stage.kept
     if not listed:
         return True
     if seen is None or not seen.any_kept:
         return False
     ours = {stage.out_bytes + seen.kept: KEEP_EXPENSIVE}
-    if seen.kept_saved < seen.kept:
-        ours.setdefault(stage.out_bytes + seen.kept_saved, KEEP_SAVED)
+    for kept, policy in ((seen.kept_saved, KEEP_SAVED), *((r.kept, r.calls) for r in seen.ladder)):
+        if kept < seen.kept:
+            ours.setdefault(stage.out_bytes + kept, policy)
     policies = tuple(ours.get(o.saved_bytes) for o in listed)
     if None in policies or len(set(policies)) < len(policies) or any(o.saved_bytes >= saved for o in listed):
         return False

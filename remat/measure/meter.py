@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.option_modes import KEPT_OPS
+from ..runtime.option_modes import KEPT_OPS, kept_flops
 from .linger import settle
 
 __all__ = ["Instrument", "storage_key"]
@@ -151,11 +151,11 @@ class Instrument(TorchDispatchMode):
         # parametrized weight), casts of leaves needing grad, and what is made from those
         self._derived = set()
         self.generators = {}   # id -> (torch.Generator an op drew from, its state before the first)
-        # what options 1 and 2 would keep (remat/measure/options.py): storages ``KEPT_OPS`` made,
-        # live and in all, the bytes of those an op then wrote, and all ops' count and the others' time;
-        # the time of the op that made each (read for live ones only: an address is used again)
-        self.kept, self.kept_bytes, self.kept_written = {}, 0, 0
-        self.ops, self.cheap_seconds, self.kept_seconds = 0, 0.0, {}
+        # what options keep (remat/measure/options.py): each call of a ``KEPT_OPS`` op in turn, as
+        # [seconds, bytes it made, an op wrote them since, their spans, FLOPs]; the call that made each live
+        # storage they made; the bytes of those an op then wrote; all ops' count and the others' time
+        self.kept, self.kept_calls, self.kept_written = {}, [], 0
+        self.ops, self.cheap_seconds = 0, 0.0
         # (``timeline``: the live bytes kept ops did not make, and all, at each storage made; the kept ones' spans)
         self._timeline, self._unkept, self.unkept_live, self.events, self.spans = timeline, set(), 0, [], {}
 
@@ -192,8 +192,7 @@ class Instrument(TorchDispatchMode):
         key = st._cdata
         self.created[key] = nbytes
         self.live += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
+        self.peak = max(self.peak, self.live)
         if self._timeline:   # (Note [Measuring an option] 4, remat/measure/options.py)
             if kept:
                 self.spans[key] = [len(self.events), None, nbytes]   # (first event, last, bytes)
@@ -255,8 +254,9 @@ class Instrument(TorchDispatchMode):
                             written.add(self._note_write(t))
             if self._protect is not None and self._protect in written:
                 raise InputWritten(func)
-            if self.kept:
-                self.kept_written += sum(self.kept.pop(key, 0) for key in written)
+            for key in written & self.kept.keys():
+                self.kept_written += self.created.get(key, 0)
+                self.kept_calls[self.kept.pop(key)][2] = True
             self.reads.update(inputs - written)
         else:
             self.reads.update(inputs)
@@ -264,19 +264,20 @@ class Instrument(TorchDispatchMode):
             self.watch(func, args, kwargs, False)
         out, dt = self._timed(func, args, kwargs)
         kept = not writes and getattr(func, "overloadpacket", None) in KEPT_OPS
-        if not kept:
-            self.cheap_seconds += dt
+        if kept:
+            self.kept_calls.append([dt, 0, False, [], kept_flops(func, args, kwargs, out)])
+        self.cheap_seconds += 0.0 if kept else dt
         if self.made is not None:
             self.made.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if isinstance(out, torch.Tensor):
-            self._note_outputs((out,), inputs, kept, dt)
+            self._note_outputs((out,), inputs, kept)
             if func is _TO_COPY and args[0].is_leaf and args[0].requires_grad and out.layout == torch.strided:
                 # autocast's cache holds a cast of a leaf that needs grad (a weight, the
                 # chain's input) to the region's end: counted as a cast of a weight is
                 self._from_params.add(out.untyped_storage()._cdata)
                 self._derived.add(out.untyped_storage()._cdata)
         elif out is not None:
-            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs, kept, dt)
+            self._note_outputs([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], inputs, kept)
         if self.watch is not None:
             self.watch(func, args, kwargs, True)
         return out
@@ -298,7 +299,7 @@ class Instrument(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad and id(t) not in self.leaves:
                 self.leaves[id(t)] = weakref.ref(t)
 
-    def _note_outputs(self, outs, inputs, kept=False, seconds=0.0):
+    def _note_outputs(self, outs, inputs, kept=False):
         created = self.created
         made = None
         if any(t.layout != torch.strided for t in outs):
@@ -313,10 +314,10 @@ class Instrument(TorchDispatchMode):
             # storages made while the gate is shut are not metered at all
             nbytes = st.nbytes() if self.gate else 0
             self._track(st, nbytes, kept)
-            if kept:
-                self.kept[key] = nbytes
-                self.kept_bytes += nbytes
-                self.kept_seconds[key], seconds = seconds, 0.0   # (the op's time on its first output)
+            if kept:   # (its span: None without ``timeline``)
+                self.kept[key] = len(self.kept_calls) - 1
+                self.kept_calls[-1][1] += nbytes
+                self.kept_calls[-1][3].append(self.spans.get(key))
             if made is None:
                 made = not inputs or any(k in created or k in self._sources for k in inputs)
                 derived = bool(inputs) and not any(
@@ -327,8 +328,7 @@ class Instrument(TorchDispatchMode):
                 self._derived.add(key)
             self.window.add(key)
             self.window_live += nbytes
-            if self.window_live > self.window_peak:
-                self.window_peak = self.window_live
+            self.window_peak = max(self.window_peak, self.window_live)
 
     def _note_write(self, t):
         key = storage_key(t)

@@ -62,6 +62,23 @@ and adds up the time of the other ops; no run is added to the first call.
    output), option 2 is the stage's first option: the stage's record says
    which policy each of its options runs with (``StageCosts.policies``, read
    through ``Plan.policy``).
+6. Rungs: options between option 1 and keeping nothing, for stages whose
+   expensive ops differ in what they cost to make again per byte they keep (an
+   attention kernel's output against the MLP's matmuls; a 3x3 convolution's
+   against the 1x1 ones around it). The meter numbers each call of a kept op
+   in the forward's order, with its seconds, FLOPs and the bytes it made;
+   ranked by FLOPs per byte (torch's formulas, where they count every call:
+   the same rungs on every run, and in a costs file, where timing would move
+   them; seconds per byte otherwise), the calls fall into steps wherever the ratio drops below
+   half of the step's first (``RUNG_STEP``), and keeping the calls up to each
+   step (at most ``MAX_RUNGS`` of them, the output's call always) is an option
+   (``Rung``): its saved_bytes and fwd_tmp as option 1's, its rebuild makes
+   the other calls' outputs again (their spans in the timeline) and its
+   bwd_time adds their share of the op time. It runs with the set of calls as
+   its policy: the forward mode numbers its kept calls the same way and lets
+   the others go at the stage's end (``keep_calls``, remat/runtime/option_modes.py).
+   Offered where it keeps less than option 1 and the record, and bytes no other
+   option keeps.
 """
 
 import contextlib
@@ -73,11 +90,14 @@ import torch
 from ..runtime.option_modes import KEEP_EXPENSIVE, KEEP_SAVED, option_contexts
 from ..solver.option import Option
 
-__all__ = ["KeptSeen", "kept_seen", "stage_options", "dispatch_overhead"]
+__all__ = ["KeptSeen", "Rung", "kept_seen", "stage_options", "dispatch_overhead"]
+
+RUNG_STEP = 2.0   # a rung ends where the next call's seconds per byte fall below its first's by this
+MAX_RUNGS = 2     # rungs a stage offers at most (each an option the solver weighs at every stage)
 
 
 class KeptSeen(NamedTuple):
-    """What run 1's meter saw of the ops options 1 and 2 keep."""
+    """What run 1's meter saw of the ops options keep."""
     kept: int            # bytes of the storages kept ops made, the output's aside
     kept_saved: int      # those of them autograd saved
     any_kept: bool       # a kept op ran
@@ -89,25 +109,59 @@ class KeptSeen(NamedTuple):
     out_kept: bool = False  # a kept op made the output (the cache holds a^i until B(i))
     forward: int = None     # the peak of a forward that caches the kept outputs (CPU; None on CUDA)
     rebuild_seconds: float = None   # a rebuild under option 1's cache, timed (CUDA: ``timed_rebuild``)
+    ladder: tuple = ()      # ``Rung``s: fewer kept outputs, those of most time per byte (6 of the Note)
+
+
+class Rung(NamedTuple):
+    """An option keeping the outputs of some of the kept ops' calls (6 of Note [Measuring an option])."""
+    calls: frozenset     # the calls kept, numbered in the forward's order of kept ops (the output's included)
+    kept: int            # bytes they made, the output's aside
+    unkept_share: float  # share of the forward's op time in the kept ops' calls it makes again
+    rebuild: int = None  # the peak of what the rebuild makes (the meter's, on CPU; None on CUDA)
 
 
 def kept_seen(inst, keys, out_key, cuda=False):
     """``KeptSeen`` of a forward the meter ``inst`` has just run (on CUDA if ``cuda``),
     whose saved storages are ``keys`` ({storage: bytes}) and output storage ``out_key``."""
-    total = inst.kept_bytes - inst.kept_written - (inst.kept.get(out_key, 0) or 0)
+    out_call = inst.kept.get(out_key)
+    total = sum(c[1] for c in inst.kept_calls) - inst.kept_written - \
+        (inst.created.get(out_key, 0) if out_call is not None else 0)
     saved = sum(n for key, n in keys.items() if key != out_key and key in inst.kept)
     spent = inst.op_seconds
     share = inst.cheap_seconds / spent if spent > 0 else 1.0
     # (the time of the kept ops whose outputs stay: saved, or the output; live ones only)
-    staying = sum(inst.kept_seconds.get(key, 0.0) for key in inst.kept if key in keys or key == out_key)
+    staying = sum(inst.kept_calls[j][0] for j in {j for key, j in inst.kept.items() if key in keys or key == out_key})
     unsaved = max(0.0, spent - inst.cheap_seconds - staying) / spent if spent > 0 else 0.0
     # (on CUDA the allocator's rounding is not the meter's: the forward's peak bounds it there)
     rebuild = None if cuda else tuple(_rebuild_peak(inst, keep) + inst.kept_written for keep in (
         (), [key for key in inst.kept if key in keys or key == out_key]))
     forward = None if cuda else _peak(inst, 1, [(last, None, n) for _, last, n in inst.spans.values()
                                                 if last is not None])
-    return KeptSeen(total, saved, inst.kept_bytes > 0 or any(inst.kept), inst.kept_written, inst.ops,
-                    min(1.0, share), min(1.0, unsaved), rebuild, inst.kept.get(out_key) is not None, forward)
+    return KeptSeen(total, saved, bool(inst.kept_calls), inst.kept_written, inst.ops, min(1.0, share),
+                    min(1.0, unsaved), rebuild, out_call is not None, forward, ladder=_ladder(inst, out_call, cuda))
+
+
+def _ladder(inst, out_call, cuda):
+    """The ``Rung``s of the forward ``inst`` metered (with ``timeline``), whose output a
+    kept op's call ``out_call`` made (or None): 6 of Note [Measuring an option]."""
+    calls, spent = inst.kept_calls, inst.op_seconds
+    ranked = [j for j, (_, nbytes, written, _, _) in enumerate(calls) if nbytes and not written and j != out_call]
+    cost = 4 if all(calls[j][4] is not None for j in ranked) else 0   # (FLOPs where torch counts them all)
+    ranked.sort(key=lambda j: -calls[j][cost] / calls[j][1])
+    rungs, start = [], None
+    for at, j in enumerate(ranked):
+        ratio = calls[j][cost] / calls[j][1]
+        if start is not None and ratio < start / RUNG_STEP:   # (a step down: the calls so far are a rung)
+            kept, left = ranked[:at], ranked[at:]
+            made = [span for m in left for span in calls[m][3] if span is not None]   # (made again)
+            rungs.append(Rung(frozenset(kept + ([] if out_call is None else [out_call])),
+                              sum(calls[m][1] for m in kept),
+                              min(1.0, sum(calls[m][0] for m in left) / spent) if spent > 0 else 1.0,
+                              None if cuda else _peak(inst, 0, made) + inst.kept_written))
+            if len(rungs) == MAX_RUNGS:
+                break
+        start = ratio if start is None or ratio < start / RUNG_STEP else start
+    return tuple(rungs)
 
 
 def _rebuild_peak(inst, handed):
@@ -143,10 +197,10 @@ def stage_options(costs, in_bytes):
         return [], ()
     forward, again = dispatch_overhead()
 
-    def option(which, keeps, share):
+    def option(keeps, share, rebuild):
         # (what the rebuild makes: the outputs of kept ops it is not handed back, besides option 1's)
-        rebuild = costs.fwd_tmp + costs.out_bytes - keeps if seen.rebuild is None else \
-            seen.rebuild[which - 1] - (0 if seen.out_kept else costs.out_freed or 0)
+        rebuild = costs.fwd_tmp + costs.out_bytes - keeps if rebuild is None else \
+            rebuild - (0 if seen.out_kept else costs.out_freed or 0)
         return Option(
             saved_bytes=costs.out_bytes + keeps,
             fwd_time=costs.fwd_time + seen.ops * forward,
@@ -156,11 +210,16 @@ def stage_options(costs, in_bytes):
             max(seen.forward - costs.out_bytes, costs.fwd_tmp),
             bwd_tmp=max(costs.bwd_tmp + costs.saved_bytes - costs.out_bytes - keeps, rebuild - in_bytes))
 
-    listed = []
-    if costs.out_bytes + seen.kept < costs.saved_bytes:
-        listed.append((option(1, seen.kept, seen.cheap_share), KEEP_EXPENSIVE))
-    if seen.kept_saved < seen.kept and costs.out_bytes + seen.kept_saved < costs.saved_bytes:
-        listed.append((option(2, seen.kept_saved, min(1.0, seen.cheap_share + seen.unsaved_share)), KEEP_SAVED))
+    rebuilds = seen.rebuild or (None, None)
+    listed, keeps = [], set()
+    for kept, share, rebuild, policy in (
+            (seen.kept, seen.cheap_share, rebuilds[0], KEEP_EXPENSIVE),
+            (seen.kept_saved, seen.cheap_share + seen.unsaved_share, rebuilds[1], KEEP_SAVED),
+            *((r.kept, seen.cheap_share + r.unkept_share, r.rebuild, r.calls) for r in seen.ladder)):
+        if costs.out_bytes + kept < costs.saved_bytes and kept not in keeps and (
+                kept < seen.kept or policy == KEEP_EXPENSIVE):
+            keeps.add(kept)
+            listed.append((option(kept, min(1.0, share), rebuild), policy))
     return [o for o, _ in listed], tuple(p for _, p in listed)
 
 

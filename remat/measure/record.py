@@ -40,7 +40,7 @@ class StageCosts:
     input_kept: bool = None    # its recording keeps its input's storage (saved, or returned as a view)
     caller_holds: bool = None  # the code around the chain held its output as the chain ended
     saved_seen: int = None     # saved_bytes as a forward with costs from a file saw it (``_check_given``)
-    kept: tuple = None         # what run 1 saw of options 1 and 2 (``KeptSeen``, remat/measure/options.py)
+    kept: tuple = None         # what run 1 saw of options and rungs (``KeptSeen``, remat/measure/options.py)
     options: tuple = ()        # the options as the costs of a chain measured again after it tell (``of``)
     policies: tuple = ()       # what each of its options keeps (remat/measure/options.py, ``stage_options``)
     measure_peak: int = None   # the most its measuring runs 1 and 2 held at once, its input counted (CPU)

@@ -46,7 +46,7 @@ import torch
 from ..errors import StageError
 from ..solver.schedule import B, Fall, Fn
 from .recompute import record_again, run_again
-from .option_modes import KEEP_SAVED, keep_saved, option_contexts
+from .option_modes import keep_only, option_contexts
 
 __all__ = ["Run", "RELEASES", "distributed"]
 
@@ -362,8 +362,7 @@ class Run:
         if option:
             forward, cache = option_contexts()
             out, saved = record_again(self.calls[k], x, self.autocast, forward)
-            if self.policy(k, option) == KEEP_SAVED:
-                keep_saved(cache, [*saved, out])
+            keep_only(cache, self.policy(k, option), [*saved, out])
             if anchor is not None:
                 anchor.cache = cache
                 self._give(k + 1, out)

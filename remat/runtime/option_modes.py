@@ -10,11 +10,13 @@ the outputs of ``KEPT_OPS`` (mm, addmm, bmm, convolutions, attention kernels)
 stay, every other op (pointwise, norms, softmax, dropout) runs again in B(i).
 Option 2 keeps fewer: those of the outputs that autograd saves (or that are
 the stage's output); an expensive output only a later op reads and lets go (a
-residual branch's projection, summed into the stream) runs again too.
+residual branch's projection, summed into the stream) runs again too. A rung
+(6 of Note [Measuring an option], remat/measure/options.py) keeps the outputs
+of some calls of those ops, numbered in the forward's order.
 ``Fall(i, option=o)`` runs the stage as ``Fck`` does (its input kept, handles
 for what autograd saves) under the forward mode of ``option_contexts()``,
 which caches those outputs (option 2 then lets go of those no handle's
-storage shares: ``keep_saved``); the anchor holds the recompute mode
+storage shares: ``keep_only``); the anchor holds the recompute mode
 (``_Anchor.cache``) and with it the cache. The rebuild before
 B(i) is the usual ``Fall`` recomputation (RNG, autocast and state replayed,
 saved tensors checked) under that mode: kept ops hand back the cached
@@ -37,10 +39,11 @@ one run and not the other shifts).
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["KEPT_OPS", "KEEP_EXPENSIVE", "KEEP_SAVED", "keep_saved", "option_contexts"]
+__all__ = ["KEPT_OPS", "KEEP_EXPENSIVE", "KEEP_SAVED", "keep_only", "kept_flops", "option_contexts"]
 
 # what a stage's option keeps (``Plan.policy``, remat/solver/plan.py): every output of
-# ``KEPT_OPS`` (option 1), or those of them autograd saves and the stage's output (option 2)
+# ``KEPT_OPS`` (option 1), or those of them autograd saves and the stage's output (option 2);
+# a frozenset: those of the calls of ``KEPT_OPS`` it numbers, in the forward's order (a rung)
 KEEP_EXPENSIVE, KEEP_SAVED = 1, 2
 
 KEPT_OPS = frozenset(getattr(torch.ops.aten, name) for name in (   # the expensive ops, whose outputs it keeps
@@ -51,11 +54,30 @@ KEPT_OPS = frozenset(getattr(torch.ops.aten, name) for name in (   # the expensi
     if hasattr(torch.ops.aten, name))
 
 
+_FLOPS = {}   # op -> torch's FLOP formula for it (torch.utils.flop_counter), filled on first use
+
+
+def kept_flops(func, args, kwargs, out):
+    """The floating-point operations of a call of a kept op, by torch's formula for
+    it (``torch.utils.flop_counter``); None where torch has none."""
+    if not _FLOPS:
+        from torch.utils.flop_counter import flop_registry
+        _FLOPS.update(flop_registry)
+        flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+        if flash in _FLOPS and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            _FLOPS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _FLOPS[flash]   # (its q, k, v first)
+    formula = _FLOPS.get(getattr(func, "overloadpacket", None))
+    try:
+        return None if formula is None else int(formula(*args, **kwargs, out_val=out))
+    except Exception:   # (a formula that does not take these arguments: ranked by time instead)
+        return None
+
+
 def option_contexts():
     """An option's (forward, recompute) dispatch modes, sharing one cache of the
     outputs of ``KEPT_OPS``: the first keeps them, the second hands them back,
     each op's in the order it made them, and runs every other op."""
-    cache = {}   # (op, its tensor arguments' shapes and dtypes) -> [(outputs detached, their versions)]
+    cache = {}   # (op, its tensor arguments' shapes and dtypes) -> [(outputs detached, their versions, call)]
     return _Keeping(cache), _Handing(cache)
 
 
@@ -75,6 +97,7 @@ class _Mode(TorchDispatchMode):
     def __init__(self, cache):
         super().__init__()
         self.cache = cache
+        self.calls = 0   # (the forward's kept calls so far: each is numbered)
 
 
 class _Keeping(_Mode):
@@ -86,12 +109,13 @@ class _Keeping(_Mode):
             with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
                 kept = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _many(out))
             kept = kept if isinstance(out, (tuple, list)) else kept[0]
-            self.cache.setdefault(key, []).append((kept, _versions(kept)))
+            self.cache.setdefault(key, []).append((kept, _versions(kept), self.calls))
+            self.calls += 1
         return out
 
     def __exit__(self, *exc):   # outputs the stage wrote into in place are not kept: made again in B(i)
         for listed in self.cache.values():
-            listed[:] = [(kept, v) if _versions(kept) == v else (None, v) for kept, v in listed]
+            listed[:] = [(kept if _versions(kept) == v else None, v, j) for kept, v, j in listed]
         return super().__exit__(*exc)
 
 
@@ -99,7 +123,7 @@ class _Handing(_Mode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         listed = self.cache.get(_key(func, args)) if self.cache else None
         if listed:
-            out, versions = listed.pop(0)
+            out, versions, _ = listed.pop(0)
             if out is not None and _versions(out) == versions:   # (else written since: made again)
                 return out
         return func(*args, **(kwargs or {}))
@@ -113,12 +137,20 @@ def _versions(out):
     return tuple(t._version for t in _many(out) if isinstance(t, torch.Tensor))
 
 
-def keep_saved(modes, tensors):
-    """``KEEP_SAVED``: of the outputs the forward mode of ``modes`` (its recompute mode)
-    kept, keep those whose storage one of ``tensors`` (what autograd saved, the
-    stage's output) shares; the others are made again in B(i)."""
-    keys = {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+def keep_only(modes, policy, tensors):
+    """Of the outputs the forward mode of ``modes`` (its recompute mode) kept, keep
+    what ``policy`` says; the others are made again in B(i). ``KEEP_SAVED``: those
+    whose storage one of ``tensors`` (what autograd saved, the stage's output)
+    shares; a set of calls: the outputs of those calls."""
+    if policy == KEEP_SAVED:
+        keys = {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+
+        def keep(kept, _):
+            return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in keys for t in _many(kept))
+    elif isinstance(policy, frozenset):
+        def keep(_, j):
+            return j in policy
+    else:
+        return
     for listed in modes.cache.values():
-        listed[:] = [(kept, v) if kept is not None and any(
-            isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in keys for t in _many(kept)) else (None, v)
-            for kept, v in listed]
+        listed[:] = [(kept if kept is not None and keep(kept, j) else None, v, j) for kept, v, j in listed]

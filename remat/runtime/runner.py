@@ -48,7 +48,7 @@ from ..solver.schedule import Fall, Fn
 from .executor import Run, _releasing, distributed
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
-from .option_modes import KEEP_SAVED, keep_saved, option_contexts
+from .option_modes import keep_only, option_contexts
 from .stage_call import first, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
@@ -226,8 +226,7 @@ class Runner:
                 forward, anchor.cache = option_contexts()
                 with run.hooks(pack), forward:
                     out = call.invoke(x)
-                if self.plan.policy(k, option) == KEEP_SAVED:
-                    keep_saved(anchor.cache, [*anchor.live, first(out)])
+                keep_only(anchor.cache, self.plan.policy(k, option), [*anchor.live, first(out)])
             else:
                 with run.hooks(pack):
                     out = call.invoke(x)

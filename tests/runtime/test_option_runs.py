@@ -60,7 +60,7 @@ def _measured_options_cheap(which):
     """``planning_costs`` with the measured option keeping as ``which`` says (1: every
     expensive output, 2: those autograd saves) made faster than the records (its
     bytes as measured; any other as measured): the solver takes it wherever it
-    fits. ``planning.chosen`` collects (stage, option number) of those made so."""
+    fits ("rung": a stage's first rung). ``planning.chosen`` collects (stage, option number) of those made so."""
     def planning(self, output=None, options=True):
         c = _planning(self, output, options)
         if c is None or not c.has_options:
@@ -68,8 +68,9 @@ def _measured_options_cheap(which):
         made = {}
         for k in range(1, c.length + 1):
             policies = self.stages[k - 1].costs.policies if k <= len(self.stages) else ()
-            if which in policies:
-                q = policies.index(which)
+            q = next((q for q, p in enumerate(policies) if p == which or which == "rung" and isinstance(p, frozenset)),
+                     None)
+            if q is not None:
                 planning.chosen.add((k, q + 1))
                 made[k] = [dataclasses.replace(o, fwd_time=c.fwd_time[k - 1] / 2, bwd_time=c.bwd_time[k - 1] / 2)
                            if p == q else o for p, o in enumerate(c.options[k - 1])]
@@ -272,7 +273,7 @@ def test_gpt_blocks_measure_options_keeping_less():
     F.cross_entropy(model(data).flatten(0, 1), data.flatten()).backward()
     costs = remat.explain().costs
     for i in range(3):
-        one, two = costs.options[i]
+        one, two = costs.options[i][:2]   # (then its rungs, if any)
         assert two.saved_bytes < one.saved_bytes < costs.saved_bytes[i]
         assert costs.bwd_time[i] < one.bwd_time < two.bwd_time
         # at least the two projections (4 x 16 x 32 floats each; with them the fused

@@ -1,0 +1,132 @@
+"""Rungs (6 of Note [Measuring an option], remat/measure/options.py): options
+that keep the outputs of the expensive calls of most time per byte, and make the
+others again in B(i). Measured bytes are exactly those calls' outputs, the
+runtime holds what was measured, and every choice is plain PyTorch's bit for bit."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import example, given, settings, strategies as st
+
+import remat
+from remat.measure import options as measured_options
+from remat.measure.chain_record import ChainRecord
+from remat.runtime.option_modes import kept_flops
+from remat.solver.schedule import Fall
+from chains import Net, assert_same, budget_for, measured_costs, physical_peak, random_chains, train
+from test_option_runs import _measured_options_cheap, _options_on_cpu  # noqa: F401 (the fixture: options on CPU)
+
+ROWS, WIDTH, DEEP, WIDE = 1024, 8, 2048, 512   # (rows of a batch; the two matmuls' inner and outer sizes)
+
+
+class Mixed(nn.Module):
+    """A stage with two expensive calls far apart in time per byte: a matmul over a
+    deep inner dimension into a narrow output (costly, small) and an outer product
+    into a wide one (cheap, large), then cheap ops that autograd saves from."""
+
+    def __init__(self):
+        super().__init__()
+        self.deep = nn.Linear(DEEP, WIDTH)
+        self.wide = nn.Linear(1, WIDE)
+
+    @remat.stage
+    def forward(self, x):
+        z = self.deep(x.repeat(1, DEEP // WIDTH)).sigmoid()
+        return x + self.wide(x[:, :1]).tanh().mean(-1, keepdim=True) * z
+
+
+def _steps(blocks, budget, steps=2):
+    """``steps`` SGD steps over ``blocks`` (plain where ``budget`` is None): losses,
+    input and parameter gradients, and the parameters after."""
+    params = [p for b in blocks for p in b.parameters()]
+    optim = torch.optim.SGD(params, lr=0.01)
+    out = []
+    for step in range(steps):
+        x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        with remat.chain(budget=budget) if budget is not None else torch.enable_grad():
+            h = x
+            for b in blocks:
+                h = b(h)
+        loss = h.square().mean()
+        optim.zero_grad()
+        loss.backward()
+        out += [loss.detach(), x.grad.clone()] + [p.grad.clone() for p in params]
+        optim.step()
+    return out + [p.detach().clone() for p in params]
+
+
+def test_a_rung_keeps_the_costly_small_output_and_runs_bitwise():
+    """The deep matmul's output (of far more time per byte than the wide one's) is
+    a rung of its own: an option keeping exactly the output a^i and that call's
+    bytes, less than option 1, run as the set of that call. Chosen wherever it
+    fits, the steps are plain PyTorch's bit for bit and stay under the budget."""
+    torch.manual_seed(0)
+    blocks = [Mixed() for _ in range(4)]
+    ref = _steps(copy.deepcopy(blocks), None)
+    _steps(copy.deepcopy(blocks), remat.chain.NO_LIMIT, steps=1)
+    costs = remat.explain().costs
+    out, deep = ROWS * WIDTH * 4, ROWS * WIDTH * 4
+    for i, stage in enumerate(remat.explain()._record.stages):
+        listed, policies = costs.options[i], stage.costs.policies
+        held = out if i < 3 else 0   # (a^L counts as held after the chain, in no record)
+        rungs = [o for o, p in zip(listed, policies) if isinstance(p, frozenset)]
+        assert rungs and rungs[0].saved_bytes == held + deep, (listed, policies)
+        assert rungs[0].saved_bytes < listed[0].saved_bytes < costs.saved_bytes[i]
+    remat.clear_cache()
+    with pytest.MonkeyPatch.context() as mp:
+        planning = _measured_options_cheap("rung")
+        mp.setattr(ChainRecord, "planning_costs", planning)
+        budget = budget_for(costs, "optimal", 0.3)
+        got = _steps(blocks, budget)
+        ops = remat.explain().schedule.ops
+    assert any(type(op) is Fall and (op.stage, op.option) in planning.chosen for op in ops), ops
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    remat.clear_cache()
+
+
+@settings(max_examples=10 if settings.default.max_examples <= 25 else settings.default.max_examples)   # (deep: its own)
+@given(random_chains(), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
+@example((["mlp", "attn", "bn", "dropout", "mlp", "ln", "relu"], False), 0.0, "sgd")
+@example((["attn", "mlp", "attn", "tied", "linear"], False), 0.3, "adam")
+@example((["convblock", "conv", "bn2d", "dropout", "convblock"], True), 0.2, "sgd")
+def test_random_chains_with_rungs_match_plain_pytorch(chain, fraction, opt):
+    """Every expensive call a step of its own (``RUNG_STEP`` just over 1, so that
+    every stage with two such calls has rungs, whatever the timings), a stage's
+    first rung made cheap so that the solver takes it wherever it fits: losses,
+    gradients, BatchNorm statistics and parameters after three steps are bitwise
+    plain PyTorch's, and a later step's peak is under the budget and at most its
+    prediction."""
+    kinds, image = chain
+    torch.manual_seed(0)
+    base = Net(kinds, image=image)
+    ref = train(copy.deepcopy(base), opt=opt)
+    net = copy.deepcopy(base)
+    net.budget = budget_for(measured_costs(base), "optimal", fraction)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measured_options, "RUNG_STEP", 1.0 + 1e-9)
+        mp.setattr(ChainRecord, "planning_costs", _measured_options_cheap("rung"))
+        got = train(net, opt=opt)
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+        peak = physical_peak(net)
+        predicted = remat.explain().predicted_peak
+    assert_same(ref, got)
+    assert peak <= net.budget and peak <= predicted, (peak, net.budget, predicted)
+    remat.clear_cache()
+
+
+def test_kept_flops_counts_matmuls_and_attention_and_says_none_elsewhere():
+    """The FLOPs that rank a stage's calls (torch's formulas): 2mkn for a matmul,
+    CPU attention counted as flash attention is, None for an op torch has none for
+    (its calls are then ranked by time)."""
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    assert kept_flops(torch.ops.aten.mm.default, (a, b), {}, a @ b) == 2 * 16 * 32 * 8
+    q = torch.randn(1, 2, 16, 8)
+    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)
+        assert kept_flops(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {}, out) \
+            == 2 * (2 * 2 * 16 * 16 * 8)   # (q k^T and its product with v, each 2 x b h s s d)
+    assert kept_flops(torch.ops.aten.add.Tensor, (a, a), {}, a + a) is None
