@@ -161,15 +161,16 @@ class ChainRecord:
         ``input_bytes``; or leaving this record's path) can take from this record
         (Note [Measuring within the budget], remat/measure/holding.py): (the most
         its tail needed above the chain's end, whether storing every stage fits
-        ``budget``), scaled to the input; (None, False) before a backward has shown
-        the tail."""
+        ``budget`` with a record more: measured, a kept stage's backward lets none of
+        its saved tensors go until it ends), scaled to the input; (None, False)
+        before a backward has shown the tail."""
         if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None:
             return None, False
         scale = 1.0 if input_bytes is None else input_bytes / self.input_bytes
         tail = self.tail.costs()
         costs = self.planning_costs()
         return int((tail["fwd_tmp"] + tail["kept"]) * scale), \
-            simulate(costs, store_all(costs.length)).peak * scale <= budget
+            (simulate(costs, store_all(costs.length)).peak + max(costs.saved_bytes)) * scale <= budget
 
     def counts_output(self):
         """Whether plans count a^L as held through the step (Note [The chain's output])."""

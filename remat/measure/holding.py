@@ -14,7 +14,8 @@ tail, is not known yet, and in a model whose head dwarfs a block (a language
 model's logits) saved tensors kept up to the budget put the step at about
 twice it. So stages keep them only where a record of this chain (at
 another shape, scaled, or the path it left) stores everything within the
-budget (``keep_all``, ``keep_saved``); else the backward rebuilds every stage
+budget with a stage's record to spare (a kept stage's measured backward holds
+its saved tensors to its end: ``keep_all``, ``keep_saved``); else the backward rebuilds every stage
 from its input, the last one too: one more forward, once. A stage whose own forward and backward cannot fit the budget
 (the least any schedule needs, ``fits``) stops the call with a
 ``BudgetError`` naming it, the call undone, before the stages after it run.

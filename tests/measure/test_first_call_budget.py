@@ -2,6 +2,7 @@
 remat/measure/measuring.py): a chain's first call, the first call of a new batch
 size and the calls of a path that changes, the whole step metered."""
 
+import copy
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import remat
 from remat.measure.holding import measuring_least
 from remat.measure.meter import Instrument
 from remat.solver.solve import minimum_budget, store_all
+from chains import Net, budget_for, make_input, measured_costs
 
 torch.set_num_threads(1)
 
@@ -221,3 +223,25 @@ def test_conv_batchnorm_stages_under_a_large_head_stay_under_the_least_budget():
     finally:
         gc.enable()
     assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_a_record_where_storing_everything_just_fits_keeps_no_saved_tensor_past_the_budget():
+    """One attention stage measured once; a first call of it at another key (a
+    record of the chain in the cache) at the least budget, where storing every
+    stage just fits: it lets the stage's saved tensors go as its measured backward
+    reads them, and stays under the budget. Before, the record's store-all peak
+    fitting told it to keep them, and its measured backward, holding them to its
+    end, needed 3.2 KiB more than the budget (BudgetError after the fact)."""
+    torch.manual_seed(0)
+    base = Net(["attn"])
+    budget = budget_for(measured_costs(base), "optimal", 0.0)
+    net = copy.deepcopy(base)
+    net.budget = budget
+    x, mask = make_input(net)
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(100))
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)   # (resident gradients)
+    with Instrument(writes=False) as meter:   # (the step measured_costs runs)
+        (net(x, mask) * target).sum().backward()
+    assert meter.peak + x.untyped_storage().nbytes() <= budget
+    remat.clear_cache()
