@@ -270,6 +270,17 @@ def budget_for(costs, algorithm, fraction):
     return max(budget, low)
 
 
+def plain_and_budgeted(kinds, image, opt, fraction):
+    """A ``Net`` of ``kinds`` (seed 0) trained as plain PyTorch (``train``'s result),
+    and an untrained copy of it at a budget ``fraction`` of the way up (``budget_for``)."""
+    torch.manual_seed(0)
+    base = Net(kinds, image=image)
+    ref = train(copy.deepcopy(base), opt=opt)
+    net = copy.deepcopy(base)
+    net.budget = budget_for(measured_costs(base), "optimal", fraction)
+    return ref, net
+
+
 def physical_peak(net, batch=4, length=6, seed=7, hold=True):
     """Peak bytes of tensor storages live during one training step of ``net``
     (new allocations, plus the chain input, which the budget counts): those of

@@ -15,7 +15,7 @@ from remat.measure import options as measured_options
 from remat.measure.chain_record import ChainRecord
 from remat.runtime.option_modes import kept_flops
 from remat.solver.schedule import Fall
-from chains import Net, assert_same, budget_for, measured_costs, physical_peak, random_chains, train
+from chains import assert_same, budget_for, physical_peak, plain_and_budgeted, random_chains, train
 from test_option_runs import _measured_options_cheap, _options_on_cpu  # noqa: F401 (the fixture: options on CPU)
 
 ROWS, WIDTH, DEEP, WIDE = 1024, 8, 2048, 512   # (rows of a batch; the two matmuls' inner and outer sizes)
@@ -99,12 +99,7 @@ def test_random_chains_with_rungs_match_plain_pytorch(chain, fraction, opt):
     gradients, BatchNorm statistics and parameters after three steps are bitwise
     plain PyTorch's, and a later step's peak is under the budget and at most its
     prediction."""
-    kinds, image = chain
-    torch.manual_seed(0)
-    base = Net(kinds, image=image)
-    ref = train(copy.deepcopy(base), opt=opt)
-    net = copy.deepcopy(base)
-    net.budget = budget_for(measured_costs(base), "optimal", fraction)
+    ref, net = plain_and_budgeted(*chain, opt, fraction)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(measured_options, "RUNG_STEP", 1.0 + 1e-9)
         mp.setattr(ChainRecord, "planning_costs", _measured_options_cheap("rung"))

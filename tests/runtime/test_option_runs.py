@@ -17,8 +17,8 @@ from remat import Option
 from remat.measure.chain_record import ChainRecord
 from remat.solver.schedule import Fall
 from remat.solver.solve import minimum_budget, solve
-from chains import (Net, Stage, assert_same, budget_for, make_input, measured_costs, physical_peak, random_chains,
-                    train)
+from chains import (Net, Stage, assert_same, budget_for, make_input, measured_costs, physical_peak, plain_and_budgeted,
+                    random_chains, train)
 
 
 @pytest.fixture(autouse=True)
@@ -95,12 +95,7 @@ def test_random_chains_with_options_match_plain_pytorch(chain, fraction, opt, wh
     saves) recorded on every stage the solver records (in the forward phase and
     in the backward phase), losses, gradients, BatchNorm statistics and
     parameters after three steps are bitwise those of plain PyTorch."""
-    kinds, image = chain
-    torch.manual_seed(0)
-    base = Net(kinds, image=image)
-    ref = train(copy.deepcopy(base), opt=opt)
-    net = copy.deepcopy(base)
-    net.budget = budget_for(measured_costs(base), "optimal", fraction)
+    ref, net = plain_and_budgeted(*chain, opt, fraction)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ChainRecord, "planning_costs", _every_stage_option(which))
         got = train(net, opt=opt)
