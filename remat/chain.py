@@ -40,6 +40,7 @@ import torch
 from .dynamo import DYNAMO_SKIPS
 from .errors import BudgetError, StageError
 from .measure.holding import least_budget
+from .measure.options import keeps_said
 from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_peaks
 from .solver.schedule import Loss
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
@@ -68,9 +69,8 @@ def parse_budget(budget):
             raise BudgetError(f"remat: budget {budget!r}: {exc}") from None
     elif isinstance(budget, bool) or not isinstance(budget, int):
         if isinstance(budget, float):
-            raise BudgetError(
-                f"remat: budget {budget!r} is a float; give an int of bytes or a string with a unit, e.g. '1.5GiB'"
-            )
+            raise BudgetError(f"remat: budget {budget!r} is a float; give an int of bytes or a string with a unit, "
+                              f"e.g. '1.5GiB'")
         raise BudgetError(
             f"remat: budget must be an int of bytes, a string such as '900MB' or '1.5GiB', or 'auto'; "
             f"got {type(budget).__name__} {budget!r}"
@@ -88,10 +88,8 @@ def free_memory(device):
     """Bytes free on ``device`` now (CUDA: the driver's count; CPU: available RAM)."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        return int(torch.cuda.mem_get_info(device)[0])
     import psutil
-
     return int(psutil.virtual_memory().available)
 
 
@@ -101,7 +99,6 @@ def total_memory(device):
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     import psutil
-
     return int(psutil.virtual_memory().total)
 
 
@@ -177,18 +174,21 @@ class Explanation:
     def table(self):
         """Per-stage costs and the op each stage gets in the forward phase ("Fall:o1"
         for a ``Fall`` recording with option 1, Note [Options]), each option of a
-        stage on a line of its own below it ("o1")."""
+        stage on a line of its own below it ("o1"), with what it keeps."""
         ops = self.schedule.ops[:self.schedule.ops.index(Loss)] if self.schedule is not None else []
+        policies = self._record.policies() if self._record is not None else []
         modes = [f"Fall:o{op.option}" if getattr(op, "option", 0) else type(op).__name__ for op in ops]
         lines = self.costs.table().splitlines()
-        out = [lines[0] + "  forward   name"]
+        out, i = [lines[0] + "  forward   name"], 0
         for line in lines[1:]:
             first = line.split()[0]
             if first == "tail":   # (Note [The chain's tail], remat/measure/tail.py)
                 out.append(f"{line}  {'Fall':<8}  (after the last stage: head, loss)")
                 continue
-            if not first.isdigit():   # the input's and the held bytes' lines
-                out.append(line)
+            if not first.isdigit():   # the input's, the held bytes' and the options' lines
+                q = int(first[1:]) if first[0] == "o" and first[1:].isdigit() else 0
+                listed = policies[i] if q and i < len(policies) else ()
+                out.append(line if not q else f"{line}  {'':<8}  {keeps_said(listed[q - 1] if q <= len(listed) else q)}")
                 if first == "held":
                     out.extend(f"{'':>5}  -{format_bytes(n):>11} {what}" for what, n in self.held.items())
                 continue

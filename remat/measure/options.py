@@ -90,7 +90,7 @@ import torch
 from ..runtime.option_modes import KEEP_EXPENSIVE, KEEP_SAVED, option_contexts
 from ..solver.option import Option
 
-__all__ = ["KeptSeen", "Rung", "kept_seen", "stage_options", "dispatch_overhead"]
+__all__ = ["KeptSeen", "Rung", "kept_seen", "keeps_said", "stage_options", "dispatch_overhead"]
 
 RUNG_STEP = 2.0   # a rung ends where the next call's seconds per byte fall below its first's by this
 MAX_RUNGS = 2     # rungs a stage offers at most (each an option the solver weighs at every stage)
@@ -221,6 +221,14 @@ def stage_options(costs, in_bytes):
             keeps.add(kept)
             listed.append((option(kept, min(1.0, share), rebuild), policy))
     return [o for o, _ in listed], tuple(p for _, p in listed)
+
+
+def keeps_said(policy):
+    """What an option run with ``policy`` keeps, in words (``remat.explain()``)."""
+    if isinstance(policy, frozenset):
+        return f"keeps its {len(policy)} costliest expensive calls' outputs (FLOPs per byte)"
+    return {KEEP_EXPENSIVE: "keeps its expensive ops' outputs", KEEP_SAVED: "keeps those of them autograd saves"}.get(
+        policy, "")
 
 
 _overhead = []
