@@ -32,6 +32,22 @@ concave function of each stage's bytes kept, over the same polymatroid, and
 the greedy order over all stages' segments still solves it exactly (a stage's
 segments come in their own order). Without options each stage has one
 segment, its gain over its weight, as above.
+
+Near the least budget that bound is loose: it lets every stage run forward
+twice at most, where a schedule that can hold no activation through a
+backward op runs the early stages again before each one. A second bound
+counts those runs. While ``B(i)`` runs, the budget holds a^0, held_bytes,
+the a-bar^i it reads (its way of least saved bytes plus bwd_tmp), the
+gradients of a^i and a^(i-1) and a^(i-1) itself (its least holding: on its
+own, in an a-bar or an option's record, less what rule 6 may drop). Where
+what is left cannot hold any other a^j (1 <= j < L, j not i-1 or i) in its
+least holding, nothing but a^0 is held once ``B(i)`` is done (rule 5 lets
+a^(i-1) go with it); ``B(i-1)`` needs a^(i-2), so every stage before i-1
+runs forward between the two, and stage i-1 too where its least record
+could not be held through ``B(i)`` in place of a^(i-1). Those runs are over
+the one each stage takes at least, in turns that do not overlap: each costs
+at least the stage's least forward time (fwd_time, fwd_nograd_time or an
+option's). The larger of the two bounds holds.
 """
 
 import math
@@ -87,8 +103,32 @@ def time_bound(costs, budget):
         saved += gain * (share / weight)
         for j in range(i + 1, n + 1):
             rooms[j] -= share
-    return (math.fsum(fastest[i][2] for i in range(n)) + math.fsum(fastest[i][3] for i in range(n))
-            + max(math.fsum(tops) - saved, 0.0))
+    least = math.fsum(fastest[i][2] for i in range(n)) + math.fsum(fastest[i][3] for i in range(n))
+    again = _runs_again(costs, ways, room)
+    return max(least + max(math.fsum(tops) - saved, 0.0),
+               least + math.fsum(k * min(tf[j], tn[j], *(w[2] for w in ways[j])) for j, k in enumerate(again) if k))
+
+
+def _runs_again(costs, ways, room):
+    """Forward runs of each stage beyond its one that any schedule of ``costs``
+    takes with ``room`` bytes beside the chain's input and held_bytes (the second
+    bound of Note [A bound on any schedule])."""
+    n = costs.length
+    x, alone = costs.sizes(), costs.alone_sizes()
+    drop, whole = (0,) + costs.fwd_drop, (0,) + costs.fwd_drop_whole
+    # the least bytes that hold a^j: on its own, or inside an a-bar^j (any way of recording it)
+    record = [0] + [max(0, min(w[0] - (whole[j] if q == 0 else 0) for q, w in enumerate(ways[j - 1])))
+                    for j in range(1, n)]
+    least = [0] + [min(max(0, alone[j] - drop[j]), record[j]) for j in range(1, n)]
+    again = [0] * n
+    for i in range(2, n + 1):   # (B(i), 1-based)
+        left = room - min(w[0] + w[1] for w in ways[i - 1]) - x[i] - x[i - 1]
+        if left - least[i - 1] < min((least[j] for j in range(1, n) if j not in (i - 1, i)), default=math.inf):
+            for j in range(i - 2):
+                again[j] += 1
+            if left < record[i - 1]:
+                again[i - 2] += 1
+    return again
 
 
 def _lower_hull(points):
