@@ -24,6 +24,9 @@ A compiled step's peak is its whole step's (a hook in the compiled model
 would break its graph), so remat at that budget is held to the larger scope.
 ``--compile`` needs CUDA: under the CPU storage meter (a Python dispatch mode)
 the compiled step runs uncompiled.
+On a GPU (or with REMAT_BENCH_BOTH set) remat also runs without stage options
+at HF's two peaks, and without rungs at HF+SAC's peak, each compiled method's
+and 60% of plain's: what options and rungs buy.
 Each remat run starts from a fresh copy: its first call measures, the next
 two refine the times (remat/measure/refine.py), then the rounds run; every
 call's peak is checked against the budget, the first ones included.
@@ -47,6 +50,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import remat  # noqa: E402
+from remat.measure import options as measured_options  # noqa: E402
 from remat.measure.meter import Instrument  # noqa: E402
 from remat.tools.trials import _sac_contexts  # noqa: E402
 
@@ -144,6 +148,9 @@ def _memory_budget(value):
     return functorch_config.patch(activation_memory_budget=value)
 
 
+_KINDS = {"auto": "", False: " (no options)", "no rungs": " (no rungs)"}   # (remat's runs: their names' ends)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -198,13 +205,18 @@ def main():
     first_calls = {}
     # (and, at HF's peaks, with whole stages only: what options buy; on CPU they are off already)
     runs = [(label, budget, "auto") for label, budget in budgets.items()]
+    # (and without rungs where options pay: what rungs buy, remat/measure/options.py Note [Measuring an option] 6)
     if device.type == "cuda" or os.environ.get("REMAT_BENCH_BOTH"):
         runs[2:2] = [(label, budgets[label], False) for label in ("HF's peak", "HF+SAC's peak")]
+        runs += [(label, budgets[label], "no rungs") for label in budgets if label in ("HF+SAC's peak", "60% of plain")
+                 or label.startswith("compile")]
     for label, budget, options in runs:
         model = copy.deepcopy(base)
-        remat.wrap(model, model.transformer.h, budget=budget, options=options)
-        s = Step(f"remat{'' if options else ' (no options)'} at {label}", model, device, budget)
+        remat.wrap(model, model.transformer.h, budget=budget, options="auto" if options else False)
+        s = Step(f"remat{_KINDS[options]} at {label}", model, device, budget)
         t0 = time.perf_counter()
+        rungs = measured_options.MAX_RUNGS
+        measured_options.MAX_RUNGS = 0 if options == "no rungs" else rungs   # (read by its measuring call)
         try:
             first_calls[s.name] = [s.run(b)[2] for b in batches[:3]]   # measuring, then two refining calls
         except remat.BudgetError as exc:
@@ -214,6 +226,8 @@ def main():
             first_calls[s.name] = f"failed: {type(exc).__name__}: {exc}"[:400]
             traceback.print_exc()
             continue
+        finally:
+            measured_options.MAX_RUNGS = rungs
         print(f"{s.name}: first calls {[round(p / 2**20, 1) for p in first_calls[s.name]]} MiB "
               f"(budget {budget / 2**20:.1f}) in {time.perf_counter() - t0:.1f} s; {s.plan}", file=sys.stderr)
         methods.append(s)
