@@ -170,7 +170,7 @@ class ChainRecord:
         tail = self.tail.costs()
         costs = self.planning_costs()
         return int((tail["fwd_tmp"] + tail["kept"]) * scale), \
-            (simulate(costs, store_all(costs.length)).peak + max(costs.saved_bytes)) * scale <= budget
+            (simulate(costs, store_all(costs.length)).peak + max(costs.saved_bytes[:costs.stages])) * scale <= budget
 
     def counts_output(self):
         """Whether plans count a^L as held through the step (Note [The chain's output])."""

@@ -66,19 +66,19 @@ and adds up the time of the other ops; no run is added to the first call.
    expensive ops differ in what they cost to make again per byte they keep (an
    attention kernel's output against the MLP's matmuls; a 3x3 convolution's
    against the 1x1 ones around it). The meter numbers each call of a kept op
-   in the forward's order, with its seconds, FLOPs and the bytes it made;
-   ranked by FLOPs per byte (torch's formulas, where they count every call:
-   the same rungs on every run, and in a costs file, where timing would move
-   them; seconds per byte otherwise), the calls fall into steps wherever the ratio drops below
-   half of the step's first (``RUNG_STEP``), and keeping the calls up to each
-   step (at most ``MAX_RUNGS`` of them, the output's call always) is an option
-   (``Rung``): its saved_bytes and fwd_tmp as option 1's, its rebuild makes
-   the other calls' outputs again (their spans in the timeline) and its
-   bwd_time adds their share of the op time. It runs with the set of calls as
-   its policy: the forward mode numbers its kept calls the same way and lets
-   the others go at the stage's end (``keep_calls``, remat/runtime/option_modes.py).
-   Offered where it keeps less than option 1 and the record, and bytes no other
-   option keeps.
+   in the forward's order, with its seconds, FLOPs and the bytes it made. Ranked
+   by FLOPs per byte (torch's formulas, where they count every call: the same
+   rungs on every run and in a costs file, where timings would move them;
+   seconds per byte otherwise), the calls fall into steps wherever the ratio
+   drops below the step's first over ``RUNG_STEP``, and keeping the calls up to
+   each step (at most ``MAX_RUNGS`` of them; the output's call always) is an
+   option, a ``Rung``: its saved_bytes are the output and those calls' bytes,
+   its fwd_tmp is option 1's, its rebuild makes the other calls' outputs again
+   (their spans in the timeline) and its bwd_time adds their share of the op
+   time. It runs with that set of calls as its policy: the forward mode
+   numbers its kept calls the same way and lets the others go at the stage's
+   end (``keep_only``, remat/runtime/option_modes.py). Offered where it keeps
+   less than option 1 and the record, and bytes no other option keeps.
 """
 
 import contextlib
@@ -92,7 +92,7 @@ from ..solver.option import Option
 
 __all__ = ["KeptSeen", "Rung", "kept_seen", "keeps_said", "stage_options", "dispatch_overhead"]
 
-RUNG_STEP = 2.0   # a rung ends where the next call's seconds per byte fall below its first's by this
+RUNG_STEP = 2.0   # a rung ends where the next call's FLOPs (or seconds) per byte fall below its first's by this
 MAX_RUNGS = 2     # rungs a stage offers at most (each an option the solver weighs at every stage)
 
 
@@ -109,7 +109,7 @@ class KeptSeen(NamedTuple):
     out_kept: bool = False  # a kept op made the output (the cache holds a^i until B(i))
     forward: int = None     # the peak of a forward that caches the kept outputs (CPU; None on CUDA)
     rebuild_seconds: float = None   # a rebuild under option 1's cache, timed (CUDA: ``timed_rebuild``)
-    ladder: tuple = ()      # ``Rung``s: fewer kept outputs, those of most time per byte (6 of the Note)
+    ladder: tuple = ()      # ``Rung``s: fewer kept outputs, those of most FLOPs per byte (6 of the Note)
 
 
 class Rung(NamedTuple):
