@@ -77,8 +77,10 @@ and adds up the time of the other ops; no run is added to the first call.
    (their spans in the timeline) and its bwd_time adds their share of the op
    time. It runs with that set of calls as its policy: the forward mode
    numbers its kept calls the same way and lets the others go at the stage's
-   end (``keep_only``, remat/runtime/option_modes.py). Offered where it keeps
-   less than option 1 and the record, and bytes no other option keeps.
+   end (``keep_only``, remat/runtime/option_modes.py), all of them where the
+   forward made another number of such calls than run 1 (``Calls.total``).
+   Offered where it keeps less than option 1 and the record, and bytes no
+   other option keeps.
 """
 
 import contextlib
@@ -87,7 +89,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime.option_modes import KEEP_EXPENSIVE, KEEP_SAVED, option_contexts
+from ..runtime.option_modes import KEEP_EXPENSIVE, KEEP_SAVED, Calls, option_contexts
 from ..solver.option import Option
 
 __all__ = ["KeptSeen", "Rung", "kept_seen", "keeps_said", "stage_options", "dispatch_overhead"]
@@ -154,7 +156,7 @@ def _ladder(inst, out_call, cuda):
         if start is not None and ratio < start / RUNG_STEP:   # (a step down: the calls so far are a rung)
             kept, left = ranked[:at], ranked[at:]
             made = [span for m in left for span in calls[m][3] if span is not None]   # (made again)
-            rungs.append(Rung(frozenset(kept + ([] if out_call is None else [out_call])),
+            rungs.append(Rung(Calls(kept + ([] if out_call is None else [out_call]), len(calls)),
                               sum(calls[m][1] for m in kept),
                               min(1.0, sum(calls[m][0] for m in left) / spent) if spent > 0 else 1.0,
                               None if cuda else _peak(inst, 0, made) + inst.kept_written))

@@ -39,12 +39,25 @@ one run and not the other shifts).
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["KEPT_OPS", "KEEP_EXPENSIVE", "KEEP_SAVED", "keep_only", "kept_flops", "option_contexts"]
+__all__ = ["KEPT_OPS", "KEEP_EXPENSIVE", "KEEP_SAVED", "Calls", "keep_only", "kept_flops", "option_contexts"]
 
 # what a stage's option keeps (``Plan.policy``, remat/solver/plan.py): every output of
 # ``KEPT_OPS`` (option 1), or those of them autograd saves and the stage's output (option 2);
-# a frozenset: those of the calls of ``KEPT_OPS`` it numbers, in the forward's order (a rung)
+# ``Calls``: those of the calls of ``KEPT_OPS`` it numbers, in the forward's order (a rung)
 KEEP_EXPENSIVE, KEEP_SAVED = 1, 2
+
+
+class Calls(frozenset):
+    """A rung's policy: the numbers of the kept ops' calls whose outputs it keeps, in
+    a forward that makes ``total`` such calls (one that makes another number keeps none)."""
+
+    def __new__(cls, calls, total):
+        self = super().__new__(cls, calls)
+        self.total = total
+        return self
+
+    def __reduce__(self):
+        return Calls, (frozenset(self), self.total)
 
 KEPT_OPS = frozenset(getattr(torch.ops.aten, name) for name in (   # the expensive ops, whose outputs it keeps
     "mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "linear", "convolution", "_convolution",
@@ -141,15 +154,18 @@ def keep_only(modes, policy, tensors):
     """Of the outputs the forward mode of ``modes`` (its recompute mode) kept, keep
     what ``policy`` says; the others are made again in B(i). ``KEEP_SAVED``: those
     whose storage one of ``tensors`` (what autograd saved, the stage's output)
-    shares; a set of calls: the outputs of those calls."""
+    shares; ``Calls``: the outputs of those calls, where the forward made as many
+    calls as the stage's measured one (else none: fewer bytes than planned, never more)."""
     if policy == KEEP_SAVED:
         keys = {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided}
 
         def keep(kept, _):
             return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in keys for t in _many(kept))
     elif isinstance(policy, frozenset):
+        same = sum(map(len, modes.cache.values())) == getattr(policy, "total", None)
+
         def keep(_, j):
-            return j in policy
+            return same and j in policy
     else:
         return
     for listed in modes.cache.values():

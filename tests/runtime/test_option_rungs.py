@@ -13,7 +13,7 @@ from hypothesis import example, given, settings, strategies as st
 import remat
 from remat.measure import options as measured_options
 from remat.measure.chain_record import ChainRecord
-from remat.runtime.option_modes import kept_flops
+from remat.runtime.option_modes import Calls, keep_only, kept_flops, option_contexts
 from remat.solver.schedule import Fall
 from chains import assert_same, budget_for, physical_peak, plain_and_budgeted, random_chains, train
 from test_option_runs import _measured_options_cheap, _options_on_cpu  # noqa: F401 (the fixture: options on CPU)
@@ -125,3 +125,25 @@ def test_kept_flops_counts_matmuls_and_attention_and_says_none_elsewhere():
         assert kept_flops(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {}, out) \
             == 2 * (2 * 2 * 16 * 16 * 8)   # (q k^T and its product with v, each 2 x b h s s d)
     assert kept_flops(torch.ops.aten.add.Tensor, (a, a), {}, a + a) is None
+
+
+def test_a_rung_keeps_its_calls_only_where_the_forward_made_as_many_as_measured():
+    """``keep_only`` with a rung's ``Calls``: the outputs of the calls it numbers where
+    the forward made as many kept calls as the measured one; none where it made
+    another number (a parametrization cached in one call and not the next), so that
+    the stage holds fewer bytes than planned, never more; the rebuild still hands
+    back what is kept and makes the rest again, bitwise."""
+    a, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
+
+    def forward():
+        return (a @ b).relu() @ b
+
+    for total, kept in ((2, [True, False]), (3, [False, False])):
+        keeping, handing = option_contexts()
+        with keeping:
+            out = forward()
+        keep_only(handing, Calls([0], total), [out])
+        assert [entry[0] is not None for listed in handing.cache.values() for entry in listed] == kept
+        with handing:
+            again = forward()
+        assert torch.equal(out, again)
