@@ -362,7 +362,7 @@ class Run:
         if option:
             forward, cache = option_contexts()
             out, saved = record_again(self.calls[k], x, self.autocast, forward)
-            keep_only(cache, self.policy(k, option), [*saved, out])
+            keep_only(cache, self.policy(k, option), saved, out)
             if anchor is not None:
                 anchor.cache = cache
                 self._give(k + 1, out)

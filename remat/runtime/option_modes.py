@@ -150,14 +150,15 @@ def _versions(out):
     return tuple(t._version for t in _many(out) if isinstance(t, torch.Tensor))
 
 
-def keep_only(modes, policy, tensors):
+def keep_only(modes, policy, saved, out):
     """Of the outputs the forward mode of ``modes`` (its recompute mode) kept, keep
     what ``policy`` says; the others are made again in B(i). ``KEEP_SAVED``: those
-    whose storage one of ``tensors`` (what autograd saved, the stage's output)
-    shares; ``Calls``: the outputs of those calls, where the forward made as many
+    whose storage one of ``saved`` (what autograd saved) or the stage's output
+    ``out`` shares; ``Calls``: the outputs of those calls, where the forward made as many
     calls as the stage's measured one (else none: fewer bytes than planned, never more)."""
     if policy == KEEP_SAVED:
-        keys = {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        keys = {t.untyped_storage()._cdata for t in (*saved, out) if isinstance(t, torch.Tensor)
+                and t.layout == torch.strided}
 
         def keep(kept, _):
             return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in keys for t in _many(kept))

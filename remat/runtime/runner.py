@@ -226,7 +226,7 @@ class Runner:
                 forward, anchor.cache = option_contexts()
                 with run.hooks(pack), forward:
                     out = call.invoke(x)
-                keep_only(anchor.cache, self.plan.policy(k, option), [*anchor.live, first(out)])
+                keep_only(anchor.cache, self.plan.policy(k, option), anchor.live, first(out))
             else:
                 with run.hooks(pack):
                     out = call.invoke(x)

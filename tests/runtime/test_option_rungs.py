@@ -142,7 +142,7 @@ def test_a_rung_keeps_its_calls_only_where_the_forward_made_as_many_as_measured(
         keeping, handing = option_contexts()
         with keeping:
             out = forward()
-        keep_only(handing, Calls([0], total), [out])
+        keep_only(handing, Calls([0], total), [], out)
         assert [entry[0] is not None for listed in handing.cache.values() for entry in listed] == kept
         with handing:
             again = forward()
