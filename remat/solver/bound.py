@@ -33,6 +33,20 @@ the greedy order over all stages' segments still solves it exactly (a stage's
 segments come in their own order). Without options each stage has one
 segment, its gain over its weight, as above.
 
+Two things make it closer. A stage run once ran before every later stage's
+first forward, and is held from then to its backward: so each first forward
+(the tail's, a head's logits, among them) bounds the kept weights before it
+too, beside its output and least transient; the capacities stay nested. And
+a stage is kept whole or not at all: with the stages in order, a table of
+the weight kept so far (in units, each weight and room rounded down, so
+that whatever fits still does) gives the least extra time over whole
+choices, exactly; the relaxation stands where the table would be too large.
+On like blocks under a head whose logits leave no room for the last block's
+record, that is the best schedule's time at two budgets in three
+(tests/solver/test_bound.py). What it still leaves out: the stage inputs a
+schedule holds to rebuild from (at per-block checkpointing's peak of a
+GPT, keeping the last block's record leaves too little room for them).
+
 Near the least budget that bound is loose: it lets every stage run forward
 twice at most, where a schedule that can hold no activation through a
 backward op runs the early stages again before each one. A second bound
@@ -64,8 +78,8 @@ def time_bound(costs, budget):
         >>> c = Costs.uniform(4, time=1.0, size=1, saved=10)
         >>> time_bound(c, 44)   # store-all's peak: store-all's time
         12.0
-        >>> time_bound(c, 24)   # room for about two a-bar: the rest run twice
-        13.9
+        >>> time_bound(c, 24)   # room for two a-bar: the other two run twice (the best schedule's)
+        14.0
     """
     n = costs.length
     x = costs.sizes()
@@ -79,22 +93,30 @@ def time_bound(costs, budget):
     # rooms[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
     # held from the forward phase (with the way that leaves most); rooms[n]: what Loss leaves for all of them
     rooms = [room - min(s + x[i + 1] + x[i] + bt for s, bt, _, _ in ways[i]) for i in range(n)] + [room]
+    # and what stage i+1's first forward leaves for them (its output and transient, in the way
+    # that needs least: a stage run once ran before it, and is held from then to its backward)
+    alone = costs.alone_sizes()
+    ft = [min([costs.fwd_tmp[i]] + [o.fwd_tmp for o in costs.options[i]]) for i in range(n)]
+    rooms = [min(r, room - alone[i + 1] - ft[i]) if i else r for i, r in enumerate(rooms[:n])] + rooms[n:]
     chain = range(n)
     if costs.tail:   # (it runs once, recorded: held at Loss, never run again)
         rooms[n] -= max(costs.saved_bytes[n - 1], 0)
+        rooms[n - 1] = min(rooms[n - 1], room - max(costs.saved_bytes[n - 1], alone[n] + costs.fwd_tmp[n - 1]))
         chain = range(n - 1)
     if min(rooms) < 0:
         return math.inf
-    tops, segments = [], []
+    tops, segments, choices = [], [], []
     for i in chain:
         drop = costs.fwd_drop_whole[i] if i < n - 1 else 0
         best = fastest[i][2] + fastest[i][3]
         points = [(0, min(tf[i], tn[i]))] + [
             (max(s - (drop if q == 0 else 0), 0), (f + b) - best if (s, bt, f, b) != fastest[i] else 0.0)
             for q, (s, bt, f, b) in enumerate(ways[i])]
+        choices.append(points)
         hull = _lower_hull(points)
         tops.append(hull[0][1])
         segments += [(i, e0 - e1, w1 - w0) for (w0, e0), (w1, e1) in zip(hull, hull[1:])]
+    whole = _whole_choices(choices, rooms)   # (before the greedy takes from rooms)
     saved = 0.0
     for i, gain, weight in sorted(segments, key=lambda seg: -seg[1] / seg[2]):
         share = min(weight, min(rooms[i + 1:]))   # (B of every later stage, and Loss)
@@ -105,7 +127,7 @@ def time_bound(costs, budget):
             rooms[j] -= share
     least = math.fsum(fastest[i][2] for i in range(n)) + math.fsum(fastest[i][3] for i in range(n))
     again = _runs_again(costs, ways, room)
-    return max(least + max(math.fsum(tops) - saved, 0.0),
+    return max(least + max(math.fsum(tops) - saved, whole, 0.0),
                least + math.fsum(k * min(tf[j], tn[j], *(w[2] for w in ways[j])) for j, k in enumerate(again) if k))
 
 
@@ -129,6 +151,32 @@ def _runs_again(costs, ways, room):
             if left < record[i - 1]:
                 again[i - 2] += 1
     return again
+
+
+def _whole_choices(choices, rooms, cells=1 << 22):
+    """The least extra time of the first bound with each stage taking one of its
+    points (weight, extra time) whole, ``choices[i]`` for the i-th stage of the
+    chain, its prefix sums of weights within ``rooms`` (rooms[k] bounds the weights
+    of the stages before k): a knapsack whose nested capacities a pass over the
+    stages in order solves exactly, on weights and rooms counted in units of
+    ``unit`` bytes, each rounded down (a choice that fits fits so: a bound still).
+    0.0 where the table would take over ``cells`` cells (the relaxation alone then)."""
+    points = sum(len(c) for c in choices)
+    width = min(4096, cells // max(points, 1))
+    if not choices or width < 64:
+        return 0.0
+    unit = max(1, -(-int(max(rooms)) // width))
+    limits = [math.floor(min(rooms[k + 1:]) / unit) for k in range(len(choices))]
+    table = {0: 0.0}   # units of weight so far -> least extra time
+    for points, limit in zip(choices, limits):
+        grown = {}
+        for w, extra in table.items():
+            for weight, more in points:
+                v = w + int(weight // unit)
+                if v <= limit and extra + more < grown.get(v, math.inf):
+                    grown[v] = extra + more
+        table = grown
+    return min(table.values(), default=0.0)
 
 
 def _lower_hull(points):

@@ -45,3 +45,22 @@ def test_no_schedule_beats_the_bound_near_the_least_budget(seed):
     high = simulate(costs, store_all(costs.length)).peak
     for budget in sorted({low, low + 1, low + (high - low) // 8}):
         assert time_bound(costs, budget) <= best_schedule(costs, budget, persistent=False)[0] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("length, saved, tail_tmp", [(3, 6, 6), (4, 6, 6), (4, 8, 5)])
+def test_whole_records_and_the_tails_forward_make_the_bound_the_optimum_at_most_budgets(length, saved, tail_tmp):
+    """Like blocks under a tail whose forward's transient leaves no room for the last
+    block's record beside it (a head's logits): counting records kept whole, and what
+    each first forward leaves, the bound is the best schedule's time (exhaustive,
+    persistent or not) at two budgets in three from the least to storing everything,
+    never above it. Kept fractionally, and with only what each backward leaves, it
+    was below it at every budget but the ends."""
+    costs = Costs.uniform(length, time=1.0, size=1, saved=saved).with_tail(1.0, 1.0, 0, 0, tail_tmp, 0)
+    low, high = minimum_budget(costs), simulate(costs, store_all(costs.length)).peak
+    equal = 0
+    for budget in range(low, high + 1):
+        best, _ = best_schedule(costs, budget, persistent=False)
+        bound = time_bound(costs, budget)
+        assert bound <= best * (1 + 1e-9), budget
+        equal += _close(bound, best)
+    assert 3 * equal >= 2 * (high - low + 1), (equal, high - low + 1)
