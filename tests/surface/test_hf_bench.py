@@ -27,6 +27,8 @@ def test_every_remat_call_is_under_its_budget_and_at_its_prediction(tmp_path):
     for r in remat_rows:
         assert r["under_budget"] and r["first_calls_under_budget"], r
         assert r["scoped_peak_bytes"] == r["predicted_peak"], r
+        # no schedule is faster than the bound; the plan is the optimal one on its costs
+        assert r["bound_chain_seconds"] <= r["predicted_chain_seconds"] * (1 + 1e-9), r
     # a budget refused names the chain's least
     for why in result["refused"].values():
         assert "minimum" in why
