@@ -8,7 +8,8 @@ chain's output), and ``B(i)`` needs a-bar^i from a ``Fall(i)``. Either that
 ``Fall(i)`` ran before ``Loss`` and its a-bar^i is held from then until
 ``B(i)`` (less what rule 6 of Note [Accounting] lets go of a^i,
 ``fwd_drop_whole``: its weight), or it runs after, and stage i runs forward at
-least twice: min(fwd_time, fwd_nograd_time) more than in plain PyTorch's
+least twice: its run in the forward phase (fwd_time there, with or without
+recording: Note [Accounting]; or an option's) more than in plain PyTorch's
 schedule (its gain). Call the first kind kept. With a^0 and ``held_bytes``
 held throughout, the kept stages' weights fit in the budget at ``Loss``, and
 at each ``B(i)`` so do the kept stages before i together with what ``B(i)``
@@ -116,7 +117,7 @@ def time_bound(costs, budget):
     for i in chain:
         drop = costs.fwd_drop_whole[i] if i < n - 1 else 0
         best = fastest[i][2] + fastest[i][3]
-        points = [(0, min(tf[i], tn[i]))] + [
+        points = [(0, min(w[2] for w in ways[i]))] + [
             (max(s - (drop if q == 0 else 0), 0), (f + b) - best if (s, bt, f, b) != fastest[i] else 0.0)
             for q, (s, bt, f, b) in enumerate(ways[i])]
         choices.append(points)
