@@ -128,6 +128,7 @@ class ChainRecord:
         self.from_file = False   # the costs came from a costs file
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
         self.state_copies = 0    # bytes of written state the measuring call held copies of to its end
+        self.others = []         # records of other paths of the chain (Note [Paths of a chain], remat/runtime/paths.py)
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held

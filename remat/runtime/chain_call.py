@@ -1,8 +1,7 @@
 """One call of a chain (the user's forward, from the ``with remat.chain`` to its
 end): its stage calls checked and handed to its measuring part (``Measurer``,
-remat/measure/measuring.py) or its running part (``Runner``,
-remat/runtime/runner.py), and the records of the chains, per key (Note
-[Chain keys], remat/chain.py), in a bounded cache.
+remat/measure/measuring.py) or its running part (``Runner``, remat/runtime/runner.py),
+and the records of the chains, per key (Note [Chain keys], remat/chain.py), in a bounded cache.
 """
 
 import collections
@@ -28,6 +27,7 @@ from ..solver.solve import solve
 from ..units import format_bytes
 from .recompute import replaying, take_slots
 from .replay import capture_autocast
+from .paths import switch_path
 from .runner import Runner, site_text, watch_output
 from .stage_call import StageCall, check_hooks_enabled, check_output, find_activation, handed_on, signature
 
@@ -162,8 +162,11 @@ class ChainCall:
         call.autocast = self.autocast if k == 1 else capture_autocast(self.autocast)
         if not self.measuring and not self.part.matches(k, ident, x, call):
             runner = self.part   # (the record of the path it left tells of the tail and of storing all)
-            self.part = Measurer(self.budget, self.autocast, runner.diverge(k), runner.run,
-                                 runner.entry.hint(self.budget))
+            if switch_path(runner, k, ident, x, call, self.budget, self.spec):
+                _remember(self.key, runner.entry)
+            else:
+                self.part = Measurer(self.budget, self.autocast, runner.diverge(k), runner.run,
+                                     runner.entry.hint(self.budget))
         if self.measuring:
             take_slots(call, ident)
         version = x._version
@@ -286,9 +289,8 @@ class ChainCall:
         _remember(self.key, new)
         watch_output(new, self.prev)
         try:
-            # (this call's own backward may yet show its output let go: Note [The
-            # chain's output], remat/measure/chain_record.py; only a budget under the measured
-            # costs' minimum fails now)
+            # (its own backward may yet show its output let go: Note [The chain's output],
+            # remat/measure/chain_record.py; only a budget under the measured costs' minimum fails now)
             plan = plan_for(new, self.budget, self.spec)
         except Exception as exc:
             measurer.undo()
@@ -334,8 +336,7 @@ def _packed(args, kwargs):
 
 
 def _hint(site, budget, input_bytes):
-    """What a measuring call of the chain at ``site`` can take from its latest record
-    (``ChainRecord.hint``, scaled to ``input_bytes``)."""
+    """What a measuring call of the chain at ``site`` can take from its latest record (its ``hint``)."""
     with _cache_lock:
         for key, record in reversed(_cache.items()):
             if key[0] == site:
@@ -377,10 +378,9 @@ def plan_for(entry, budget, spec):
                     f"(remat/measure/chain_record.py Note [The chain's output])", exc.minimum) from None
             schedule = None
         if schedule is None:
-            # no backward has told yet whether the code around the chain lets a^L go:
-            # as the measuring call does, plan on the costs as measured and let this
-            # call's backward tell (the minimum a first call's error names must run:
-            # retrying with it is what that error asks)
+            # no backward has told yet whether the code around the chain lets a^L go: as the
+            # measuring call does, plan on the costs as measured and let this call's backward
+            # tell (the minimum a first call's error names must run: retrying with it is what it asks)
             costs = entry.planning_costs(output=False, options=options)
             failed = None
             try:

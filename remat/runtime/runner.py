@@ -49,6 +49,7 @@ from .executor import Run, _releasing, distributed
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
 from .option_modes import keep_only, option_contexts
+from .paths import keep_path
 from .stage_call import first, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
@@ -130,10 +131,16 @@ class Runner:
         stages before it, for the measuring part to measure the rest with this
         call's ``run`` (Note [Chain keys])."""
         new = self.entry.again(k - 1)
+        keep_path(new, self.entry)   # (Note [Paths of a chain], remat/runtime/paths.py)
         self._suspect_changed(new)
         self._path_changed()
         self.run.ops = None
         return new
+
+    def adopt(self, entry, plan):
+        """Go on with the record ``entry`` and its ``plan`` (Note [Paths of a chain])."""
+        self.entry, self.plan = entry, plan
+        self.run.ops, self.run.fall_at, self.run.policy = plan.backward, plan.fall_at, plan.policy
 
     def _path_changed(self):
         """This call left the recorded path (another stage, or fewer): after

@@ -135,12 +135,14 @@ class _Skipping(nn.Module):
         return x
 
 
-def test_a_path_changing_from_call_to_call_is_warned_of():
-    """Stages skipped from call to call: each call off the recorded path measures the
-    rest again (exact, but over the budget), which a warning says once the path has
-    changed ``PATH_CHANGES`` calls in a row; a path that changes once and stays does not."""
+def test_a_path_changing_from_call_to_call_is_warned_of(monkeypatch):
+    """Stages skipped from call to call, each call a path not taken before (as
+    LayerDrop's): each measures the rest again (exact, but over the budget), which a
+    warning says once ``PATH_CHANGES`` calls in a row have; a path that changes once
+    and stays does not, nor do paths taken in turn (tests/runtime/test_paths.py)."""
     import warnings
 
+    from remat.runtime import chain_call
     from remat.runtime.runner import PATH_CHANGES
 
     torch.manual_seed(0)
@@ -164,6 +166,9 @@ def test_a_path_changing_from_call_to_call_is_warned_of():
         warnings.simplefilter("error")
         for skip in (None, 2, 2, 2, 2):   # one change, then the same path
             step(skip)
+    # (each call measures, as one taking a path not seen before does: here two paths
+    # taken in turn, which would otherwise run on their records)
+    monkeypatch.setattr(chain_call, "switch_path", lambda *args: False)
     for i in range(PATH_CHANGES - 1):
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -1,0 +1,141 @@
+"""A chain whose path of stages changes between a few: each path measured once
+(Note [Paths of a chain]).
+
+Note [Paths of a chain]
+-----------------------
+A call that leaves its record's path at stage k (another stage there: a block
+skipped, a route taken) measures the rest of the chain (``Runner.diverge``,
+remat/runtime/runner.py), and the record it makes becomes the chain's. That
+record keeps the one it left, and those that one kept, up to ``OTHER_PATHS``
+(``ChainRecord.others``), so that paths taken in turn are measured once each
+rather than on every change.
+
+A later call that leaves the path at stage k where one of those records goes
+on as this call does (the same stages before k, on like inputs, and stage k
+as called) runs on that record instead (``switch_path``):
+
+1. The stages before k ran in the forward phase as the plan the call started
+   with said, and what they hold stays.
+2. The rest of the chain, from stage k, runs a plan of its own: the optimal
+   one for the budget, solved on that record's costs from stage k on, with
+   what the stages before hold counted as held through it.
+3. The backward of the stages before k rebuilds each from the nearest input
+   held below it, as after any change of path (``Run._rebuild``,
+   remat/runtime/executor.py); a stage they recorded whole needs nothing.
+
+The whole schedule, stitched so, is simulated on that record's costs
+(``simulate``): it must fit the budget, or the call measures as before. The
+record it ran on becomes the chain's and keeps the one it left. Its plan is
+slower than one solved for that path from the start where the stages before k
+would have run otherwise; a call that takes the path from stage 1 runs that
+one. A path met for the first time is measured, and LayerDrop, whose paths
+are many, is measured on most calls as before (docs/limitations.md).
+"""
+
+import dataclasses
+
+from ..errors import RematError
+from ..solver.costs import SIZE_FIELDS, TIME_FIELDS
+from ..solver.plan import Plan
+from ..solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, op_from_code, simulate
+from ..solver.solve import solve
+
+__all__ = ["OTHER_PATHS", "keep_path", "switch_path"]
+
+OTHER_PATHS = 3   # records of other paths a chain's record keeps
+_PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "options")
+
+
+def keep_path(new, old):
+    """``new``, the record of a call that left ``old``'s path, keeps ``old`` and
+    the records ``old`` kept among its others (Note [Paths of a chain])."""
+    new.others = [old] + [r for r in old.others if r is not new][:OTHER_PATHS - 1]
+
+
+def switch_path(runner, k, ident, x, call, budget, spec):
+    """The call of ``runner`` left its record's path at stage ``call`` (k, of
+    ``ident`` on ``x``): run on a record of another path that goes on so, with a
+    plan stitched from the stages already run (Note [Paths of a chain]); True
+    if it does, False if none fits (the call then measures)."""
+    from .runner import _same_module   # (runner.py imports this module)
+    entry = runner.entry
+    mine = entry.ident(k) if k <= len(entry.stages) else None
+    for other in entry.others:
+        if other.costs is None or len(other.stages) < k or not _same_prefix(entry, other, k):
+            continue
+        if other.ident(k) is mine or _same_module(other.stages[k - 1]) is False:
+            continue   # (the stage there changed: not another path, measured again)
+        try:
+            plan = _stitched(runner.plan, k, other, budget, spec)
+        except RematError:   # (no plan of the rest fits beside what the stages before hold)
+            continue
+        if plan is None:
+            continue
+        before = runner.entry, runner.plan
+        runner.adopt(other, plan)
+        if runner.matches(k, ident, x, call):
+            other.suspects |= {i for i in entry.suspects if i < k}   # (Note [Stages recorded whole])
+            other.others = [entry] + [r for r in entry.others if r is not other][:OTHER_PATHS - 1]
+            entry.others = []
+            runner.run.clock = None   # (this call's times are not the record's plan's)
+            return True
+        runner.adopt(*before)
+    return False
+
+
+def _same_prefix(entry, other, k):
+    """The records' stages before k are the same stage objects on like inputs."""
+    return all(a.ident() is b.ident() and a.ident() is not None and a.in_sig == b.in_sig
+               and a.autocast == b.autocast for a, b in zip(entry.stages[:k - 1], other.stages[:k - 1]))
+
+
+def _stitched(plan, k, other, budget, spec):
+    """The plan of a call that ran stages 1..k-1 as ``plan`` says and goes on as
+    the record ``other`` (Note [Paths of a chain]), or None where its schedule
+    would not fit ``budget``."""
+    costs = other.planning_costs(options=spec.options)
+    prefix = plan.schedule.ops[:k - 1]   # (the forward phase runs stage 1 on, in order)
+    trace = []
+    try:
+        simulate(costs, prefix, trace)
+    except RematError:   # (it has no Loss: what each op left held is in the trace)
+        pass
+    if len(trace) != k - 1:
+        return None
+    held = trace[-1][2] if trace else costs.input_bytes + costs.held_bytes
+    x_in = costs.sizes()[k - 1]
+    rest = dataclasses.replace(costs, input_bytes=x_in, held_bytes=held - x_in,
+                               **{f: getattr(costs, f)[k - 1:] for f in _PER_STAGE})
+    schedule = solve(rest, budget, spec.algorithm, spec.slots)
+    moved = [op_from_code(op.code, op.stage + k - 1, getattr(op, "option", 0)) if op is not Loss else Loss
+             for op in schedule.ops]
+    ops = tuple(prefix) + tuple(moved) + _rebuilds(plan, k)
+    try:
+        sim = simulate(costs, ops)
+    except RematError:
+        return None
+    if sim.peak > budget:
+        return None
+    stitched = Schedule(ops, sim.time, sim.peak, schedule.algorithm, budget, schedule.slot_bytes, costs.tail)
+    return Plan.of(stitched, costs, other.policies())
+
+
+def _rebuilds(plan, k):
+    """The backward ops of stages k-1 down to 1, run in the forward phase as
+    ``plan`` says, as ``Run._rebuild`` runs them: a stage recorded in the forward
+    phase is backwarded, another rebuilt from the nearest input held below it
+    (a stage's own, unless it ran as ``Fn`` after one that did not keep its
+    output, or was recorded whole)."""
+    modes, options = plan.modes, plan.options
+    keeps = lambda m: modes[m] is Fall and options[m] == 0   # (recorded whole: no anchor)
+    holds = lambda m: not keeps(m) and (modes[m] is not Fn or (m > 1 and modes[m - 1] is Fall))
+    ops = []
+    for i in range(k - 1, 0, -1):
+        if modes[i] is Fall:
+            ops.append(B(i))
+            continue
+        j = i
+        while j > 1 and not holds(j):
+            j -= 1
+        ops += ([Fck(j)] + [Fn(m) for m in range(j + 1, i)] if j < i else []) + [Fall(i), B(i)]
+    return tuple(ops)
