@@ -129,6 +129,8 @@ class ChainRecord:
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
         self.state_copies = 0    # bytes of written state the measuring call held copies of to its end
         self.others = []         # records of other paths of the chain (Note [Paths of a chain], remat/runtime/paths.py)
+        self.remeasure = False   # the next call measures again (a shorter path taken, a stage changed)
+        self.quiet = 0           # calls in a row that took its path to its end (``Runner.finish``)
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held

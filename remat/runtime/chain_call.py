@@ -27,7 +27,7 @@ from ..solver.solve import solve
 from ..units import format_bytes
 from .recompute import replaying, take_slots
 from .replay import capture_autocast
-from .paths import switch_path
+from .paths import keep_path, path_room, shorter_path, switch_path
 from .runner import Runner, site_text, watch_output
 from .stage_call import StageCall, check_hooks_enabled, check_output, find_activation, handed_on, signature
 
@@ -35,8 +35,7 @@ __all__ = ["ChainCall", "CACHE_SIZE", "clear_cache"]
 
 CACHE_SIZE = 64
 _cache = collections.OrderedDict()   # chain key -> ChainRecord, least recently used first
-_cache_lock = threading.Lock()
-measuring_peaks = []   # the open ``remat.measure_peak`` blocks (remat/measure/peak.py), innermost last
+_cache_lock, measuring_peaks = threading.Lock(), []   # (the open ``remat.measure_peak`` blocks, innermost last)
 
 
 def clear_cache():
@@ -101,9 +100,7 @@ class ChainCall:
     def __init__(self, spec, site):
         if LINGERING:   # (a meter left after the last block on this thread goes: remat/measure/linger.py)
             settle()
-        self.spec = spec
-        self.site = site
-        self.k = 0
+        self.spec, self.site, self.k = spec, site, 0
         self.called = False     # a stage was called inside the chain (recorded or not)
         self.prev = None        # the activation the last stage returned
         self.prev_version, self.prev_name, self.prev_ident = 0, None, None
@@ -243,9 +240,11 @@ class ChainCall:
                 else:
                     _cache.move_to_end(self.key)
         self.budget = self.spec.bytes_on(x.device)
-        if entry is None or entry.costs is None:
+        if entry is None or entry.costs is None or entry.remeasure:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
                                        _hint(self.site, self.budget, x.untyped_storage().nbytes()))
+            if entry is not None:   # (Note [Paths of a chain], remat/runtime/paths.py)
+                keep_path(self.part.new, entry)
             return
         if entry.samples and entry.attempts == 0:
             refine(entry)   # the last call that could be stamped was not (no whole backward)
@@ -310,9 +309,8 @@ class ChainCall:
     def _finish_run(self):
         runner = self.part
         t0 = time.perf_counter()
-        if runner.finish(self.k, self.prev, self.source):
-            with _cache_lock:
-                _cache.pop(self.key, None)
+        if runner.finish(self.k, self.prev, self.source):   # (the next measures, or runs that path's record)
+            shorter_path(self.key, runner.entry, self.k, _remember)
         plan = runner.plan
         self.spec.explained(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs,
                             runner.entry)
@@ -362,7 +360,7 @@ def plan_for(entry, budget, spec):
     solved from the chain record ``entry``'s planning costs and kept (``entry.plans``); a
     ``BudgetError`` where none fits, naming the least (Note [The chain's output], chain_record.py)."""
     algorithm, slots, options = spec.algorithm, spec.slots, spec.options
-    key = (budget, algorithm, slots, options)
+    key = (budget, algorithm, slots, options, *map(id, entry.others))
     plan = entry.plans.get(key)
     if plan is None:
         costs = entry.planning_costs(options=options)
@@ -393,7 +391,8 @@ def plan_for(entry, budget, spec):
                 note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                         f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
                 raise BudgetError(failed + note, least)
-        plan = Plan.of(schedule, costs, entry.policies())
+        plan = path_room(entry, Plan.of(schedule, costs, entry.policies()), budget, spec,   # (Note [Paths ...])
+                         lambda b: Plan.of(solve(costs, b, algorithm, slots), costs, entry.policies()))
         if len(entry.plans) > 16:
             entry.plans.clear()
         entry.plans[key] = plan

@@ -28,8 +28,21 @@ The whole schedule, stitched so, is simulated on that record's costs
 record it ran on becomes the chain's and keeps the one it left. Its plan is
 slower than one solved for that path from the start where the stages before k
 would have run otherwise; a call that takes the path from stage 1 runs that
-one. A path met for the first time is measured, and LayerDrop, whose paths
-are many, is measured on most calls as before (docs/limitations.md).
+one.
+
+A plan that records its last stages whole can leave too little beside them
+for the rest of another path (a block more after them): the call would then
+measure that path again beside them, up to 19% over the budget on small
+test chains. So a record's plan is solved, where the one for its budget
+would leave too little for the rest of one of the other paths, for the most
+budget that leaves enough for each (``path_room``): slower, as long as the
+others are kept. They are let go after ``STALE`` calls in a row that took
+this record's path to its end (``Runner.finish``), for a chain that changed its path
+once. A call that stops short of its record several times (Note [Chain
+keys]) makes the next one measure that shorter path, unless the record keeps
+that path's own (``shorter_path``). A path met for the first time is
+measured, and LayerDrop, whose paths are many, is measured on most calls as
+before (docs/limitations.md).
 """
 
 import dataclasses
@@ -40,9 +53,10 @@ from ..solver.plan import Plan
 from ..solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, op_from_code, simulate
 from ..solver.solve import solve
 
-__all__ = ["OTHER_PATHS", "keep_path", "switch_path"]
+__all__ = ["OTHER_PATHS", "STALE", "keep_path", "path_room", "shorter_path", "switch_path"]
 
 OTHER_PATHS = 3   # records of other paths a chain's record keeps
+STALE = 50        # calls in a row on one path after which it lets the others go
 _PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "options")
 
 
@@ -50,6 +64,67 @@ def keep_path(new, old):
     """``new``, the record of a call that left ``old``'s path, keeps ``old`` and
     the records ``old`` kept among its others (Note [Paths of a chain])."""
     new.others = [old] + [r for r in old.others if r is not new][:OTHER_PATHS - 1]
+    old.remeasure = False
+
+
+def path_room(entry, plan, budget, spec, solve_at):
+    """``plan`` for ``entry``, or where it would leave too little for the rest of
+    one of the other paths its record keeps (a call that goes on with one would
+    measure it beside what the stages before hold, over the budget), the plan
+    ``solve_at`` gives at the most budget, found by halving, that leaves room for
+    each (Note [Paths of a chain])."""
+    parts = [(k, other) for other in entry.others if (k := _parting(entry, other)) is not None]
+    if not parts or all(_fits(plan, k, other, budget, spec) for k, other in parts):
+        return plan
+    low, high, best = 0, budget - 1, plan
+    for _ in range(12):
+        if low > high:
+            break
+        mid = (low + high) // 2
+        try:
+            tried = solve_at(mid)
+        except RematError:
+            low = mid + 1
+            continue
+        if all(_fits(tried, k, other, budget, spec) for k, other in parts):
+            best, low = tried, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def shorter_path(key, entry, k, remember):
+    """A call of ``entry`` (the record under ``key``) that ended at stage k makes the
+    next measure again (a shorter path taken on several calls, or a stage that
+    changed): where it stopped short on the path of another record it keeps, that
+    record becomes the chain's instead (``remember(key, record)``)."""
+    other = next((o for o in entry.others if len(o.stages) == k and o.costs is not None
+                  and _same_prefix(entry, o, k + 1)), None) if k < len(entry.stages) else None
+    if other is None:
+        entry.remeasure = True
+        return
+    other.others = [entry] + [r for r in entry.others if r is not other][:OTHER_PATHS - 1]
+    entry.others, other.quiet, other.remeasure = [], 0, False
+    remember(key, other)
+
+
+def _parting(entry, other):
+    """The stage at which a call leaving ``entry``'s path would go on with
+    ``other``'s, or None (one stops short of the other, or the records differ in a
+    stage that changed rather than in the path: ``switch_path``)."""
+    n = len(entry.stages)
+    k = next((i + 1 for i, (a, b) in enumerate(zip(entry.stages, other.stages))
+              if a.ident() is not b.ident() or a.in_sig != b.in_sig), min(n, len(other.stages)) + 1)
+    if other.costs is None or k < 2 or k > len(other.stages) or (k <= n and entry.ident(k) is other.ident(k)):
+        return None
+    return k
+
+
+def _fits(plan, k, other, budget, spec):
+    try:
+        return _stitched(plan, k, other, budget, spec) is not None
+    except RematError:
+        return False
 
 
 def switch_path(runner, k, ident, x, call, budget, spec):
@@ -76,7 +151,7 @@ def switch_path(runner, k, ident, x, call, budget, spec):
         if runner.matches(k, ident, x, call):
             other.suspects |= {i for i in entry.suspects if i < k}   # (Note [Stages recorded whole])
             other.others = [entry] + [r for r in entry.others if r is not other][:OTHER_PATHS - 1]
-            entry.others = []
+            entry.others, other.quiet, other.remeasure = [], 0, False
             runner.run.clock = None   # (this call's times are not the record's plan's)
             return True
         runner.adopt(*before)

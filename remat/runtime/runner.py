@@ -49,7 +49,7 @@ from .executor import Run, _releasing, distributed
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
 from .option_modes import keep_only, option_contexts
-from .paths import keep_path
+from .paths import STALE, keep_path
 from .stage_call import first, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
@@ -83,8 +83,7 @@ class Runner:
     """
 
     def __init__(self, key, site, entry, plan, autocast):
-        self.key, self.site, self.entry, self.plan = key, site, entry, plan
-        self.run = Run(plan, autocast)
+        self.key, self.site, self.entry, self.plan, self.run = key, site, entry, plan, Run(plan, autocast)
         self.dropped = []     # (i, weak reference to a^i's storage) the plan lets go
         self.acts = []        # (i, weak reference to a^i's storage, a^1's node for stage 1), each stage
         self.stale = False    # a stage saved other tensors than the record says
@@ -139,8 +138,8 @@ class Runner:
 
     def adopt(self, entry, plan):
         """Go on with the record ``entry`` and its ``plan`` (Note [Paths of a chain])."""
-        self.entry, self.plan = entry, plan
-        self.run.ops, self.run.fall_at, self.run.policy = plan.backward, plan.fall_at, plan.policy
+        self.entry, self.plan, self.run.ops, self.run.fall_at, self.run.policy = \
+            entry, plan, plan.backward, plan.fall_at, plan.policy
 
     def _path_changed(self):
         """This call left the recorded path (another stage, or fewer): after
@@ -286,8 +285,12 @@ class Runner:
         if self.stale:
             return True
         _path_changes.pop(self.key, None)
-        if not self._suspect_changed(self.entry):
-            watch_caller(self.entry, act, self.dropped, self.acts, self.run.held_storages(), source)
+        entry = self.entry
+        entry.quiet += 1   # (after STALE calls in a row on its path, the others go: Note [Paths of a chain])
+        if entry.others and entry.quiet > STALE:
+            entry.others = []
+        if not self._suspect_changed(entry):
+            watch_caller(entry, act, self.dropped, self.acts, self.run.held_storages(), source)
         return False
 
 

@@ -83,6 +83,7 @@ def test_an_interrupted_chain_call_caches_no_plan():
     class Entry:   # (what plan_for reads of a chain's record)
         plans = {}
         costs = big
+        others = []   # (no other paths: Note [Paths of a chain])
 
         def planning_costs(self, output=True, options=True):
             return self.costs
