@@ -103,9 +103,14 @@ def shorter_path(key, entry, k, remember):
     if other is None:
         entry.remeasure = True
         return
+    _succeeds(entry, other)
+    remember(key, other)
+
+
+def _succeeds(entry, other):
+    """``other``, a record ``entry`` keeps, becomes the chain's and keeps ``entry``."""
     other.others = [entry] + [r for r in entry.others if r is not other][:OTHER_PATHS - 1]
     entry.others, other.quiet, other.remeasure = [], 0, False
-    remember(key, other)
 
 
 def _parting(entry, other):
@@ -150,8 +155,7 @@ def switch_path(runner, k, ident, x, call, budget, spec):
         runner.adopt(other, plan)
         if runner.matches(k, ident, x, call):
             other.suspects |= {i for i in entry.suspects if i < k}   # (Note [Stages recorded whole])
-            other.others = [entry] + [r for r in entry.others if r is not other][:OTHER_PATHS - 1]
-            entry.others, other.quiet, other.remeasure = [], 0, False
+            _succeeds(entry, other)
             runner.run.clock = None   # (this call's times are not the record's plan's)
             return True
         runner.adopt(*before)
