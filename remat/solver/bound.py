@@ -62,14 +62,14 @@ runs forward between the two, and stage i-1 too where its least record
 could not be held through ``B(i)`` in place of a^(i-1). Those runs are over
 the one each stage takes at least, in turns that do not overlap: each costs
 at least the stage's least forward time (fwd_time, fwd_nograd_time or an
-option's), and a run of stage j < i-1 whose record, in its least holding,
-could not be held through ``B(i-1)`` beside what that op needs records
-nothing, so it takes fwd_nograd_time, where the run of stage i-1 records it
-(its fwd_time or an option's: the stage's run in the forward phase,
-another than that one, takes as much at least; at a GPT's least budget on CPU, where
-a forward without recording measured slower than one recording, that
-brought the bound from 6% under the best plan's time to 2%). The larger of
-the two bounds holds.
+option's). Closer: a run of stage j < i-1 whose record, in its least
+holding, could not be held through ``B(i-1)`` beside what that op needs
+records nothing, so it takes fwd_nograd_time; and the run of stage i-1
+there records it, so it is charged to the stage's run in the forward phase,
+another run, which takes fwd_time or an option's at least. (At a GPT's
+least budget on CPU, where a forward without recording measured slower
+than one recording, these brought the bound from 6% under the best plan's
+time to 2%.) The larger of the two bounds holds.
 """
 
 import math
