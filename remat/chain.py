@@ -151,10 +151,8 @@ class Explanation:
         self._record = record   # (``times`` and ``held`` are asked of it when read: not on every call)
         self.measured_peak = None   # set by a ``remat.measure_peak`` block around the step
 
-    @property
-    def times(self):
-        """Where the stages' times come from, in words, or None."""
-        return self._record.times_said() if self._record is not None else None
+    times = property(lambda self: self._record.times_said() if self._record is not None else None,
+                     doc="Where the stages' times come from, in words, or None.")
 
     @property
     def held(self):
@@ -166,10 +164,8 @@ class Explanation:
         """The least budget in bytes every call runs under, the measuring one too (remat/measure/holding.py)."""
         return least_budget(self.costs, self.measured, self._record)
 
-    @property
-    def predicted_peak(self):
-        """The schedule's predicted whole-step peak in bytes, or None."""
-        return self.schedule.peak if self.schedule is not None else None
+    predicted_peak = property(lambda self: self.schedule.peak if self.schedule is not None else None,
+                              doc="The schedule's predicted whole-step peak in bytes, or None.")
 
     def table(self):
         """Per-stage costs and the op each stage gets in the forward phase ("Fall:o1"
@@ -210,6 +206,10 @@ class Explanation:
             summary += f"\n{self.schedule.grouping}"
         if self.measured_peak is not None:
             summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
+        if self._record is not None and self._record.others:   # (Note [Paths of a chain], remat/runtime/paths.py)
+            low = self.schedule.budget if (self.schedule.budget or self.budget) < self.budget else None
+            summary += f"\n{len(self._record.others)} other path(s) of the chain kept: a call taking one goes on with " \
+                f"its record" + (f"; this plan, solved for {format_bytes(low)}, leaves room for its rest" if low else "")
         return f"{head}\n{summary}\n{self.table()}\nschedule:\n{self.schedule}"
 
 

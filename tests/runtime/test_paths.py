@@ -60,7 +60,7 @@ def _pair(seed, fraction):
 
 def _steps(ref, net, skips, monkeypatch):
     """Train both on the route of each of ``skips`` in turn; assert each step plain
-    PyTorch's, bitwise; return [(measured, whole-step peak, predicted peak)]."""
+    PyTorch's, bitwise; return [(measured, whole-step peak, predicted peak, explain()'s text)]."""
     counted, init = [0], measuring.Measurer.__init__
 
     def measurer(self, *args, **kwargs):
@@ -83,7 +83,8 @@ def _steps(ref, net, skips, monkeypatch):
             got.backward()
         assert torch.equal(got, want), step
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), net.parameters())), step
-        out.append((counted[0] > before, meter.peak + x.untyped_storage().nbytes(), remat.explain().predicted_peak))
+        seen = remat.explain()
+        out.append((counted[0] > before, meter.peak + x.untyped_storage().nbytes(), seen.predicted_peak, str(seen)))
     remat.clear_cache()
     return out
 
@@ -96,8 +97,8 @@ def test_routes_taken_in_turn_are_measured_once_each(monkeypatch):
     ref, net = _pair(0, 0.3)
     skips = [None, 2, None, 2, None, 4, 2, None, 4, 2]
     steps = _steps(ref, net, skips, monkeypatch)
-    assert [measured for measured, _, _ in steps] == [True, True, False, False, False, True] + [False] * 4
-    for measured, peak, predicted in steps:
+    assert [measured for measured, *_ in steps] == [True, True, False, False, False, True] + [False] * 4
+    for measured, peak, predicted, _ in steps:
         if not measured:
             assert peak <= predicted <= net.budget and peak >= 0.99 * predicted, (peak, predicted, net.budget)
 
@@ -112,8 +113,10 @@ def test_a_path_a_block_longer_and_one_stopping_short_are_measured_once_each(mon
     each return to the longer path measured it again, 7-19% over the budget)."""
     ref, net = _pair(1, fraction)
     steps = _steps(ref, net, [None, 5, 5, 5, None, 5, 5, None, 5, 5, None], monkeypatch)
-    assert [i for i, (measured, _, _) in enumerate(steps) if measured] == [0, 3]
-    assert all(peak <= net.budget for _, peak, _ in steps), [peak for _, peak, _ in steps]
+    assert [i for i, (measured, *_) in enumerate(steps) if measured] == [0, 3]
+    assert all(peak <= net.budget for _, peak, *_ in steps), [peak for _, peak, *_ in steps]
+    # (explain() says the shorter path's plan was solved for less, and why)
+    assert "1 other path(s) of the chain kept" in steps[3][3] and "leaves room for its rest" in steps[3][3]
 
 
 @given(st.integers(0, 2**16), st.lists(st.sampled_from([None, 0, 1, 2, 4, 5]), min_size=2, max_size=3, unique=True),
@@ -126,5 +129,5 @@ def test_random_routes_stay_exact_and_under_the_budget_when_not_measured(seed, r
     with pytest.MonkeyPatch.context() as monkeypatch:
         ref, net = _pair(seed % 7, fraction)
         steps = _steps(ref, net, [routes[p % len(routes)] for p in picks], monkeypatch)
-    for measured, peak, _ in steps:
+    for measured, peak, *_ in steps:
         assert measured or peak <= net.budget, (peak, net.budget)
