@@ -119,7 +119,7 @@ def _parting(entry, other):
     stage that changed rather than in the path: ``switch_path``)."""
     n = len(entry.stages)
     k = next((i + 1 for i, (a, b) in enumerate(zip(entry.stages, other.stages))
-              if a.ident() is not b.ident() or a.in_sig != b.in_sig), min(n, len(other.stages)) + 1)
+              if not _alike(a, b)), min(n, len(other.stages)) + 1)
     if other.costs is None or k < 2 or k > len(other.stages) or (k <= n and entry.ident(k) is other.ident(k)):
         return None
     return k
@@ -164,8 +164,12 @@ def switch_path(runner, k, ident, x, call, budget, spec):
 
 def _same_prefix(entry, other, k):
     """The records' stages before k are the same stage objects on like inputs."""
-    return all(a.ident() is b.ident() and a.ident() is not None and a.in_sig == b.in_sig
-               and a.autocast == b.autocast for a, b in zip(entry.stages[:k - 1], other.stages[:k - 1]))
+    return all(_alike(a, b) for a, b in zip(entry.stages[:k - 1], other.stages[:k - 1]))
+
+
+def _alike(a, b):
+    """Two stage records are of one stage object, alive, on like inputs."""
+    return a.ident() is b.ident() and a.ident() is not None and a.in_sig == b.in_sig and a.autocast == b.autocast
 
 
 def _stitched(plan, k, other, budget, spec):
