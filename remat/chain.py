@@ -18,8 +18,9 @@ by signature, training flags of its module and submodules, autocast state,
 parameters' dtypes and requires_grad; the module of a stage the plan records
 whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
 the chain takes another path, the rest of it is measured again and the record
-replaced (a path changing from call to call is measured on every call: warned
-of, ``_path_changed`` in remat/runtime/runner.py). A call that stops short of the
+replaced, unless a record of that path is kept or the call skipped stages (a
+path changing to new ones on every call is warned of: remat/runtime/paths.py,
+Notes [Paths of a chain] and [Skipped stages]). A call that stops short of the
 recorded stages (a depth that alternates, an early exit) runs the plan's prefix
 and keeps the record: alternating depths are measured once, on the longer path;
 a second call in a row that stops at the same stage (or a fourth that stops
@@ -42,6 +43,7 @@ from .errors import BudgetError, StageError
 from .measure.holding import least_budget
 from .measure.options import keeps_said
 from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_peaks
+from .runtime.paths import path_lines
 from .solver.schedule import Loss
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
 from .units import format_bytes, parse_bytes
@@ -206,10 +208,8 @@ class Explanation:
             summary += f"\n{self.schedule.grouping}"
         if self.measured_peak is not None:
             summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
-        if self._record is not None and self._record.others:   # (Note [Paths of a chain], remat/runtime/paths.py)
-            low = self.schedule.budget if (self.schedule.budget or self.budget) < self.budget else None
-            summary += f"\n{len(self._record.others)} other path(s) of the chain kept: a call taking one goes on with " \
-                f"its record" + (f"; this plan, solved for {format_bytes(low)}, leaves room for its rest" if low else "")
+        if self._record is not None:   # (Note [Paths of a chain] and [Skipped stages], remat/runtime/paths.py)
+            summary += path_lines(self._record, self.schedule, self.budget)
         return f"{head}\n{summary}\n{self.table()}\nschedule:\n{self.schedule}"
 
 

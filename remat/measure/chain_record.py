@@ -131,6 +131,8 @@ class ChainRecord:
         self.others = []         # records of other paths of the chain (Note [Paths of a chain], remat/runtime/paths.py)
         self.remeasure = False   # the next call measures again (a shorter path taken, a stage changed)
         self.quiet = 0           # calls in a row that took its path to its end (``Runner.finish``)
+        self.view = None         # (record, its stage of each of these): a view of it, stages skipped
+        self.skips = {}          # such views and their plans (Note [Skipped stages], remat/runtime/paths.py)
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held
@@ -303,7 +305,8 @@ class ChainRecord:
         if self.attempts:
             return (f"times: first-call estimates (each stage run once, metered); calls after it refine "
                     f"them (up to {self.attempts} more)")
-        return "times: first-call estimates (each stage run once); not refined here (CUDA, torch.distributed)"
+        return ("times: first-call estimates (each stage run once); not refined (CUDA, torch.distributed, or "
+                "measured by a call that changed path)")
 
     def held_bytes(self):
         """Bytes of the gradients of leaves used by several stages (or by a stage

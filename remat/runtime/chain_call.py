@@ -160,7 +160,7 @@ class ChainCall:
         if not self.measuring and not self.part.matches(k, ident, x, call):
             runner = self.part   # (the record of the path it left tells of the tail and of storing all)
             if switch_path(runner, k, ident, x, call, self.budget, self.spec):
-                _remember(self.key, runner.entry)
+                _remember(self.key, runner.base)
             else:
                 self.part = Measurer(self.budget, self.autocast, runner.diverge(k), runner.run,
                                      runner.entry.hint(self.budget))
@@ -310,7 +310,7 @@ class ChainCall:
         runner = self.part
         t0 = time.perf_counter()
         if runner.finish(self.k, self.prev, self.source):   # (the next measures, or runs that path's record)
-            shorter_path(self.key, runner.entry, self.k, _remember)
+            shorter_path(self.key, runner.base, runner.at(self.k), _remember)
         plan = runner.plan
         self.spec.explained(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs,
                             runner.entry)

@@ -49,27 +49,15 @@ from .executor import Run, _releasing, distributed
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
 from .option_modes import keep_only, option_contexts
-from .paths import STALE, keep_path
+from .paths import STALE, keep_path, path_changed, path_changes, site_text
 from .stage_call import first, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
 
 _warned_writes = set()   # names of stages warned of by ``_new_writes``
-_warned_paths = set()    # chain sites warned of by ``_path_changed``
-_path_changes = {}       # chain key -> calls in a row that left its recorded path
-PATH_CHANGES = 3         # such calls before the warning
 _shorter = {}            # chain key -> (stage, calls in a row that stopped there, that stopped short at all)
 SHORTER_AGAIN = 2        # calls in a row stopping at one stage before the shorter path is measured
 SHORTER_ANY = 4          # calls in a row stopping short anywhere before it is
-
-
-def site_text(site):
-    """``file:line`` of a chain's site (Note [Chain keys]): the ``with`` line, or a
-    decorated function's first line."""
-    code, line = site
-    if not hasattr(code, "co_filename"):
-        return repr(code)
-    return f"{code.co_filename}:{line or code.co_firstlineno}"
 
 
 class Runner:
@@ -84,6 +72,7 @@ class Runner:
 
     def __init__(self, key, site, entry, plan, autocast):
         self.key, self.site, self.entry, self.plan, self.run = key, site, entry, plan, Run(plan, autocast)
+        self.base = entry     # the chain's record: ``entry``, or the one ``entry`` is a view of (Note [Skipped ...])
         self.dropped = []     # (i, weak reference to a^i's storage) the plan lets go
         self.acts = []        # (i, weak reference to a^i's storage, a^1's node for stage 1), each stage
         self.stale = False    # a stage saved other tensors than the record says
@@ -115,13 +104,14 @@ class Runner:
             call.slots, call.tensors, call.flags = record.slots, tensors, record.grads
         return True
 
-    def _suspect_changed(self, chain_record):
+    def _suspect_changed(self, chain_record, at=lambda k: k):
         """Note [Stages recorded whole]: add to ``chain_record.suspects`` the stages of
-        this call left unchecked whose module is no longer as recorded; True if any."""
+        this call left unchecked whose module is no longer as recorded (there stage
+        ``at(k)``); True if any."""
         found = False
         for k in self.unchecked:
             if _same_module(self.entry.stages[k - 1]) is False:
-                chain_record.suspects.add(k)
+                chain_record.suspects.add(at(k))
                 found = True
         return found
 
@@ -130,32 +120,21 @@ class Runner:
         stages before it, for the measuring part to measure the rest with this
         call's ``run`` (Note [Chain keys])."""
         new = self.entry.again(k - 1)
-        keep_path(new, self.entry)   # (Note [Paths of a chain], remat/runtime/paths.py)
+        keep_path(new, self.base)   # (Note [Paths of a chain], remat/runtime/paths.py)
         self._suspect_changed(new)
-        self._path_changed()
+        path_changed(self.key, self.site)
         self.run.ops = None
         return new
 
-    def adopt(self, entry, plan):
-        """Go on with the record ``entry`` and its ``plan`` (Note [Paths of a chain])."""
-        self.entry, self.plan, self.run.ops, self.run.fall_at, self.run.policy = \
-            entry, plan, plan.backward, plan.fall_at, plan.policy
+    def adopt(self, entry, plan, base=None):
+        """Go on with the record ``entry`` (a view of ``base``, if given) and its
+        ``plan`` (Note [Paths of a chain], Note [Skipped stages])."""
+        self.entry, self.base, self.plan, self.run.ops, self.run.fall_at, self.run.policy = \
+            entry, base or entry, plan, plan.backward, plan.fall_at, plan.policy
 
-    def _path_changed(self):
-        """This call left the recorded path (another stage, or fewer): after
-        ``PATH_CHANGES`` such calls in a row, warn once per chain site that the
-        budget is not kept (each measures again)."""
-        if len(_path_changes) > 1000:
-            _path_changes.clear()
-        n = _path_changes[self.key] = _path_changes.get(self.key, 0) + 1
-        if n == PATH_CHANGES and self.site not in _warned_paths:
-            _warned_paths.add(self.site)
-            warnings.warn(
-                f"remat: the chain at {site_text(self.site)} took another path of stages than its record on "
-                f"{PATH_CHANGES} calls in a row (stages skipped, added or reordered from call to call, as "
-                f"LayerDrop does); each such call measures the rest of the chain again, slower than a "
-                f"step and near the budget rather than under it for sure. remat keeps the budget on a "
-                f"path it has measured and runs again (docs/limitations.md)", RuntimeWarning, stacklevel=5)
+    def at(self, k):
+        """The chain's record's stage that is this call's stage k (Note [Skipped stages])."""
+        return self.entry.view[1][k - 1] if self.entry.view else k
 
     def stage(self, call, ident, x):
         """Run stage ``call`` on ``x`` as the plan says; return what it returned."""
@@ -266,7 +245,8 @@ class Runner:
         storage ``source``): the record learns what the call let go and kept;
         True if the chain stopped short of its recorded stages or a stage saved
         other tensors than recorded (the caller forgets the record)."""
-        if k != len(self.entry.stages):
+        k = self.at(k)   # (a call that skipped stages: Note [Skipped stages], remat/runtime/paths.py)
+        if k != len(self.base.stages):
             # a shorter path (Note [Chain keys], remat/chain.py): the backward rebuilds
             # from the inputs the plan's prefix held; the record serves it again, unless
             # calls keep taking it (then it is measured, for a plan of its own)
@@ -279,17 +259,19 @@ class Runner:
             if same < SHORTER_AGAIN and any_ + 1 < SHORTER_ANY:   # (depths in turn keep the longest)
                 return False
             _shorter.pop(self.key, None)
-            self._path_changed()
+            path_changed(self.key, self.site)
             return True
         _shorter.pop(self.key, None)
         if self.stale:
             return True
-        _path_changes.pop(self.key, None)
-        entry = self.entry
+        path_changes.pop(self.key, None)
+        entry = self.base
         entry.quiet += 1   # (after STALE calls in a row on its path, the others go: Note [Paths of a chain])
         if entry.others and entry.quiet > STALE:
             entry.others = []
-        if not self._suspect_changed(entry):
+        if entry is not self.entry:   # (its costs, not the view's, learn what the call kept: not from this one)
+            self._suspect_changed(entry, self.at)
+        elif not self._suspect_changed(entry):
             watch_caller(entry, act, self.dropped, self.acts, self.run.held_storages(), source)
         return False
 

@@ -18,18 +18,24 @@ from remat.solver.solve import store_all
 
 
 class Routes(nn.Module):
-    """Six blocks with dropout and a head inside the chain's block; ``skip`` leaves
-    one block out (a route of its own)."""
+    """Six blocks with dropout and a head inside the chain's block, and a seventh:
+    ``route`` ("skip", i, ...) leaves blocks i, ... out (LayerDrop: Note [Skipped
+    stages]), ("swap", i) puts the seventh in block i's place (a route of its own)."""
 
     def __init__(self, n=6, width=16):
         super().__init__()
         self.blocks = nn.ModuleList(remat.stage(nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width))) for _ in range(n))
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width)))
+            for _ in range(n + 1))
         self.head = nn.Linear(width, 40)
         self.budget = None
 
-    def forward(self, x, skip=None):
-        blocks = [b for i, b in enumerate(self.blocks) if i != skip]
+    def forward(self, x, route=None):
+        *blocks, extra = self.blocks
+        if route is not None and route[0] == "swap":
+            blocks[route[1]] = extra
+        elif route is not None:
+            blocks = [b for i, b in enumerate(blocks) if i not in route[1:]]
         if self.budget is None:
             for b in blocks:
                 x = b(x)
@@ -58,8 +64,8 @@ def _pair(seed, fraction):
     return ref, net
 
 
-def _steps(ref, net, skips, monkeypatch):
-    """Train both on the route of each of ``skips`` in turn; assert each step plain
+def _steps(ref, net, routes, monkeypatch):
+    """Train both on each of ``routes`` in turn; assert each step plain
     PyTorch's, bitwise; return [(measured, whole-step peak, predicted peak, explain()'s text)]."""
     counted, init = [0], measuring.Measurer.__init__
 
@@ -69,17 +75,17 @@ def _steps(ref, net, skips, monkeypatch):
 
     monkeypatch.setattr(measuring.Measurer, "__init__", measurer)
     x, out = torch.randn(32, 16), []
-    for step, skip in enumerate(skips):
+    for step, route in enumerate(routes):
         for model in (ref, net):
             for p in model.parameters():
                 p.grad.zero_()
         torch.manual_seed(step)
-        want = ref(x, skip)
+        want = ref(x, route)
         want.backward()
         before = counted[0]
         torch.manual_seed(step)
         with Instrument(writes=False) as meter:
-            got = net(x, skip)
+            got = net(x, route)
             got.backward()
         assert torch.equal(got, want), step
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), net.parameters())), step
@@ -95,8 +101,8 @@ def test_routes_taken_in_turn_are_measured_once_each(monkeypatch):
     budget and its plan's prediction (stitched or not: at it to the byte as a rule,
     64 bytes under it at times)."""
     ref, net = _pair(0, 0.3)
-    skips = [None, 2, None, 2, None, 4, 2, None, 4, 2]
-    steps = _steps(ref, net, skips, monkeypatch)
+    two, four = ("swap", 2), ("swap", 4)
+    steps = _steps(ref, net, [None, two, None, two, None, four, two, None, four, two], monkeypatch)
     assert [measured for measured, *_ in steps] == [True, True, False, False, False, True] + [False] * 4
     for measured, peak, predicted, _ in steps:
         if not measured:
@@ -112,14 +118,19 @@ def test_a_path_a_block_longer_and_one_stopping_short_are_measured_once_each(mon
     longer's last block beside what its own stages hold (``path_room``; without it,
     each return to the longer path measured it again, 7-19% over the budget)."""
     ref, net = _pair(1, fraction)
-    steps = _steps(ref, net, [None, 5, 5, 5, None, 5, 5, None, 5, 5, None], monkeypatch)
+    five = ("skip", 5)
+    steps = _steps(ref, net, [None, five, five, five, None, five, five, None, five, five, None], monkeypatch)
     assert [i for i, (measured, *_) in enumerate(steps) if measured] == [0, 3]
     assert all(peak <= net.budget for _, peak, *_ in steps), [peak for _, peak, *_ in steps]
     # (explain() says the shorter path's plan was solved for less, and why)
     assert "1 other path(s) of the chain kept" in steps[3][3] and "leaves room for its rest" in steps[3][3]
 
 
-@given(st.integers(0, 2**16), st.lists(st.sampled_from([None, 0, 1, 2, 4, 5]), min_size=2, max_size=3, unique=True),
+ROUTES = [None, ("skip", 0), ("skip", 1), ("skip", 2), ("skip", 4), ("skip", 5), ("skip", 1, 3), ("skip", 2, 3, 4),
+          ("swap", 1), ("swap", 3)]
+
+
+@given(st.integers(0, 2**16), st.lists(st.sampled_from(ROUTES), min_size=2, max_size=3, unique=True),
        st.lists(st.integers(0, 2), min_size=4, max_size=9), st.floats(0.02, 1.0))
 def test_random_routes_stay_exact_and_under_the_budget_when_not_measured(seed, routes, picks, fraction):
     """Random routes taken in random turns at random budgets: every step is plain
@@ -131,3 +142,21 @@ def test_random_routes_stay_exact_and_under_the_budget_when_not_measured(seed, r
         steps = _steps(ref, net, [routes[p % len(routes)] for p in picks], monkeypatch)
     for measured, peak, *_ in steps:
         assert measured or peak <= net.budget, (peak, net.budget)
+
+
+@given(st.integers(0, 2**16), st.lists(st.sets(st.integers(1, 4), max_size=3), min_size=3, max_size=8),
+       st.floats(0.02, 1.0))
+def test_layerdrop_runs_the_record_of_every_stage_without_measuring(seed, drops, fraction):
+    """LayerDrop: after a call that took every block, calls that skip random blocks
+    (the last one kept) run that record's plan without them (Note [Skipped stages]):
+    none measures, each is plain PyTorch's bitwise and peaks under the budget and at
+    most its plan's prediction (at it to 1% as a rule). Before, each measured the
+    rest of the chain beside what the plan it left held, up to 19% over the budget."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        ref, net = _pair(seed % 7, fraction)
+        steps = _steps(ref, net, [None] + [("skip", *d) if d else None for d in drops], monkeypatch)
+    assert [measured for measured, *_ in steps] == [True] + [False] * len(drops)
+    for _, peak, predicted, text in steps[1:]:
+        assert peak <= predicted <= net.budget, (peak, predicted, net.budget)
+    skipped = [text for (_, _, _, text), d in zip(steps[1:], drops) if d]
+    assert all("skipped" in text for text in skipped), skipped[:1]
