@@ -20,7 +20,7 @@ whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py
 the chain takes another path, the rest of it is measured again and the record
 replaced, unless a record of that path is kept or the call skipped stages (a
 path changing to new ones on every call is warned of: remat/runtime/paths.py,
-Notes [Paths of a chain] and [Skipped stages]). A call that stops short of the
+and remat/runtime/skips.py). A call that stops short of the
 recorded stages (a depth that alternates, an early exit) runs the plan's prefix
 and keeps the record: alternating depths are measured once, on the longer path;
 a second call in a row that stops at the same stage (or a fourth that stops
@@ -208,7 +208,7 @@ class Explanation:
             summary += f"\n{self.schedule.grouping}"
         if self.measured_peak is not None:
             summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
-        if self._record is not None:   # (Note [Paths of a chain] and [Skipped stages], remat/runtime/paths.py)
+        if self._record is not None:   # (Note [Paths of a chain], remat/runtime/paths.py; [Skipped stages], skips.py)
             summary += path_lines(self._record, self.schedule, self.budget)
         return f"{head}\n{summary}\n{self.table()}\nschedule:\n{self.schedule}"
 

@@ -132,7 +132,7 @@ class ChainRecord:
         self.remeasure = False   # the next call measures again (a shorter path taken, a stage changed)
         self.quiet = 0           # calls in a row that took its path to its end (``Runner.finish``)
         self.view = None         # (record, its stage of each of these): a view of it, stages skipped
-        self.skips = {}          # such views and their plans (Note [Skipped stages], remat/runtime/paths.py)
+        self.skips = {}          # such views and their plans (Note [Skipped stages], remat/runtime/skips.py)
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held

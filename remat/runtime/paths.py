@@ -42,21 +42,6 @@ once. A call that stops short of its record several times (Note [Chain
 keys]) makes the next one measure that shorter path, unless the record keeps
 that path's own (``shorter_path``). A path met for the first time is
 measured (docs/limitations.md).
-
-Note [Skipped stages]
----------------------
-A call that leaves the path at stage k for a stage m its record holds further
-on (stages k..m-1 skipped: LayerDrop, an optional block) takes a path that
-record already measured, less those stages. It runs on a view of the record
-without them (``_without``): the same stage records, the costs without their
-rows (where the stages around the gap meet, a^(k-1) counted gone once stage m
-has run only where both sides said so), the plan stitched as for another path
-(``_stitched``), under the budget or not at all. Nothing is measured, and the
-record stays the chain's: a view is the plan of one call (``skip_stages``).
-Each gap costs a solve of the rest (C: milliseconds); the views a plan has
-made are kept (``SKIPS`` of them). So LayerDrop measures until a call takes
-every stage (a path that holds the record's, with stages the record lacks, is
-measured, and its record is the chain's from then on), and then no more.
 """
 
 import dataclasses
@@ -69,12 +54,11 @@ from ..solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, op_from_code, si
 from ..solver.solve import solve
 from ..units import format_bytes
 
-__all__ = ["OTHER_PATHS", "PATH_CHANGES", "STALE", "SKIPS", "keep_path", "path_changed", "path_changes", "path_lines",
+__all__ = ["OTHER_PATHS", "PATH_CHANGES", "STALE", "keep_path", "path_changed", "path_changes", "path_lines",
            "path_room", "shorter_path", "site_text", "switch_path"]
 
 OTHER_PATHS = 3   # records of other paths a chain's record keeps
 STALE = 50        # calls in a row on one path after which it lets the others go
-SKIPS = 64        # views a record keeps of its plans with stages skipped (Note [Skipped stages])
 PATH_CHANGES = 3  # calls in a row that left the recorded path before a warning (``path_changed``)
 path_changes = {}       # chain key -> such calls so far
 _warned_paths = set()    # chain sites warned of
@@ -208,87 +192,8 @@ def switch_path(runner, k, ident, x, call, budget, spec):
             runner.run.clock = None   # (this call's times are not the record's plan's)
             return True
         runner.adopt(*before)
+    from .skips import skip_stages   # (skips.py imports this module)
     return skip_stages(runner, k, ident, x, call, budget, spec)
-
-
-def skip_stages(runner, k, ident, x, call, budget, spec):
-    """The call of ``runner`` left its record's path at stage ``call`` (k, of
-    ``ident`` on ``x``) for a stage its record, or a record of another path it
-    keeps, holds further on, the stages before as that record holds them: run
-    on a view of that record without the stages the call skipped (Note [Skipped
-    stages]); True if it does, False if none holds it so or the plan does not fit."""
-    entry, plan, base = runner.entry, runner.plan, runner.base
-    for record in [entry, *entry.others] if k > 1 else ():
-        keep = _kept(entry, record, k, ident)
-        if keep is None or record.costs is None:
-            continue
-        home = base if record is entry else record   # (the record the view is of)
-        index = record.view[1] if record.view else tuple(range(1, len(record.stages) + 1))
-        key = (id(plan), k, tuple(index[i] for i in keep))
-        kept = home.skips.get(key)
-        if kept is None or kept[0] is not plan:
-            view = _without(record, home, index, keep)
-            try:
-                stitched = _stitched(plan, k, view, budget, spec)
-            except RematError:   # (no plan of the rest fits beside what the stages before hold)
-                stitched = None
-            if len(home.skips) >= SKIPS:
-                home.skips.pop(next(iter(home.skips)))
-            kept = home.skips[key] = (plan, view, stitched)   # (the plan kept: its id stays its own)
-        view, stitched = kept[1:]
-        if stitched is None:
-            continue
-        runner.adopt(view, stitched, home)
-        if runner.matches(k, ident, x, call):
-            if record is not entry:
-                record.suspects |= {keep[i - 1] + 1 for i in entry.suspects if i < k}
-                _succeeds(entry, record)
-            runner.run.clock = None   # (this call's times are not the record's plan's)
-            return True
-        runner.adopt(entry, plan, base)
-    return False
-
-
-def _kept(entry, record, k, ident):
-    """The stages of ``record`` (0-based) a call on ``entry``'s path to stage k-1
-    that goes on with stage ``ident`` runs: those like its stages before k, in
-    order, then the first of ``ident`` after them and all after it; None if
-    ``record`` holds them not so, or with none skipped."""
-    keep, j, n = [], 0, len(record.stages)
-    for a in entry.stages[:k - 1]:
-        while j < n and not _alike(a, record.stages[j]):
-            j += 1
-        if j == n:
-            return None
-        keep.append(j)
-        j += 1
-    m = next((i for i in range(j, n) if record.ident(i + 1) is ident), None)
-    if m is None or m == k - 1:   # (none skipped: a stage that changed, or another path's)
-        return None
-    return keep + list(range(m, n))
-
-
-def _without(record, base, index, keep):
-    """A view of ``record`` (whose stages are ``base``'s ``index``) with only its
-    stages ``keep`` (0-based), for one call (Note [Skipped stages])."""
-    from ..measure.chain_record import ChainRecord   # (measure/ imports the runtime)
-    costs = record.costs
-    fields = {f: tuple(getattr(costs, f)[i] for i in keep) for f in _PER_STAGE if getattr(costs, f) is not None}
-    drop, whole = list(fields["fwd_drop"]), list(fields["fwd_drop_whole"])
-    for n, (a, b) in enumerate(zip(keep, keep[1:])):
-        if b != a + 1:   # (a gap: a^a goes once stage b has run where both sides let it)
-            gone = costs.fwd_drop[b - 1] > 0
-            drop[n], whole[n] = (costs.fwd_drop[a], costs.fwd_drop_whole[a]) if gone else (0, 0)
-    fields["fwd_drop"], fields["fwd_drop_whole"] = tuple(drop), tuple(whole)
-    view = ChainRecord()
-    view.stages, view.names = [record.stages[i] for i in keep], [record.names[i] for i in keep]
-    view.costs = dataclasses.replace(costs, **fields)
-    new = {i + 1: n + 1 for n, i in enumerate(keep)}
-    view.caller = {new[i] for i in record.caller if i in new}
-    view.suspects = {new[i] for i in record.suspects if i in new}
-    view.input_bytes, view.tail, view.output_held = record.input_bytes, record.tail, record.output_held
-    view.view = (base, tuple(index[i] for i in keep))
-    return view
 
 
 def path_lines(record, schedule, budget):

@@ -128,7 +128,7 @@ class Runner:
 
     def adopt(self, entry, plan, base=None):
         """Go on with the record ``entry`` (a view of ``base``, if given) and its
-        ``plan`` (Note [Paths of a chain], Note [Skipped stages])."""
+        ``plan`` (Note [Paths of a chain], Note [Skipped stages] in remat/runtime/skips.py)."""
         self.entry, self.base, self.plan, self.run.ops, self.run.fall_at, self.run.policy = \
             entry, base or entry, plan, plan.backward, plan.fall_at, plan.policy
 
@@ -245,7 +245,7 @@ class Runner:
         storage ``source``): the record learns what the call let go and kept;
         True if the chain stopped short of its recorded stages or a stage saved
         other tensors than recorded (the caller forgets the record)."""
-        k = self.at(k)   # (a call that skipped stages: Note [Skipped stages], remat/runtime/paths.py)
+        k = self.at(k)   # (a call that skipped stages: Note [Skipped stages], remat/runtime/skips.py)
         if k != len(self.base.stages):
             # a shorter path (Note [Chain keys], remat/chain.py): the backward rebuilds
             # from the inputs the plan's prefix held; the record serves it again, unless

@@ -158,11 +158,20 @@ def _items(out):
     return None
 
 
+def layout(t):
+    """A tensor's strides, those of its size-1 dimensions left out (any serves there):
+    ops on another layout of the same shape may save other tensors (a linear layer
+    on a transposed input saves a copy of it), so a stage's record holds for one."""
+    if t.layout is not torch.strided:
+        return None
+    return tuple([s if n != 1 else 0 for n, s in zip(t.shape, t.stride())])
+
+
 def signature(value):
-    """A hashable summary of a stage's arguments: tensors by shape, dtype, device and
-    requires_grad, small Python values by value, other objects by type."""
+    """A hashable summary of a stage's arguments: tensors by shape, dtype, device,
+    requires_grad and ``layout``, small Python values by value, other objects by type."""
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
+        return (tuple(value.shape), value.dtype, value.device, value.requires_grad, layout(value))
     if isinstance(value, (tuple, list)):
         return tuple(signature(v) for v in value)
     if isinstance(value, dict):
@@ -213,11 +222,11 @@ def module_dicts(ident):
 def input_signature(x, call, dicts):
     """What each stage of a chain's record is checked against on later calls: input
     shape and dtype, the training flags of its module and submodules (a stage, or
-    a BatchNorm inside it, switched to eval or back is measured again), and its
-    side inputs by ``signature`` (an encoder output of another length, another
-    model's weights passed to a function stage)."""
+    a BatchNorm inside it, switched to eval or back is measured again), its side
+    inputs by ``signature`` (an encoder output of another length, another model's
+    weights passed to a function stage) and its input's ``layout``."""
     return (tuple(x.shape), x.dtype, tuple([d.get("training") for d in dicts]),
-            signature((call.args, call.kwargs)))
+            signature((call.args, call.kwargs)), layout(x))
 
 
 _NO_SIDE = signature(((None,), {}))   # a stage given its activation alone
@@ -228,6 +237,8 @@ def signature_matches(sig, x, call, dicts=None):
     every call is checked. With ``dicts`` None the training flags are left out
     (``trained_as``)."""
     if x.shape != sig[0] or x.dtype != sig[1] or (dicts is not None and not trained_as(sig, dicts)):
+        return False
+    if layout(x) != sig[4]:
         return False
     args, kwargs = call.args, call.kwargs
     if len(args) == 1 and not kwargs:   # (args is (None,): the activation, left out)

@@ -136,10 +136,11 @@ class _Skipping(nn.Module):
 
 
 def test_a_path_changing_from_call_to_call_is_warned_of(monkeypatch):
-    """Stages skipped from call to call, each call a path not taken before (as
-    LayerDrop's): each measures the rest again (exact, but over the budget), which a
-    warning says once ``PATH_CHANGES`` calls in a row have; a path that changes once
-    and stays does not, nor do paths taken in turn (tests/runtime/test_paths.py)."""
+    """Each call a path not taken before (here stages skipped, with the records of
+    other paths and the views without skipped stages turned off): each measures the
+    rest again (exact, but over the budget), which a warning says once
+    ``PATH_CHANGES`` calls in a row have; a path that changes once and stays does
+    not, nor do paths taken in turn or stages skipped (tests/runtime/test_paths.py)."""
     import warnings
 
     from remat.runtime import chain_call
@@ -164,7 +165,7 @@ def test_a_path_changing_from_call_to_call_is_warned_of(monkeypatch):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for skip in (None, 2, 2, 2, 2):   # one change, then the same path
+        for skip in (None, 2, 2, 2, 2):   # the same stages skipped on each call after the first
             step(skip)
     # (each call measures, as one taking a path not seen before does: here two paths
     # taken in turn, which would otherwise run on their records)
@@ -172,10 +173,10 @@ def test_a_path_changing_from_call_to_call_is_warned_of(monkeypatch):
     for i in range(PATH_CHANGES - 1):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            step((None, 3)[i % 2])
+            step((3, None)[i % 2])
     with pytest.warns(RuntimeWarning, match=rf"took another path of stages than its record on {PATH_CHANGES} "
                                             r"calls in a row .*reordered"):
-        step((None, 3)[(PATH_CHANGES - 1) % 2])
+        step((3, None)[(PATH_CHANGES - 1) % 2])
 
 
 def _frozen_lin(block):

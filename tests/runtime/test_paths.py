@@ -3,18 +3,20 @@ remat/runtime/paths.py): each path is measured once, and a call that leaves the
 path it started on goes on with the record of the one it takes, exact and under
 the budget."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, strategies as st
 
 import remat
 from remat.measure import measuring
 from remat.measure.meter import Instrument
 from remat.solver.schedule import simulate
-from remat.solver.solve import store_all
+from remat.solver.solve import minimum_budget, store_all
+from chains import Net, assert_same, budget_for, measured_costs, random_chains, train
 
 
 class Routes(nn.Module):
@@ -160,3 +162,84 @@ def test_layerdrop_runs_the_record_of_every_stage_without_measuring(seed, drops,
         assert peak <= predicted <= net.budget, (peak, predicted, net.budget)
     skipped = [text for (_, _, _, text), d in zip(steps[1:], drops) if d]
     assert all("skipped" in text for text in skipped), skipped[:1]
+
+
+class Dropping(Net):
+    """``chains.Net`` whose ``skip`` leaves stages out (LayerDrop)."""
+
+    skip = ()
+
+    def forward(self, x, mask):
+        stages = [s for i, s in enumerate(self.stages) if i not in self.skip]
+        if self.budget is None:
+            for s in stages:
+                x = s(x, mask)
+            return x
+        with remat.chain(budget=self.budget):
+            for s in stages:
+                x = s(x, mask)
+        return x
+
+
+@given(random_chains(), st.lists(st.sets(st.integers(1, 10), min_size=1, max_size=3), min_size=1, max_size=4),
+       st.floats(0.0, 1.0))
+def test_random_chains_skipping_stages_are_exact_and_measured_once(chain, drops, fraction):
+    """Random chains of every stage kind (BatchNorm's statistics, dropout's RNG,
+    tied weights, side inputs) whose calls skip random stages after one that ran
+    them all: every step plain PyTorch's, bitwise (buffers and parameters too), and
+    only the first measures (Note [Skipped stages]). (The sequence BatchNorm stage
+    transposes: a stage after it skipped gets another layout, and measures, as
+    ``test_a_stage_given_another_layout_measures_again`` shows.)"""
+    kinds, image = chain
+    assume(len(kinds) >= 3 and "bn" not in kinds)
+    torch.manual_seed(0)
+    base = Dropping(kinds, image=image)
+    budget = budget_for(measured_costs(base), "optimal", fraction)
+    remat.clear_cache()
+    ref, net = copy.deepcopy(base), copy.deepcopy(base)
+    net.budget = budget
+    counted, init = [], measuring.Measurer.__init__
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(measuring.Measurer, "__init__",
+                            lambda self, *a, **k: (counted.append(1), init(self, *a, **k))[1])
+        for step, skip in enumerate([()] + [d & set(range(1, len(kinds) - 1)) for d in drops]):
+            ref.skip = net.skip = skip
+            assert_same(train(ref, steps=1, seed=step), train(net, steps=1, seed=step))
+    assert len(counted) == 1
+    remat.clear_cache()
+
+
+def test_a_stage_given_another_layout_measures_again():
+    """A stage whose input comes in another layout than recorded (the same shape,
+    transposed: a BatchNorm stage that transposes skipped before it, or a chain
+    given a transposed input) saves other tensors (a linear layer copies it): the
+    call measures again, exact, where before its recomputation failed the check
+    that it saves what its forward saved (``RecomputeMismatchError``)."""
+    torch.manual_seed(0)
+    base = Dropping(["linear", "bn", "linear", "linear", "linear"])
+    budget = budget_for(measured_costs(base), "optimal", 0.0)
+    remat.clear_cache()
+    ref, net = copy.deepcopy(base), copy.deepcopy(base)
+    net.budget = budget
+    for step, skip in enumerate([(), {1}, {1}, ()]):
+        ref.skip = net.skip = skip
+        assert_same(train(ref, steps=1, seed=step), train(net, steps=1, seed=step))
+    blocks = nn.ModuleList(remat.stage(nn.Linear(8, 8)) for _ in range(4))
+    plain = copy.deepcopy(blocks)
+
+    def step(model, x, budget=None):
+        model.zero_grad()
+        h = out = x.detach().requires_grad_()
+        with remat.chain(budget=budget) if budget else contextlib.nullcontext():
+            for b in model:
+                out = b(out)
+        out.square().sum().backward()
+        return [h.grad] + [p.grad for p in model.parameters()]
+
+    step(copy.deepcopy(blocks), torch.randn(4, 6, 8), 2**40)
+    budget = minimum_budget(remat.explain().costs)
+    remat.clear_cache()
+    for x in (torch.randn(4, 6, 8), torch.randn(4, 8, 6).transpose(1, 2), torch.randn(4, 6, 8)):
+        assert all(torch.equal(a, b) for a, b in zip(step(plain, x), step(blocks, x, budget)))
+        assert remat.explain().schedule.recomputations() > 0
+    remat.clear_cache()

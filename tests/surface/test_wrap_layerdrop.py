@@ -1,6 +1,6 @@
 """remat.wrap on a Hugging Face model with LayerDrop (Wav2Vec2, whose encoder skips
 each layer with probability ``layerdrop`` while training), built from a config with
-random weights, against plain PyTorch (Note [Skipped stages], remat/runtime/paths.py)."""
+random weights, against plain PyTorch (Note [Skipped stages], remat/runtime/skips.py)."""
 
 import copy
 
