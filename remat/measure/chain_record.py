@@ -298,6 +298,8 @@ class ChainRecord:
 
     def times_said(self):
         """Where the stages' times come from, in words (what ``explain()`` says of them)."""
+        if self.view:   # (a view of a record, for a call that skipped stages: its times are that record's)
+            return self.view[0].times_said()
         if self.refined:
             return f"times: the means of {self.refined} calls' own, as training steps ran them"
         if self.from_file:

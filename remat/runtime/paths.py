@@ -203,8 +203,10 @@ def path_lines(record, schedule, budget):
     if record.view:
         index, n = record.view[1], len(record.view[0].stages)
         gone = [str(i) for i in range(1, n + 1) if i not in index]
-        text += (f"\nthis call skipped stage(s) {', '.join(gone)} of the chain's {n}: it ran that record's plan "
-                 f"without them, the rest solved again beside what the stages before held")
+        how = ("that record's plan without them" if record.view[2:] == ("holed",) else
+               "the rest of the chain solved again beside what the stages before held")
+        text += f"\nthis call skipped stage(s) {', '.join(gone)} of the chain's {n} (Note [Skipped stages]): " \
+            f"it ran {how}"
     others = record.view[0].others if record.view else record.others
     if others:
         low = schedule.budget if (schedule.budget or budget) < budget else None

@@ -67,6 +67,7 @@ def skip_stages(runner, k, ident, x, call, budget, spec):
             holed = _holed(plan, keep, view, budget, spec) if record is entry else None
             if holed is not None and (stitched is None or holed.schedule.time < stitched.schedule.time):
                 stitched = holed
+            view.view += ("holed" if stitched is holed else "stitched",)   # (what explain() says of it)
             if len(home.skips) >= SKIPS:
                 home.skips.pop(next(iter(home.skips)))
             kept = home.skips[key] = (plan, view, stitched)   # (the plan kept: its id stays its own)
