@@ -256,7 +256,10 @@ class Runner:
             last, same, any_ = _shorter.get(self.key, (k, 0, 0))
             same = same + 1 if last == k else 1
             _shorter[self.key] = (k, same, any_ + 1)
-            if same < SHORTER_AGAIN and any_ + 1 < SHORTER_ANY:   # (depths in turn keep the longest)
+            # (depths in turn keep the longest; a chain seen skipping stages, LayerDrop's last
+            # layer dropped now and then, four times as long: Note [Skipped stages], remat/runtime/skips.py)
+            wait = 4 if self.base.skips else 1
+            if same < wait * SHORTER_AGAIN and any_ + 1 < wait * SHORTER_ANY:
                 return False
             _shorter.pop(self.key, None)
             path_changed(self.key, self.site)

@@ -28,7 +28,11 @@ it) does not match (``layout``, remat/runtime/stage_call.py), and the call
 measures. Each new view costs a solve of the rest (C: milliseconds); a record
 keeps the views its plans made (``SKIPS`` of them). So LayerDrop measures
 until a call has taken every stage, and then no more; a call that skips the
-first stage has another key (Note [Chain keys], remat/chain.py).
+first stage has another key (Note [Chain keys], remat/chain.py). Calls that
+stop short (the last stages skipped) run the plan's prefix, as any call that
+stops short does; a chain seen skipping stages waits four times as many such
+calls in a row before it measures the shorter path (``Runner.finish``):
+LayerDrop drops the last layer now and then.
 """
 
 import dataclasses
@@ -45,12 +49,12 @@ SKIPS = 64   # views a record keeps of its plans with stages skipped
 
 def skip_stages(runner, k, ident, x, call, budget, spec):
     """The call of ``runner`` left its record's path at stage ``call`` (k, of
-    ``ident`` on ``x``) for a stage its record, or a record of another path it
-    keeps, holds further on, the stages before as that record holds them: run
+    ``ident`` on ``x``) for a stage its record, or a record of another path the
+    chain keeps, holds further on, the stages before as that record holds them: run
     on a view of that record without the stages the call skipped (Note [Skipped
     stages]); True if it does, False if none holds it so or the plan does not fit."""
     entry, plan, base = runner.entry, runner.plan, runner.base
-    for record in [entry, *entry.others] if k > 1 else ():
+    for record in [entry, *base.others] if k > 1 else ():   # (entry: the chain's record, or a view of it)
         keep = _kept(entry, record, k, ident)
         if keep is None or record.costs is None:
             continue
@@ -78,7 +82,7 @@ def skip_stages(runner, k, ident, x, call, budget, spec):
         if runner.matches(k, ident, x, call):
             if record is not entry:
                 record.suspects |= {keep[i - 1] + 1 for i in entry.suspects if i < k}
-                _succeeds(entry, record)
+                _succeeds(base, record)
             runner.run.clock = None   # (this call's times are not the record's plan's)
             return True
         runner.adopt(entry, plan, base)

@@ -53,7 +53,7 @@ def test_wav2vec2_layerdrop_is_exact_and_measured_until_every_layer_ran(monkeypa
     PyTorch's, bitwise, and once a call has run every layer, calls that skip inner
     layers measure nothing: they run that record's plan without them. (A call that
     skips the first layer has another key, measured once; one that stops short may
-    be measured, Note [Chain keys].) Before, 13 of the 16 calls measured; now 5."""
+    be measured, Note [Chain keys].) Before, 13 of the 16 calls measured; now 4."""
     base = wav2vec2()
     want, skipped = _train(copy.deepcopy(base), 16)
     probe = copy.deepcopy(base)
@@ -76,5 +76,5 @@ def test_wav2vec2_layerdrop_is_exact_and_measured_until_every_layer_ran(monkeypa
              if 0 not in skip and 5 not in skip]
     assert sum(bool(skip) for skip, _ in inner) >= 3, skipped   # (the seeds skip inner layers after it)
     assert not any(again for _, again in inner), str(list(zip(skipped, measured)))
-    assert sum(measured) <= 5, str(list(zip(skipped, measured)))
+    assert sum(measured) <= 4, str(list(zip(skipped, measured)))
     remat.unwrap(model)
