@@ -15,7 +15,7 @@ measures). Reported: the calls that measured, the calls over the budget and the
 most over, the median step time over the rounds after the tenth (each method's
 median over the same rounds).
 
-Writes benchmarks/results/layerdrop-cpu.json and prints a markdown table.
+Writes benchmarks/results/layerdrop-cpu.json and .md (the table it prints).
 """
 
 import argparse
@@ -131,6 +131,8 @@ def main():
             "max_peak": max(m.peaks), "median_seconds": statistics.median(m.times[10:] or m.times)})
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(table(result) + "\n")
     print(table(result))
 
 
