@@ -102,7 +102,7 @@ def _holed(plan, keep, view, budget, spec):
     for op in plan.schedule.ops:
         if op is Loss:
             ops.append(op)
-            start = len(ops)
+            start, carry = len(ops), False
             continue
         i = new.get(op.stage)
         if i is None:
