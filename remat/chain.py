@@ -9,11 +9,11 @@ Note [Chain keys]
 A chain is keyed by its call site (code object and line of the ``with``, or
 the decorated function), the identity of its first stage (so two models of
 one class do not share measurements), the signature of the first stage's
-arguments (shape, dtype, device and requires_grad of every tensor, value of
-small Python values), the first stage module's training flag and the
+arguments (shape, dtype, device, requires_grad and layout of every tensor,
+value of small Python values), the first stage module's training flag and the
 autocast state. A key seen before runs its schedule; a new budget re-solves
 from the cached costs; a new key measures. While running, each stage is
-checked against the chain's record (same stage object, input shape, side inputs
+checked against the chain's record (same stage object, input shape and layout, side inputs
 by signature, training flags of its module and submodules, autocast state,
 parameters' dtypes and requires_grad; the module of a stage the plan records
 whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
