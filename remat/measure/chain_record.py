@@ -133,6 +133,7 @@ class ChainRecord:
         self.quiet = 0           # calls in a row that took its path to its end (``Runner.finish``)
         self.view = None         # (record, its stage of each of these): a view of it, stages skipped
         self.skips = {}          # such views and their plans (Note [Skipped stages], remat/runtime/skips.py)
+        self.skipped = False     # a call ran on such a view
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held

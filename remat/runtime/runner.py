@@ -245,12 +245,16 @@ class Runner:
         storage ``source``): the record learns what the call let go and kept;
         True if the chain stopped short of its recorded stages or a stage saved
         other tensors than recorded (the caller forgets the record)."""
-        k = self.at(k)   # (a call that skipped stages: Note [Skipped stages], remat/runtime/skips.py)
+        kc, k = k, self.at(k)   # (a call that skipped stages: Note [Skipped stages], remat/runtime/skips.py)
         if k != len(self.base.stages):
-            # a shorter path (Note [Chain keys], remat/chain.py): the backward rebuilds
-            # from the inputs the plan's prefix held; the record serves it again, unless
-            # calls keep taking it (then it is measured, for a plan of its own)
-            self.run.ops = None
+            # a shorter path (Note [Chain keys], remat/chain.py): the backward runs the
+            # plan less the stages after it, or else rebuilds from the inputs the plan's
+            # prefix held; the record serves it again, unless calls keep taking it (then
+            # it is measured, for a plan of its own)
+            from .skips import stopped_short   # (skips.py imports paths.py, which this imports)
+            short = stopped_short(self, kc)
+            self.run.ops, self.run.fall_at, self.run.policy = \
+                (short.backward, short.fall_at, short.policy) if short is not None else (None, {}, self.run.policy)
             if len(_shorter) > 1000:
                 _shorter.clear()
             last, same, any_ = _shorter.get(self.key, (k, 0, 0))
@@ -258,7 +262,7 @@ class Runner:
             _shorter[self.key] = (k, same, any_ + 1)
             # (depths in turn keep the longest; a chain seen skipping stages, LayerDrop's last
             # layer dropped now and then, four times as long: Note [Skipped stages], remat/runtime/skips.py)
-            wait = 4 if self.base.skips else 1
+            wait = 4 if self.base.skipped else 1
             if same < wait * SHORTER_AGAIN and any_ + 1 < wait * SHORTER_ANY:
                 return False
             _shorter.pop(self.key, None)

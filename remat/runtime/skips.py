@@ -28,21 +28,23 @@ it) does not match (``layout``, remat/runtime/stage_call.py), and the call
 measures. Each new view costs a solve of the rest (C: milliseconds); a record
 keeps the views its plans made (``SKIPS`` of them). So LayerDrop measures
 until a call has taken every stage, and then no more; a call that skips the
-first stage has another key (Note [Chain keys], remat/chain.py). Calls that
-stop short (the last stages skipped) run the plan's prefix, as any call that
-stops short does; a chain seen skipping stages waits four times as many such
-calls in a row before it measures the shorter path (``Runner.finish``):
-LayerDrop drops the last layer now and then.
+first stage has another key (Note [Chain keys], remat/chain.py). A call that
+stops short (its last stages skipped, or an early exit) runs the plan's
+prefix, and its backward the plan less the stages it did not reach
+(``stopped_short``: ``_holed`` again), where that fits; a chain seen skipping
+stages waits four times as many such calls in a row before it measures the
+shorter path (``Runner.finish``): LayerDrop drops the last layer now and then.
 """
 
 import dataclasses
+import types
 
 from ..errors import RematError
 from ..solver.plan import Plan
 from ..solver.schedule import B, Fck, Fn, Loss, Schedule, op_from_code, simulate
 from .paths import _PER_STAGE, _alike, _stitched, _succeeds
 
-__all__ = ["SKIPS", "skip_stages"]
+__all__ = ["SKIPS", "skip_stages", "stopped_short"]
 
 SKIPS = 64   # views a record keeps of its plans with stages skipped
 
@@ -84,9 +86,30 @@ def skip_stages(runner, k, ident, x, call, budget, spec):
                 record.suspects |= {keep[i - 1] + 1 for i in entry.suspects if i < k}
                 _succeeds(base, record)
             runner.run.clock = None   # (this call's times are not the record's plan's)
+            home.skipped = True
             return True
         runner.adopt(entry, plan, base)
     return False
+
+
+def stopped_short(runner, k):
+    """The call of ``runner`` ended at its stage k, short of its record's: the plan
+    for its backward, that of the record less the stages after k (``_holed``), or
+    None where it does not fit (the backward then rebuilds each stage from the
+    nearest input held, ``Run._rebuild``)."""
+    entry, plan, base = runner.entry, runner.plan, runner.base
+    if entry.costs is None or plan.schedule.budget is None:
+        return None
+    key = (id(plan), "short", k)
+    kept = base.skips.get(key)
+    if kept is None or kept[0] is not plan:
+        index = entry.view[1] if entry.view else tuple(range(1, len(entry.stages) + 1))
+        view = _without(entry, base, index, list(range(k)))
+        options = types.SimpleNamespace(options=plan.costs.options is not None)
+        if len(base.skips) >= SKIPS:
+            base.skips.pop(next(iter(base.skips)))
+        kept = base.skips[key] = (plan, _holed(plan, list(range(k)), view, plan.schedule.budget, options))
+    return kept[1]
 
 
 def _holed(plan, keep, view, budget, spec):
