@@ -245,15 +245,20 @@ def _stitched(plan, k, other, budget, spec):
     schedule = solve(rest, budget, spec.algorithm, spec.slots)
     moved = [op_from_code(op.code, op.stage + k - 1, getattr(op, "option", 0)) if op is not Loss else Loss
              for op in schedule.ops]
-    ops = tuple(prefix) + tuple(moved) + _rebuilds(plan, k)
+    return _planned(tuple(prefix) + tuple(moved) + _rebuilds(plan, k), costs, budget, schedule, other.policies())
+
+
+def _planned(ops, costs, budget, like, policies):
+    """The plan of ``ops`` on ``costs`` (its schedule made as ``like`` was), or None
+    where they are not a valid schedule of them or do not fit ``budget``."""
     try:
         sim = simulate(costs, ops)
     except RematError:
         return None
     if sim.peak > budget:
         return None
-    stitched = Schedule(ops, sim.time, sim.peak, schedule.algorithm, budget, schedule.slot_bytes, costs.tail)
-    return Plan.of(stitched, costs, other.policies())
+    schedule = Schedule(tuple(ops), sim.time, sim.peak, like.algorithm, budget, like.slot_bytes, costs.tail)
+    return Plan.of(schedule, costs, policies)
 
 
 def _rebuilds(plan, k):

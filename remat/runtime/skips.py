@@ -40,9 +40,8 @@ import dataclasses
 import types
 
 from ..errors import RematError
-from ..solver.plan import Plan
-from ..solver.schedule import B, Fck, Fn, Loss, Schedule, op_from_code, simulate
-from .paths import _PER_STAGE, _alike, _stitched, _succeeds
+from ..solver.schedule import B, Fck, Fn, Loss, op_from_code
+from .paths import _PER_STAGE, _alike, _planned, _stitched, _succeeds
 
 __all__ = ["SKIPS", "skip_stages", "stopped_short"]
 
@@ -141,15 +140,7 @@ def _holed(plan, keep, view, budget, spec):
         carry = False
         ops.append(op_from_code(code, i, getattr(op, "option", 0)))
         start = len(ops) if type(op) is B else start
-    try:
-        sim = simulate(costs, ops)
-    except RematError:
-        return None
-    if sim.peak > budget:
-        return None
-    s = plan.schedule
-    return Plan.of(Schedule(tuple(ops), sim.time, sim.peak, s.algorithm, budget, s.slot_bytes, costs.tail),
-                   costs, view.policies())
+    return _planned(ops, costs, budget, plan.schedule, view.policies())
 
 
 def _kept(entry, record, k, ident):
