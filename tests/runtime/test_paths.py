@@ -128,6 +128,22 @@ def test_a_path_a_block_longer_and_one_stopping_short_are_measured_once_each(mon
     assert "1 other path(s) of the chain kept" in steps[3][3] and "leaves room for its rest" in steps[3][3]
 
 
+@pytest.mark.parametrize("fraction", [0.05, 0.5])
+def test_a_call_that_stops_short_runs_the_plan_less_the_stages_it_did_not_reach(monkeypatch, fraction):
+    """A call that stops before the record's last stages runs its backward on the
+    record's plan less them (``stopped_short``, Note [Skipped stages]), not a
+    rebuild of each stage from the nearest input held: exact, under the budget
+    and the plan's own prediction."""
+    from remat.runtime import skips
+    made, real = [], skips.stopped_short
+    monkeypatch.setattr(skips, "stopped_short", lambda runner, k: made.append(real(runner, k)) or made[-1])
+    ref, net = _pair(1, fraction)
+    steps = _steps(ref, net, [None, ("skip", 5), None, ("skip", 4, 5)], monkeypatch)
+    assert len(made) == 2 and all(plan is not None for plan in made)
+    for plan, (measured, peak, *_) in zip(made, steps[1::2]):
+        assert not measured and peak <= plan.schedule.peak <= net.budget, (peak, plan.schedule.peak, net.budget)
+
+
 ROUTES = [None, ("skip", 0), ("skip", 1), ("skip", 2), ("skip", 4), ("skip", 5), ("skip", 1, 3), ("skip", 2, 3, 4),
           ("swap", 1), ("swap", 3)]
 
