@@ -60,7 +60,7 @@ def skip_stages(runner, k, ident, x, call, budget, spec):
         if keep is None or record.costs is None:
             continue
         home = base if record is entry else record   # (the record the view is of)
-        index = record.view[1] if record.view else tuple(range(1, len(record.stages) + 1))
+        index = _index(record)
         key = (id(plan), k, tuple(index[i] for i in keep))
         kept = home.skips.get(key)
         if kept is None or kept[0] is not plan:
@@ -73,9 +73,7 @@ def skip_stages(runner, k, ident, x, call, budget, spec):
             if holed is not None and (stitched is None or holed.schedule.time < stitched.schedule.time):
                 stitched = holed
             view.view += ("holed" if stitched is holed else "stitched",)   # (what explain() says of it)
-            if len(home.skips) >= SKIPS:
-                home.skips.pop(next(iter(home.skips)))
-            kept = home.skips[key] = (plan, view, stitched)   # (the plan kept: its id stays its own)
+            kept = _keep(home, key, (plan, view, stitched))
         view, stitched = kept[1:]
         if stitched is None:
             continue
@@ -102,13 +100,24 @@ def stopped_short(runner, k):
     key = (id(plan), "short", k)
     kept = base.skips.get(key)
     if kept is None or kept[0] is not plan:
-        index = entry.view[1] if entry.view else tuple(range(1, len(entry.stages) + 1))
-        view = _without(entry, base, index, list(range(k)))
+        view = _without(entry, base, _index(entry), list(range(k)))
         options = types.SimpleNamespace(options=plan.costs.options is not None)
-        if len(base.skips) >= SKIPS:
-            base.skips.pop(next(iter(base.skips)))
-        kept = base.skips[key] = (plan, _holed(plan, list(range(k)), view, plan.schedule.budget, options))
+        kept = _keep(base, key, (plan, _holed(plan, list(range(k)), view, plan.schedule.budget, options)))
     return kept[1]
+
+
+def _index(record):
+    """The stage of the chain's record each of ``record``'s is (itself, or a view's)."""
+    return record.view[1] if record.view else tuple(range(1, len(record.stages) + 1))
+
+
+def _keep(record, key, value):
+    """Keep ``value`` (its first item the plan it was made from: kept alive, its id in
+    ``key`` stays its own) in ``record.skips``, the oldest of ``SKIPS`` going; return it."""
+    if len(record.skips) >= SKIPS:
+        record.skips.pop(next(iter(record.skips)))
+    record.skips[key] = value
+    return value
 
 
 def _holed(plan, keep, view, budget, spec):
