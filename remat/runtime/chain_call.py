@@ -391,9 +391,10 @@ def plan_for(entry, budget, spec):
                 note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                         f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
                 raise BudgetError(failed + note, least)
-        plan = path_room(entry, Plan.of(schedule, costs, entry.policies()), budget, spec,   # (Note [Paths ...])
-                         lambda b: Plan.of(solve(costs, b, algorithm, slots), costs, entry.policies()))
-        if len(entry.plans) > 16:
-            entry.plans.clear()
+        plan = Plan.of(schedule, costs, entry.policies())
+        if entry.others:   # (Note [Paths of a chain])
+            plan = path_room(entry, plan, budget, spec,
+                             lambda b: Plan.of(solve(costs, b, algorithm, slots), costs, entry.policies()))
+        entry.plans = entry.plans if len(entry.plans) <= 16 else {}
         entry.plans[key] = plan
     return plan
