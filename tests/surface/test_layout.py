@@ -32,3 +32,14 @@ def test_a_later_call_enters_at_most_8_modules():
     names = [os.path.relpath(p, ROOT) for p in order]
     assert len(names) <= 8, " ".join(names)
     remat.clear_cache()
+
+
+def test_a_first_call_enters_no_more_modules_than_the_docs_say():
+    """The first call's modules (33, docs/how-it-works.md, against the issue's 12:
+    the page gives the line count that bounds it) do not creep up unseen: a helper
+    of a path only some chains take is not entered by a GPT's first call."""
+    order, _ = call_path.paths()["first call"]
+    names = [os.path.relpath(p, ROOT) for p in order]
+    assert len(names) <= 33, " ".join(names)
+    assert "remat/runtime/paths.py" not in names and "remat/runtime/skips.py" not in names
+    remat.clear_cache()
