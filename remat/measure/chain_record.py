@@ -170,7 +170,8 @@ class ChainRecord:
         ``budget`` with a record more: measured, a kept stage's backward lets none of
         its saved tensors go until it ends), scaled to the input; (None, False)
         before a backward has shown the tail."""
-        if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None:
+        if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None \
+                or not any(self.costs.bwd_time):   # (no backward through it: its stages all frozen, say)
             return None, False
         scale = 1.0 if input_bytes is None else input_bytes / self.input_bytes
         tail = self.tail.costs()

@@ -370,6 +370,10 @@ class Measurer:
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given, self.options)
             new.from_file = self.given is not None
+            # a frozen stage is checked as it is called (Note [Stages recorded whole], remat/runtime/runner.py):
+            # unfrozen, it makes the call measure there, not run on costs that had no backward
+            new.suspects |= {i + 1 for i, s in enumerate(new.stages)
+                             if (flags := [g[1] for g in s.grads if g is not None]) and not any(flags)}
         except BaseException:
             self.undo()
             raise

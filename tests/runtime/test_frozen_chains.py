@@ -1,0 +1,104 @@
+"""A chain whose stages are all frozen for some calls (linear probing: only the head
+trains), then unfrozen: nothing in it had a backward, so its record must neither
+serve the unfrozen calls as recorded nor guide another chain's measuring call at
+the same site. Every call is plain PyTorch's and under the budget, as measured."""
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import remat
+
+D = 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, 4 * D)
+        self.fc2 = nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, budget):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.head = nn.Linear(D, 10)
+        self.budget = budget
+
+    def forward(self, x):
+        if self.budget is None:
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+        with remat.chain(budget=self.budget):
+            for b in self.blocks:
+                x = b(x)
+        return self.head(x)
+
+
+def _nets(budget):
+    torch.manual_seed(0)
+    plain = Net(None)
+    net = copy.deepcopy(plain)
+    net.budget = budget
+    for b in net.blocks:
+        remat.stage(b)
+    for m in (plain, net):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)   # (resident, as the budget counts them)
+    return plain, net
+
+
+def _step(net, x, frozen):
+    for p in net.blocks.parameters():
+        p.requires_grad_(not frozen)
+    net.zero_grad(set_to_none=False)
+    with remat.measure_peak():
+        net(x).square().mean().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def _least(x):
+    """A budget that recomputes: a tenth of the way from the trained chain's least to storing everything."""
+    remat.clear_cache()
+    _, net = _nets(2**30)
+    _step(net, x, False)
+    e = remat.explain()
+    top = remat.simulate(e.costs, remat.solve(e.costs, 2**30)).peak
+    remat.clear_cache()
+    return int(e.least_budget + 0.1 * (top - e.least_budget))
+
+
+def test_linear_probing_then_fine_tuning_stays_under_the_budget():
+    """Before, the first unfrozen call ran the frozen record's plan (stored whole,
+    checked at the call's end) at 3.2 times the budget, and the call after measured
+    with that record's hint and failed with BudgetError on every call."""
+    x = torch.randn(8, 16, D)
+    budget = _least(x)
+    plain, net = _nets(budget)
+    for step in range(6):
+        frozen = step < 2
+        want, got = _step(plain, x, frozen), _step(net, x, frozen)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), step
+        e = remat.explain()
+        assert e.measured_peak <= budget, (step, e.measured_peak, budget)
+
+
+def test_a_frozen_chain_does_not_guide_another_models_first_call():
+    """A model of the same blocks at the same site, measured after one whose stages
+    were all frozen (its record, the latest there, had no backward to tell of): its
+    first call stays under the budget, as in a fresh process."""
+    x = torch.randn(8, 16, D)
+    budget = _least(x)
+    _, frozen = _nets(budget)
+    _step(frozen, x, True)
+    plain, net = _nets(budget)
+    want, got = _step(plain, x, False), _step(net, x, False)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert remat.explain().measured_peak <= budget
