@@ -172,7 +172,7 @@ class Sequential(nn.Sequential):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_layout"] = None
+        state["_layout"] = state["_explanation"] = None   # (this process's: what its calls ran)
         return state
 
     def extra_repr(self):

@@ -266,6 +266,28 @@ def test_slice_and_deepcopy_keep_the_budget():
     copy.deepcopy(seq)(torch.randn(3, 2)).sum().backward()
 
 
+def test_a_trained_sequential_pickles_and_trains_on():
+    """After a step, ``pickle`` and ``torch.save`` copy a remat.Sequential as they do an
+    nn.Sequential (before, the last call's explanation went with it and could not be
+    pickled), and the copy trains as the original does."""
+    import io
+    import pickle
+
+    seq = remat.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), budget="1MiB")
+    x = torch.randn(4, 8)
+    seq(x).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(seq, buffer)
+    buffer.seek(0)
+    for other in (pickle.loads(pickle.dumps(seq)), torch.load(buffer, weights_only=False)):
+        assert isinstance(other, remat.Sequential) and other.budget == "1MiB"
+        other.zero_grad()
+        seq.zero_grad()
+        other(x).sum().backward()
+        seq(x).sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(seq.parameters(), other.parameters()))
+
+
 def test_measure_says_nothing_of_its_own_probe_budget():
     """``Sequential.measure`` runs a probe with no limit (remat.chain.NO_LIMIT): the
     warning for a budget beyond the device is for budgets users give, not that one."""
