@@ -6,27 +6,27 @@ knows about a chain after a call (``remat.explain()``, ``remat.chain.last``).
 
 Note [Chain keys]
 -----------------
-A chain is keyed by its call site (code object and line of the ``with``, or
-the decorated function), the identity of its first stage (so two models of
-one class do not share measurements), the signature of the first stage's
-arguments (shape, dtype, device, requires_grad and layout of every tensor,
-value of small Python values), the first stage module's training flag and the
-autocast state. A key seen before runs its schedule; a new budget re-solves
-from the cached costs; a new key measures. While running, each stage is
-checked against the chain's record (same stage object, input shape and layout, side inputs
-by signature, training flags of its module and submodules, autocast state,
-parameters' dtypes and requires_grad; the module of a stage the plan records
-whole at the call's end, Note [Stages recorded whole] in remat/runtime/runner.py): if
-the chain takes another path, the rest of it is measured again and the record
-replaced, unless a record of that path is kept or the call skipped stages (a
-path changing to new ones on every call is warned of: remat/runtime/paths.py,
-and remat/runtime/skips.py). A call that stops short of the
-recorded stages (a depth that alternates, an early exit) runs the plan's prefix
-and keeps the record: alternating depths are measured once, on the longer path;
-a second call in a row that stops at the same stage (or a fourth that stops
-short anywhere) drops it, for the shorter path to be measured and planned on its
-own (three depths in turn are measured once too). At most ``CACHE_SIZE`` keys
-are kept (least recently used first out).
+A chain is keyed by its call site (code object and line of the ``with``, or the
+decorated function), the identity of its first stage (so two models of one class
+do not share measurements), the signature of the first stage's arguments (shape,
+dtype, device, requires_grad and layout of every tensor, value of small Python
+values), the first stage module's training flag and the autocast state. A key
+seen before runs its schedule; a new budget re-solves from the cached costs; a
+new key measures. While running, each stage is checked against the chain's
+record (same stage object, input shape and layout, side inputs by signature,
+training flags of its module and submodules, autocast state, parameters' dtypes
+and requires_grad; the module of a stage the plan records whole at the call's
+end, Note [Stages recorded whole] in remat/runtime/runner.py): if the chain
+takes another path, the rest of it is measured again and the record replaced,
+unless a record of that path is kept or the call skipped stages (a path changing
+to new ones on every call is warned of: remat/runtime/paths.py, and
+remat/runtime/skips.py). A call that stops short of the recorded stages (a depth
+that alternates, an early exit) runs the plan's prefix and keeps the record:
+alternating depths are measured once, on the longer path; a second call in a row
+that stops at the same stage (or a fourth that stops short anywhere) drops it,
+for the shorter path to be measured and planned on its own (three depths in turn
+are measured once too). At most ``CACHE_SIZE`` keys are kept (least recently
+used first out).
 """
 
 import functools
@@ -46,7 +46,7 @@ from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_pe
 from .runtime.paths import path_lines
 from .solver.schedule import Loss
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, free_memory, parse_bytes, total_memory
 
 __all__ = ["chain", "ChainHints", "Explanation", "explain", "CACHE_SIZE", "clear_cache", "parse_budget",
            "resolve_budget", "AUTO_MARGIN"]
@@ -86,24 +86,6 @@ def parse_budget(budget):
     return value
 
 
-def free_memory(device):
-    """Bytes free on ``device`` now (CUDA: the driver's count; CPU: available RAM)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-    return int(psutil.virtual_memory().available)
-
-
-def total_memory(device):
-    """Bytes of memory ``device`` has in all (CUDA: the device's; CPU: the machine's RAM)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    import psutil
-    return int(psutil.virtual_memory().total)
-
-
 _warned_over = set()   # (budget, device) pairs warned of as beyond the device
 NO_LIMIT = 2**60         # a budget this large or larger means "no limit" (remat's own probes): not warned of
 
@@ -134,17 +116,19 @@ _last = [None]   # the Explanation of the latest chain call
 class Explanation:
     """What remat knows about one chain: costs, budget, schedule.
 
-    ``costs`` are those the schedule was solved on, the chain's tail (the head and
-    loss after its last stage) their last stage (``Costs.tail``); ``measured`` those
-    the chain measured (or read), as its costs file holds them. They differ by the
-    tail and by the chain's output, counted in ``held_bytes`` while the code around
-    the chain may hold it through the backward (Note [The chain's output],
-    remat/measure/chain_record.py). ``tail`` is what the measuring call saw of the
-    tail (``TailSeen``, Note [The chain's tail] in remat/measure/tail.py) or None,
-    ``predicted_peak`` the schedule's whole-step peak in bytes (None without one),
-    ``times`` where the stages' times come from (first-call estimates, or how many
-    calls refined them), ``held`` what ``held_bytes`` is, {words: bytes}, as the
-    chain's record (``record``) says, and ``least_budget`` the least budget."""
+    ``costs`` are those the schedule was solved on, the chain's tail (the head and loss
+    after its last stage) their last stage (``Costs.tail``); ``measured`` those the
+    chain measured (or read), as its costs file holds them. They differ by the tail and
+    by the chain's output, counted in ``held_bytes`` while the code around the chain may
+    hold it through the backward (Note [The chain's output],
+    remat/measure/chain_record.py). ``tail`` is what the measuring call saw of the tail
+    (``TailSeen``, Note [The chain's tail] in remat/measure/tail.py) or None,
+    ``predicted_peak`` the schedule's whole-step peak in bytes, the backward of the code
+    before the chain included (Note [The code before the chain],
+    remat/measure/linger.py; None without a schedule), ``times`` where the stages' times
+    come from (first-call estimates, or how many calls refined them), ``held`` what
+    ``held_bytes`` is, {words: bytes}, as the chain's record (``record``) says, and
+    ``least_budget`` the least budget."""
 
     def __init__(self, costs, schedule, budget, names, measured=None, record=None):
         self.costs, self.schedule, self.budget, self.names = costs, schedule, budget, names
@@ -164,10 +148,12 @@ class Explanation:
     @property
     def least_budget(self):
         """The least budget in bytes every call runs under, the measuring one too (remat/measure/holding.py)."""
-        return least_budget(self.costs, self.measured, self._record)
+        return max(least_budget(self.costs, self.measured, self._record), self._end)
 
-    predicted_peak = property(lambda self: self.schedule.peak if self.schedule is not None else None,
+    predicted_peak = property(lambda self: max(self.schedule.peak, self._end) if self.schedule is not None else None,
                               doc="The schedule's predicted whole-step peak in bytes, or None.")
+    # (the step's need after the chain's backward: ``ChainRecord.step_end``)
+    _end = property(lambda self: self._record.step_end(self.costs) if self._record is not None else 0)
 
     def table(self):
         """Per-stage costs and the op each stage gets in the forward phase ("Fall:o1"
@@ -206,6 +192,8 @@ class Explanation:
         summary = self.schedule.summary()
         if getattr(self.schedule, "grouping", None) is not None:   # (remat/solver/group.py Note [Groups])
             summary += f"\n{self.schedule.grouping}"
+        if self._end > self.schedule.peak:   # (Note [The code before the chain], remat/measure/linger.py)
+            summary += f"\nthe step peaks at {format_bytes(self._end)} after the chain's backward, in the code before it"
         if self.measured_peak is not None:
             summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
         if self._record is not None:   # (Note [Paths of a chain], remat/runtime/paths.py; [Skipped stages], skips.py)

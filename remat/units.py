@@ -1,7 +1,10 @@
-"""Byte counts for people: parsing "1.5GiB" and printing 1610612736 as "1.50 GiB"."""
+"""Byte counts for people: parsing "1.5GiB" and printing 1610612736 as "1.50 GiB";
+and the bytes a device has, free and in all."""
 
 import math
 import re
+
+import torch
 
 _UNITS = {
     "": 1, "b": 1,
@@ -43,3 +46,21 @@ def format_bytes(n):
         if n >= size:
             return f"{sign}{n / size:.2f} {unit}"
     return f"{sign}{n} B"
+
+
+def free_memory(device):
+    """Bytes free on ``device`` now (CUDA: the driver's count; CPU: available RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+    return int(psutil.virtual_memory().available)
+
+
+def total_memory(device):
+    """Bytes of memory ``device`` has in all (CUDA: the device's; CPU: the machine's RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+    return int(psutil.virtual_memory().total)

@@ -134,6 +134,7 @@ class ChainRecord:
         self.view = None         # (record, its stage of each of these): a view of it, stages skipped
         self.skips = {}          # such views and their plans (Note [Skipped stages], remat/runtime/skips.py)
         self.skipped = False     # a call ran on such a view
+        self.before = None       # what the code before the chain's backward needed (remat/measure/linger.py)
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held
@@ -160,6 +161,7 @@ class ChainRecord:
             new.add(s.again(StageCosts.of(self.costs, i, s.costs.policies if s.costs else ())), s.ident())
         new.input_bytes = self.input_bytes
         new.tail = self.tail   # (what the tail needed on the recorded path, until this call's shows)
+        new.before = self.before
         return new
 
     def hint(self, budget, input_bytes=None):
@@ -200,6 +202,13 @@ class ChainRecord:
         if not options:
             return cached[1].without_options()
         return cached[1]
+
+    def step_end(self, costs):
+        """The step's need after the chain's backward, on ``costs`` (its planning costs):
+        what that leaves held, a^0's gradient and what the backward of the code before
+        the chain needed above them (Note [The code before the chain],
+        remat/measure/linger.py); 0 where that was not metered."""
+        return 0 if self.before is None else costs.held_bytes + costs.input_bytes + self.before
 
     def _output_held(self):
         """The measured costs with a^L held through the step (Note [The chain's output])."""

@@ -1,6 +1,7 @@
 """A meter left on the dispatch-mode stack after a chain's block, metering the
 code after it until the backward reaches the chain (Note [The chain's tail] 5,
-remat/measure/tail.py), and taken off at remat's next entry on that thread.
+remat/measure/tail.py), and taken off at remat's next entry on that thread;
+and the meter of the backward of the code before a chain (``Before``).
 
 A mode pushed inside a backward and popped there is back as the backward
 returns (the engine runs the graph under the thread state it began with), so
@@ -19,16 +20,42 @@ mode to take it). It stays only on a stack of
 remat's meters (``alone``): a mode of the caller's entered before the block
 and exited after it would pop the meter in its place (torch pops the top
 mode) and stay on the stack for good.
+
+Note [The code before the chain]
+--------------------------------
+The step goes on after the chain's backward: the backward of the code before
+the chain (the embedding, a stem) runs beside what the chain's backward
+leaves (``held_bytes``, the tail's kept gradients among them, and a^0's
+gradient). No plan of the chain changes either, but their sum is part of the
+step's peak, and it can be the most of it: the gradient of a head's weight
+tied to the embedding, held since the tail's backward, meets the embedding's
+own there, and the engine adds the two into a third (a 4-block GPT with a
+vocabulary of 8,000 and 36 tokens: 6.1 MB where its plan said 4.1 MB).
+
+A chain's first call meters it (``Before``): hooks on the nodes below the
+chain's input, node by node under a meter of their own, and, as a node is
+handed a gradient no node metered made (the engine's sum of two), that sum
+and its two parts. Nodes made before the previous chain on the thread ended
+(``ends``) are another chain's and not metered. As the backward ends, the
+peak above the level the chain's backward left is the record's ``before``:
+plans then count ``held_bytes`` + a^0's gradient + it as the step's last
+need (``ChainRecord.step_end``), in ``predicted_peak`` and in the least
+budget (a budget below it fails with ``BudgetError`` from the next call on).
+On CUDA it is not metered (docs/limitations.md).
 """
 
 import threading
+import warnings
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-__all__ = ["LINGERING", "alone", "linger", "settle"]
+from ..units import format_bytes
+
+__all__ = ["LINGERING", "Before", "alone", "ends", "linger", "settle"]
 
 LINGERING = []   # (thread id, meter) of the meters left after a chain's block
+ends = threading.local()   # ``seq``: the sequence number of the node that made the last chain's output on the thread
 
 
 def alone():
@@ -98,3 +125,66 @@ def _take_off(mode):
         above.append(top)
     for m in reversed(above):
         _push_mode(m)
+
+
+class Before:
+    """The backward of the code before a chain on input ``x`` (Note [The code before
+    the chain]), metered into ``record.before`` as the backward ends. The hooks hold
+    it while the graph lives: a backward that never comes lets it go."""
+
+    NODES = 4096   # (a longer graph below the chain is not metered)
+
+    def __init__(self, record, x, budget):
+        from .meter import Instrument, storage_key   # (meter.py imports this module)
+        self.record, self.key, self.budget = record, storage_key, budget
+        self.meter, self.most, self.state = Instrument(writes=False), 0, None   # (state: None, "on", "off")
+        bound, todo, seen, nodes = getattr(ends, "seq", -1), [x.grad_fn], set(), []
+        while todo:   # (not into nodes made by the time the previous chain ended: another chain's)
+            node = todo.pop()
+            if node is None or node in seen or node._sequence_nr() <= bound:
+                continue
+            seen.add(node)
+            nodes.append(node)
+            if len(nodes) > self.NODES:
+                return
+            todo.extend(n for n, _ in node.next_functions)
+        for node in nodes:
+            node.register_prehook(lambda grads, top=node is x.grad_fn: self.enter(grads, top))
+            node.register_hook(self.leave)
+
+    def enter(self, grads, top):
+        if self.state == "off":
+            return
+        if self.state is None:
+            self.state = "on"
+            torch.autograd.Variable._execution_engine.queue_callback(self.end)
+        meter = self.meter
+        for g in grads if not top else ():   # (a^0's gradient, at the top, is in the level)
+            if isinstance(g, torch.Tensor) and not g.is_sparse and self.key(g) not in meter.created:
+                n = g.untyped_storage().nbytes()
+                self.most = max(self.most, meter.live + 2 * n)   # (the engine's sum, made beside its parts)
+                meter.count(g)
+        meter.__enter__()
+
+    def leave(self, _grad_inputs, _grad_outputs):
+        if self.state != "on":
+            return
+        self.meter.__exit__(None, None, None)
+        self.most = max(self.most, self.meter.peak)
+
+    def end(self):
+        """The backward is over: the record learns what the code before the chain needed."""
+        if self.state != "on":
+            return
+        self.state, record = "off", self.record
+        if record.before is None or self.most > record.before:
+            record.before, record.plans = self.most, {}
+        end = record.step_end(record.planning_costs()) if record.costs is not None else 0
+        if end > self.budget:
+            warnings.warn(
+                f"remat: after the chain's backward, the backward of the code before the chain (an embedding "
+                f"whose weight the head shares, say) needed {format_bytes(record.before)} beside what the chain "
+                f"left held: this step's minimum is {format_bytes(end)} ({end} bytes), above the budget of "
+                f"{format_bytes(self.budget)}, under any plan. This first call went over it; the next raises "
+                f"BudgetError: raise the budget", RuntimeWarning)
+

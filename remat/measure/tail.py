@@ -73,6 +73,7 @@ and what was not seen, ``remat.explain().tail`` says.
 
 import dataclasses
 import time
+import warnings
 import weakref
 
 import torch
@@ -332,6 +333,9 @@ def backward_seen(new, spec, budget, published, plan_for, seen):
         return
     try:
         plan = plan_for(new, budget, spec)
-    except RematError:
+    except RematError as exc:   # (this call's plan was made before its tail's backward showed what it needs)
+        warnings.warn(f"{exc}. The chain's first call learnt it as its backward reached the chain (the head and "
+                      f"loss needed more than their forward showed): this call runs on, maybe over the budget, "
+                      f"and the next one raises this error", RuntimeWarning)
         return
     spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new)

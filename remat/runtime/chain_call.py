@@ -11,7 +11,6 @@ import warnings
 
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_leaves
 
 from ..dynamo import in_compiled_frame
@@ -19,17 +18,19 @@ from ..errors import BudgetError, RematError, StageError, not_handed_on
 from ..measure.chain_record import write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
-from ..measure.linger import LINGERING, settle
+from ..measure.linger import LINGERING, Before, ends, settle
 from ..measure.tail import TailMeter, backward_seen
 from ..solver.plan import Plan
 from ..solver.group import least_planned
-from ..solver.solve import solve
+from ..solver.solve import minimum_budget, solve
 from ..units import format_bytes
 from .recompute import replaying, take_slots
 from .replay import capture_autocast
 from .paths import keep_path, path_room, shorter_path, switch_path
+from .executor import distributed
 from .runner import Runner, site_text, watch_output
-from .stage_call import StageCall, check_hooks_enabled, check_output, find_activation, handed_on, signature
+from .stage_call import (StageCall, check_hooks_enabled, check_output, find_activation, handed_on, hooks_between,
+                         packed_hint, signature)
 
 __all__ = ["ChainCall", "CACHE_SIZE", "clear_cache"]
 
@@ -58,22 +59,6 @@ def _no_stage(spec, site):
         "mark the blocks with remat.stage and call them inside the `with remat.chain(...)` block")
     warnings.warn(f"remat: the chain at {site_text(site)} ran no stage, so nothing in it is under its budget; {hint}",
                   RuntimeWarning, stacklevel=4)
-
-
-def _hooks_between(before, after):
-    """For an error about code between two stages: a sentence on the module hooks
-    that run there, around the stages' forwards (``before``'s forward hooks,
-    ``after``'s forward pre-hooks, global ones), or ""."""
-    hooks = []
-    if getattr(before, "_forward_hooks", None) or nn_module._global_forward_hooks:
-        hooks.append("forward hooks")
-    if getattr(after, "_forward_pre_hooks", None) or nn_module._global_forward_pre_hooks:
-        hooks.append("forward pre-hooks")
-    if not hooks:
-        return ""
-    return (f". The stage modules' {' and '.join(hooks)} run there, around the stages' forwards: if one "
-            f"changes the activation, register it on a submodule inside the stage instead, or do its work "
-            f"in the forward")
 
 
 def _transformed(x):
@@ -137,7 +122,7 @@ class ChainCall:
         if x is None:
             raise StageError(
                 f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor "
-                f"argument of a stage is the activation that flows along the chain{_packed(args, kwargs)}"
+                f"argument of a stage is the activation that flows along the chain{packed_hint(args, kwargs)}"
             )
         k = self.k + 1
         if k == 1:
@@ -214,12 +199,12 @@ class ChainCall:
         """Stage k's activation ``x`` is what stage k-1 returned, as it returned it."""
         if not handed_on(x, self.prev):
             raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)),
-                                _hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""))
+                                hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""))
         if x._version != self.prev_version:
             raise StageError(
                 f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "
                 f"stage {k} ({name}); move the in-place code into one of the stages"
-                f"{_hooks_between(self.prev_ident, ident)}"
+                f"{hooks_between(self.prev_ident, ident)}"
             )
 
     def _begin(self, ident, args, kwargs, x):
@@ -243,6 +228,8 @@ class ChainCall:
         if entry is None or entry.costs is None or entry.remeasure:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
                                        _hint(self.site, self.budget, x.untyped_storage().nbytes()))
+            if x.grad_fn is not None and not x.is_cuda and not distributed():   # (remat/measure/linger.py)
+                Before(self.part.new, x, self.budget)
             if entry is not None:   # (Note [Paths of a chain], remat/runtime/paths.py)
                 keep_path(self.part.new, entry)
             return
@@ -265,6 +252,9 @@ class ChainCall:
 
     def finish(self):
         """The chain's ``with`` block ended without an exception."""
+        node = getattr(self.prev, "grad_fn", None)
+        if node is not None:   # (Note [The code before the chain], remat/measure/linger.py)
+            ends.seq = node._sequence_nr()
         if self.k == 0:
             if not self.called and torch.is_grad_enabled():
                 _no_stage(self.spec, self.site)
@@ -318,21 +308,6 @@ class ChainCall:
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
 
 
-def _packed(args, kwargs):
-    """For a stage called with no tensor: a sentence on a tuple or a dict of tensors among
-    its arguments (a stage before returned one and the code passed all of it on), or ""."""
-    for value in [*args, *kwargs.values()]:
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-            return (f". It got a {type(value).__name__} of {len(value)} whose first item is a tensor, as a "
-                    f"stage that returns (activation, ...) gives: unpack it and pass the activation "
-                    f"(h = block(h)[0], or h, *rest = block(h))")
-        if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
-            keys = ", ".join(repr(k) for k, v in value.items() if isinstance(v, torch.Tensor))
-            return (f". It got a {type(value).__name__} of tensors ({keys}): pass the activation itself "
-                    f"(h = out[{next(iter(keys.split(', ')))}], say), and the rest as side inputs")
-    return ""
-
-
 def _hint(site, budget, input_bytes):
     """What a measuring call of the chain at ``site`` can take from its latest record (its ``hint``)."""
     with _cache_lock:
@@ -364,6 +339,14 @@ def plan_for(entry, budget, spec):
     plan = entry.plans.get(key)
     if plan is None:
         costs = entry.planning_costs(options=options)
+        end = entry.step_end(costs)
+        if end > budget:   # (Note [The code before the chain], remat/measure/linger.py)
+            raise BudgetError(
+                f"remat: budget {format_bytes(budget)} is below this step's minimum of {format_bytes(end)} "
+                f"({end} bytes): after the chain's backward, the backward of the code before the chain (an "
+                f"embedding whose weight the head shares, say) needs {format_bytes(entry.before)} beside the "
+                f"{format_bytes(end - entry.before)} the chain leaves held, under any plan; raise the budget",
+                max(end, minimum_budget(costs)))
         try:
             schedule = solve(costs, budget, algorithm, slots)
         except BudgetError as exc:

@@ -193,5 +193,6 @@ def _without(record, base, index, keep):
     view.caller = {new[i] for i in record.caller if i in new}
     view.suspects = {new[i] for i in record.suspects if i in new}
     view.input_bytes, view.tail, view.output_held = record.input_bytes, record.tail, record.output_held
+    view.before = record.before
     view.view = (base, tuple(index[i] for i in keep))
     return view

@@ -25,6 +25,7 @@ import weakref
 
 import torch
 import torch.nn.utils.parametrize as _parametrize
+from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_leaves
 
 from ..dynamo import STANCES, eval_frame_callback
@@ -32,8 +33,8 @@ from ..errors import StageError, input_modified
 from .recompute import NO_SLOTS, hooks_disabled
 
 __all__ = ["StageCall", "check_hooks_enabled", "check_output", "find_activation", "first", "handed_on",
-           "input_signature", "module_dicts", "module_structure", "same_structure", "signature", "signature_matches",
-           "trained_as"]
+           "hooks_between", "input_signature", "module_dicts", "module_structure", "packed_hint", "same_structure",
+           "signature", "signature_matches", "trained_as"]
 
 
 class StageCall:
@@ -338,3 +339,34 @@ def check_hooks_enabled(name):
             f"torch.autograd.graph.disable_saved_tensors_hooks: {why!r}), at its first stage ({name}); "
             f"remat drops and recomputes saved tensors through those hooks. Run the chain outside "
             f"that context, or without remat.chain there")
+
+
+def hooks_between(before, after):
+    """For an error about code between two stages: a sentence on the module hooks
+    that run there, around the stages' forwards (``before``'s forward hooks,
+    ``after``'s forward pre-hooks, global ones), or ""."""
+    hooks = []
+    if getattr(before, "_forward_hooks", None) or nn_module._global_forward_hooks:
+        hooks.append("forward hooks")
+    if getattr(after, "_forward_pre_hooks", None) or nn_module._global_forward_pre_hooks:
+        hooks.append("forward pre-hooks")
+    if not hooks:
+        return ""
+    return (f". The stage modules' {' and '.join(hooks)} run there, around the stages' forwards: if one "
+            f"changes the activation, register it on a submodule inside the stage instead, or do its work "
+            f"in the forward")
+
+
+def packed_hint(args, kwargs):
+    """For a stage called with no tensor: a sentence on a tuple or a dict of tensors among
+    its arguments (a stage before returned one and the code passed all of it on), or ""."""
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return (f". It got a {type(value).__name__} of {len(value)} whose first item is a tensor, as a "
+                    f"stage that returns (activation, ...) gives: unpack it and pass the activation "
+                    f"(h = block(h)[0], or h, *rest = block(h))")
+        if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+            keys = ", ".join(repr(k) for k, v in value.items() if isinstance(v, torch.Tensor))
+            return (f". It got a {type(value).__name__} of tensors ({keys}): pass the activation itself "
+                    f"(h = out[{next(iter(keys.split(', ')))}], say), and the rest as side inputs")
+    return ""

@@ -94,6 +94,9 @@ def test_an_interrupted_chain_call_caches_no_plan():
         def policies(self):
             return ()
 
+        def step_end(self, costs):   # (nothing metered before the chain)
+            return 0
+
     entry, budget = Entry(), _mid_budget(big)
     spec = remat.chain(budget=budget, algorithm="optimal", slots=500)   # (what plan_for reads of the chain)
     timer = threading.Timer(0.7, _thread.interrupt_main)
