@@ -46,7 +46,7 @@ from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_pe
 from .runtime.paths import path_lines
 from .solver.schedule import Loss
 from .solver.solve import DEFAULT_SLOTS, _parse_algorithm, check_slots
-from .units import format_bytes, free_memory, parse_bytes, total_memory
+from .units import format_bytes, free_memory, parse_bytes
 
 __all__ = ["chain", "ChainHints", "Explanation", "explain", "CACHE_SIZE", "clear_cache", "parse_budget",
            "resolve_budget", "AUTO_MARGIN"]
@@ -84,6 +84,15 @@ def parse_budget(budget):
     if value >= 2**62:
         raise BudgetError(f"remat: budget {budget!r} is beyond any device; check the unit")
     return value
+
+
+def total_memory(device):
+    """Bytes of memory ``device`` has in all (CUDA: the device's; CPU: the machine's RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+    return int(psutil.virtual_memory().total)
 
 
 _warned_over = set()   # (budget, device) pairs warned of as beyond the device

@@ -1,5 +1,5 @@
 """Byte counts for people: parsing "1.5GiB" and printing 1610612736 as "1.50 GiB";
-and the bytes a device has, free and in all."""
+and the bytes free on a device."""
 
 import math
 import re
@@ -55,12 +55,3 @@ def free_memory(device):
         return int(torch.cuda.mem_get_info(device)[0])
     import psutil
     return int(psutil.virtual_memory().available)
-
-
-def total_memory(device):
-    """Bytes of memory ``device`` has in all (CUDA: the device's; CPU: the machine's RAM)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    import psutil
-    return int(psutil.virtual_memory().total)
