@@ -160,10 +160,13 @@ class Before:
             torch.autograd.Variable._execution_engine.queue_callback(self.end)
         meter = self.meter
         for g in grads if not top else ():   # (a^0's gradient, at the top, is in the level)
-            if isinstance(g, torch.Tensor) and not g.is_sparse and self.key(g) not in meter.created:
-                n = g.untyped_storage().nbytes()
-                self.most = max(self.most, meter.live + 2 * n)   # (the engine's sum, made beside its parts)
-                meter.count(g)
+            try:
+                if isinstance(g, torch.Tensor) and self.key(g) not in meter.created:
+                    n = g.untyped_storage().nbytes()
+                    self.most = max(self.most, meter.live + 2 * n)   # (the engine's sum, made beside its parts)
+                    meter.count(g)
+            except (NotImplementedError, RuntimeError):   # (no storage: a sparse gradient, a batched one)
+                continue
         meter.__enter__()
 
     def leave(self, _grad_inputs, _grad_outputs):
