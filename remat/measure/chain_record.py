@@ -148,6 +148,13 @@ class ChainRecord:
         """Stage k's object, or None if it is gone."""
         return self.stages[k - 1].ident()
 
+    def held_first(self, held, kind, k, nbytes):
+        """Count ``nbytes`` of ``kind`` as held through the step for stage ``k`` (its
+        ``held``); True if no stage before held any of that kind (the measuring call
+        says so once)."""
+        held[(kind, k)] = nbytes
+        return not any(isinstance(key, tuple) and key[0] == kind for s in self.stages for key in s.held)
+
     def policies(self):
         """What each stage's options keep (``Plan.policies``, remat/measure/options.py)."""
         return [s.costs.policies if s.costs is not None else () for s in self.stages]

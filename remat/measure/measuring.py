@@ -30,6 +30,7 @@ under autocast).
 """
 
 import dataclasses
+import functools
 import warnings
 import weakref
 
@@ -230,7 +231,7 @@ class Measurer:
             held.update(side_grads(call, x))
         if probe.saved_cached:   # (Note [Saved tensors held elsewhere]: a cache's, nothing to say)
             held[("cached", k)] = probe.saved_cached
-        if probe.saved_elsewhere and _held_first(self.new, held, "elsewhere", k, probe.saved_elsewhere):
+        if probe.saved_elsewhere and self.new.held_first(held, "elsewhere", k, probe.saved_elsewhere):
             warnings.warn(
                 f"remat: stage {k} ({call.name}) saves tensors for its backward that something else "
                 f"keeps too ({format_bytes(probe.saved_elsewhere)}): attention maps a hook collects "
@@ -238,7 +239,7 @@ class Measurer:
                 f"the stage would free nothing, so remat counts them, for this stage and any other that "
                 f"does the same, as held through the step; stop keeping them while training to have that "
                 f"memory back", RuntimeWarning, stacklevel=3)
-        if probe.held_outside and _held_first(self.new, held, "outside", k, probe.held_outside):
+        if probe.held_outside and self.new.held_first(held, "outside", k, probe.held_outside):
             warnings.warn(
                 f"remat: stage {k} ({call.name}) still holds {format_bytes(probe.held_outside)} it made "
                 f"after its forward, outside what autograd saves (tensors stored as attributes of a custom "
@@ -356,10 +357,10 @@ class Measurer:
                 self._measure_backward_again(tail)
             finally:
                 self.measured, self.grad_pool, self.upstream = {}, None, None
-                if not self.run4.later:   # (what the graph's hooks keep of this call)
-                    self.run4.measured = self.run4.run = None
-                else:   # (a run 4 cascades down only: the stages above hold their state copies no more)
-                    self.run4.measured = {i: m for i, m in self.run4.measured.items() if i <= max(self.run4.later)}
+                act = self.outs[last]() if last in self.outs and self.given is None else None
+                spare = tail + getattr(new.stages[-1].costs, "out_bytes", 0)   # (the last stage's run 4: an output
+                self.run4.settle(last, act, self.options,                       # to spare)
+                                 functools.partial(self.holding.run4_fits, last, self.run, dict(self.outs), spare))
             new.caller_holds(self.outs, last)
             if self.given is None:
                 for i, extra in enumerate(shared_grad_transients([s.held for s in new.stages])):
@@ -370,8 +371,7 @@ class Measurer:
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given, self.options)
             new.from_file = self.given is not None
-            # a frozen stage is checked as it is called (Note [Stages recorded whole], remat/runtime/runner.py):
-            # unfrozen, it makes the call measure there, not run on costs that had no backward
+            # a frozen stage is checked as it is called (Note [Stages recorded whole], remat/runtime/runner.py)
             new.suspects |= {i + 1 for i, s in enumerate(new.stages)
                              if (flags := [g[1] for g in s.grads if g is not None]) and not any(flags)}
         except BaseException:
@@ -389,10 +389,3 @@ class Measurer:
             for t, old in self.originals.values():
                 t.copy_(old)
 
-
-def _held_first(chain_record, held, kind, k, nbytes):
-    """Count ``nbytes`` of ``kind`` as held through the step for stage ``k`` (its
-    ``held``); True if no stage of ``chain_record`` held any of that kind before
-    (the measuring call says so once)."""
-    held[(kind, k)] = nbytes
-    return not any(isinstance(key, tuple) and key[0] == kind for s in chain_record.stages for key in s.held)

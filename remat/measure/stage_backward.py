@@ -263,6 +263,47 @@ class Run4:
         return (last, seen) if last is not None and last.layout is not None and seen not in (None, last.layout) \
             else None
 
+    def settle(self, last, act, options, fits):
+        """The measuring call ends: what the graph's hooks keep of it is what run 4 may
+        yet need (a run 4 cascades down only: the stages above hold their state copies
+        no more), the last stage's where its tail may hand it another layout (a^L
+        ``act``, or None: ``watch_last``)."""
+        top = max([last if act is not None and self.watch_last(last, act, options, fits) else 0, *self.later])
+        self.measured = {i: m for i, m in self.measured.items() if i <= top} if top else None
+        self.run = self.run if top else None
+
+    def watch_last(self, i, act, options, fits):
+        """Stage i, the last, gets its gradient from the chain's tail: where that comes in
+        another layout than run 2's (a head that flattens a transposed a^L), its run 4
+        runs in the call's backward as it arrives, where it ``fits()`` beside what the
+        call holds (a call at a budget that leaves no room for it keeps run 2's
+        figures, as before: a copy of the gradient off, at most). True if it is
+        watched."""
+        m = self.measured.get(i)
+        if m is None or m.layout is None or not isinstance(act, torch.Tensor) or not act.requires_grad \
+                or not fits():   # (kept for it, it would hold its input through the tail)
+            return False
+
+        def arrived(grad):   # (an expanded gradient, a sum's, needs less than run 2's: left so)
+            if grad.stride() == tuple(m.layout) or 0 in grad.stride() or not self.measured or i not in self.measured:
+                if not self.later:
+                    self.measured = self.run = None
+            elif fits():
+                self.later[i] = grad.stride()
+                self.arrived(i, grad, options)
+            elif not self.later:
+                self.measured = self.run = None
+
+        act.register_hook(arrived)
+        return True
+
+    def _remade(self, options):
+        """The record's costs made again from its stages' (one's changed), its plans gone."""
+        new = self.new
+        new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None, None,
+                                options)
+        new.plans = {}
+
     def arrived(self, i, grad, options):
         """Stage i's gradient ``grad`` arrived in the measuring call's backward."""
         layout = self.later.pop(i, None)
@@ -271,10 +312,7 @@ class Run4:
         due = self.again(self.measured[i], layout, None, grad)
         if due is not None:   # (when its own gradient arrives)
             self.later[due[0].index] = due[1]
-        new = self.new
-        new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None, None,
-                                options)
-        new.plans = {}
+        self._remade(options)
         if not self.later:
             self.measured = self.run = None
 
