@@ -135,6 +135,7 @@ class ChainRecord:
         self.skips = {}          # such views and their plans (Note [Skipped stages], remat/runtime/skips.py)
         self.skipped = False     # a call ran on such a view
         self.before = None       # what the code before the chain's backward needed (remat/measure/linger.py)
+        self.tail_tries = 0      # running calls' tails cut short (Note [The chain's tail] 6, remat/measure/tail.py)
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held
@@ -241,6 +242,7 @@ class ChainRecord:
         if seen is self.tail:
             self.tail = dataclasses.replace(seen)   # (a new object: the planning costs' key)
             self.plans = {}
+            self.tail_tries += seen.cut
 
     def save(self):
         """Write the costs to the file this process measured for, if any; one that

@@ -100,15 +100,20 @@ def _until_backward_returns():
     torch.autograd._engine_run_backward = settling
 
 
-def settle():
+def settle(cut=False):
     """Take off the stack the meters this thread left lingering, turned off (not inside
-    a backward, whose end would push them back)."""
+    a backward, whose end would push them back); ``cut``: by a chain opening, which
+    cuts short the tail of one still metering (the same chain opened twice in one
+    forward: Note [The chain's tail] 6, remat/measure/tail.py)."""
     if not LINGERING or torch._C._current_graph_task_id() != -1 or torch.is_inference_mode_enabled():
         return   # (inference mode puts back, as it ends, the dispatch keys it found: the mode's with them)
     me = threading.get_ident()
     mine = [m for t, m in LINGERING if t == me]
     LINGERING[:] = [(t, m) for t, m in LINGERING if t != me]
     for meter in mine:
+        meter.cut = cut and not meter.off
+        if meter.cut and getattr(meter, "seen", None) is not None:   # (a tail's: remat/measure/tail.py)
+            meter.seen.cut = True
         meter.off = True
         _take_off(meter)
 

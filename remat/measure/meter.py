@@ -106,7 +106,7 @@ class Instrument(TorchDispatchMode):
     """Storage meter, in-place write detector and op timer (see the module's docstring)."""
 
     remat_meter = True   # (one of remat's: a meter may linger above it, remat/measure/linger.py)
-    off = False          # (a lingering meter's metering is over: ops pass straight through)
+    off = cut = False    # (a lingering meter's metering is over: ops pass straight through; cut short: linger.py)
     watch = None         # called as watch(func, args, kwargs, ran) before (ran False) and after each op not a view
     leaves = None        # a dict: {id: weak reference} of the leaves needing grad ops take are added to it
     sync = False         # synchronize CUDA around each op: its time is its kernels' (options' shares on a GPU)

@@ -63,6 +63,16 @@ The measuring call meters the tail (``TailMeter``):
    is its own): elsewhere the code after the block is not metered, and a tail
    outside the block counts as nothing.
 
+6. A chain opened before the backward reached this one (the same chain run
+   twice in one forward, a siamese encoder's two views; an encoder chain,
+   then a decoder chain) cuts the tail short (``TailSeen.cut``): what came
+   after, the next call and the head, went unmetered. The record's later
+   calls then meter their own tail, as a measuring call does (``TAIL_TRIES``
+   of them at most): the second call of the same chain meters the head and
+   the loss, which both calls' plans then count (before, they counted
+   nothing of it: a 6-block chain run twice peaked at 5 times its budget).
+   One whose tail is cut short every time (a decoder follows) keeps what it saw.
+
 No window is opened where Dynamo runs the frame (what follows may run compiled).
 Modes the caller entered before stay under the meter, and see what it lets
 through. One of them left inside a window pops the meter instead (torch pops
@@ -86,7 +96,9 @@ from .leaves import stop_nodes, walk
 from .linger import alone, linger
 from .meter import Instrument, storage_key
 
-__all__ = ["TailMeter", "TailSeen", "backward_seen"]
+__all__ = ["TAIL_TRIES", "TailMeter", "TailSeen", "backward_seen"]
+
+TAIL_TRIES = 2   # running calls whose tail was cut short after which a record keeps what it saw (6 of the Note)
 
 
 @dataclasses.dataclass
@@ -115,6 +127,7 @@ class TailSeen:
     backward_seconds: float = None
     why: str = ""
     after_block: bool = False   # metered after the chain's block (Note [The chain's tail] 5)
+    cut: bool = False           # cut short by a chain opened before the backward (Note [The chain's tail] 6)
 
     def costs(self):
         """The tail as ``Costs.with_tail``'s arguments: its peak, less what the caller
@@ -137,7 +150,8 @@ class TailSeen:
             seen = (f"{_mib(self.backward_peak)} with its backward, {_mib(self.kept)} kept through the "
                     f"chain's backward")
         if self.after_block:
-            return f"tail (the code after the chain's block, until its backward reached the chain): {seen}"
+            cut = ", cut short by a chain opened before it (6 of Note [The chain's tail])" if self.cut else ""
+            return f"tail (the code after the chain's block, until its backward reached the chain{cut}): {seen}"
         return (f"tail (after the last stage, inside the chain's block): peak {_mib(self.peak)} above the "
                 f"chain's end, {_mib(self.alive)} alive as the block ended; {seen}")
 
@@ -189,7 +203,7 @@ class TailMeter:
         made, meter.made = meter.made, None
         node = act.grad_fn if isinstance(act, torch.Tensor) else None
         if not made and stayed and node is not None and alone() and not distributed():   # (5 of the Note)
-            seen = TailSeen(True, why="", after_block=True)
+            seen = meter.seen = TailSeen(True, why="", after_block=True)   # (``settle`` marks it cut short)
             self.after = back = _Backward(meter, _Output(meter, act, read), seen, on_kept)
             # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
             act.register_hook(lambda g: back.begin((g,)))
@@ -294,7 +308,7 @@ class _Backward:
         self.done = True
         meter, seen = self.meter, self.seen
         if seen.after_block:   # (5 of the Note: the meter's work is over; remat's next entry takes it off)
-            meter.off = True
+            seen.cut, meter.off = seen.cut or meter.cut, True
             if self.t0 is None:   # (the call raised before the meter could stay)
                 return
         try:

@@ -19,7 +19,7 @@ from ..measure.chain_record import write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
 from ..measure.linger import LINGERING, Before, ends, settle
-from ..measure.tail import TailMeter, backward_seen
+from ..measure.tail import TAIL_TRIES, TailMeter, backward_seen
 from ..solver.plan import Plan
 from ..solver.group import least_planned
 from ..solver.solve import minimum_budget, solve
@@ -84,7 +84,7 @@ class ChainCall:
 
     def __init__(self, spec, site):
         if LINGERING:   # (a meter left after the last block on this thread goes: remat/measure/linger.py)
-            settle()
+            settle(cut=True)
         self.spec, self.site, self.k = spec, site, 0
         self.called = False     # a stage was called inside the chain (recorded or not)
         self.prev = None        # the activation the last stage returned
@@ -96,6 +96,7 @@ class ChainCall:
         self.skipped = None     # a stage called under no_grad after stage 1
         self.seen = {}          # id of each stage's object -> the first stage it was
         self.tail = None        # a measuring call's TailMeter (remat/measure/tail.py)
+        self.tail_due = None    # the record whose tail this running call meters (Note [The chain's tail] 6)
         self.compiled = None    # whether a frame Dynamo runs is on the stack (no TailMeter): asked once
 
     @property
@@ -168,11 +169,12 @@ class ChainCall:
         self.prev_version = act._version
         self.prev_name = name
         self.prev_ident = ident
-        if self.measuring:   # (what runs until the next stage, or the block's end: the tail)
+        if self.measuring or self.tail_due is not None:   # (what runs until the next stage, or the block's end)
             if self.tail is None:
                 self.tail, self.compiled = TailMeter(), in_compiled_frame()
             self.tail.open(act, self.compiled)
-            return out
+            if self.measuring:
+                return out
         clock = self.part.run.clock
         if clock is not None:
             clock.ran(k, time.perf_counter() - t0, act, [x, *tree_leaves((call.args, call.kwargs))],
@@ -244,6 +246,8 @@ class ChainCall:
             self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs, entry)
             raise
         self.part = Runner(self.key, self.site, entry, plan, autocast)
+        tail = entry.tail   # (one cut short: a running call meters its own, Note [The chain's tail] 6)
+        self.tail_due = entry if tail is not None and tail.cut and entry.tail_tries < TAIL_TRIES else None
         if entry.attempts > 0:
             entry.attempts -= 1
             self.part.run.clock = StageTimes(entry)
@@ -306,6 +310,12 @@ class ChainCall:
                             runner.entry)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
+        entry, spec, budget, published = self.tail_due, self.spec, self.budget, [self.spec.last]
+        if entry is not None and self.tail is not None and runner.entry is entry:   # (Note [The chain's tail] 6)
+            read = getattr(entry.stages[-1].costs, "out_freed", None) == 0
+            entry.tail = self.tail.seen(self.prev, [self.prev], lambda seen: backward_seen(
+                entry, spec, budget, published, plan_for, seen), read)
+            self.tail.linger()
 
 
 def _hint(site, budget, input_bytes):
