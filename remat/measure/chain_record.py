@@ -67,6 +67,7 @@ from ..solver.schedule import simulate
 from ..solver.solve import store_all
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import CostsError
+from .holding import stage_least
 from .record import StageCosts
 from .tail import TailSeen
 from ..units import format_bytes
@@ -178,16 +179,24 @@ class ChainRecord:
         (Note [Measuring within the budget], remat/measure/holding.py): (the most
         its tail needed above the chain's end, whether storing every stage fits
         ``budget`` with a record more: measured, a kept stage's backward lets none of
-        its saved tensors go until it ends), scaled to the input; (None, False)
-        before a backward has shown the tail."""
+        its saved tensors go until it ends, the most measuring a stage needed beyond
+        its input), scaled to the input; (None, False, 0) before a backward has
+        shown the tail."""
         if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None \
                 or not any(self.costs.bwd_time):   # (no backward through it: its stages all frozen, say)
-            return None, False
+            return None, False, 0
         scale = 1.0 if input_bytes is None else input_bytes / self.input_bytes
         tail = self.tail.costs()
         costs = self.planning_costs()
+        # the most measuring a stage needs beyond its input: the call holds inputs beside it from the
+        # start (counted as the stages came, a CNN's later, larger one went 15% over the budget)
+        c, x = self.costs, self.costs.sizes()
+        largest = max(max(stage_least(x[i], c.out_bytes[i], c.saved_bytes[i], c.fwd_tmp[i], c.bwd_tmp[i]),
+                          s.costs.measure_peak or 0 if s.costs is not None else 0) - x[i]
+                      for i, s in enumerate(self.stages[:c.length]))
         return int((tail["fwd_tmp"] + tail["kept"]) * scale), \
-            (simulate(costs, store_all(costs.length)).peak + max(costs.saved_bytes[:costs.stages])) * scale <= budget
+            (simulate(costs, store_all(costs.length)).peak + max(costs.saved_bytes[:costs.stages])) * scale <= budget, \
+            int(largest * scale)
 
     def counts_output(self):
         """Whether plans count a^L as held through the step (Note [The chain's output])."""

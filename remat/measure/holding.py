@@ -114,20 +114,21 @@ class Holding:
     Args:
         budget: the call's budget in bytes.
         hint: (bytes the chain's tail needed, whether storing everything fits the
-            budget) as a record of the chain showed them (``ChainRecord.hint``);
-            (None, False) where none has.
+            budget, the most measuring a stage needs beyond its input) as a
+            record of the chain showed them (``ChainRecord.hint``); (None,
+            False) where none has.
         diverged: the stage the call left its recorded path at (0: a first call);
             the stages before it are the schedule's.
     """
 
     def __init__(self, budget, hint, diverged, record=None):
         self.budget, self.diverged, self.record = budget, diverged, record
-        self.tail_hint, self.keep_all = hint
+        self.tail_hint, self.keep_all, hinted = (*hint, 0)[:3]
         self.held_bytes = 0      # bytes of the saved tensors kept so far
         self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
         self.inputs_bytes = 0
         self.spacing = 1         # the stages whose input is held: every spacing-th (``thin_inputs``)
-        self.largest = 0         # the most measuring a stage needed beyond its input so far
+        self.largest = hinted    # the most measuring a stage needed beyond its input so far (or, hinted, will)
 
     def keep_saved(self, i, costs, given):
         """Whether measured stage i (its ``costs`` as measured, None if they come
