@@ -165,9 +165,9 @@ def test_every_call_stays_under_a_budget_above_the_step_s_least(vocab, d, n, tok
     """Random vocabularies against random numbers of tokens, tied or not: at a budget
     from the least ``explain()`` gives (the code before the chain counted) to storing
     everything, every call from the first peaks under it (a first call may go 64
-    bytes over: docs/limitations.md), and the later ones within 1% of
-    ``predicted_peak`` (and 128 bytes: a tiny chain's scalars), which is never
-    under what they measure."""
+    bytes over: docs/limitations.md), and the later ones within 3% of
+    ``predicted_peak`` (issue 30's calibration target; and 128 bytes: a tiny
+    chain's scalars), which is never under what they measure."""
     torch.manual_seed(0)
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
     net = _Net(vocab, d, n, tied, 2**30)
@@ -190,5 +190,5 @@ def test_every_call_stays_under_a_budget_above_the_step_s_least(vocab, d, n, tok
         e = step()
         assert e.measured_peak <= net.budget + (64 if call == 0 else 0), (call, e.measured_peak, net.budget)
         if call >= 2:
-            assert e.measured_peak <= e.predicted_peak <= 1.01 * e.measured_peak + 128, \
+            assert e.measured_peak <= e.predicted_peak <= 1.03 * e.measured_peak + 128, \
                 (call, e.measured_peak, e.predicted_peak)
