@@ -32,8 +32,9 @@ once. (Not under torch.distributed: FSDP may have sharded a stage's
 parameters between its forward and its backward, and a stage is run again
 only in its own backward; the call then holds inputs as where the tail is
 known, the tail counted as nothing.) Where the tail is known the stage inputs held must fit beside the
-saved tensors kept, room to measure a stage like the largest so far, an
-input more (a rebuild's) and the tail: past that only every ``spacing``-th
+saved tensors kept, room to measure a stage like the largest so far (or, as
+the record that showed the tail tells, like its largest), an input more (a
+rebuild's) and the tail: past that only every ``spacing``-th
 stage's is held, the spacing doubling as often as needed (``thin_inputs``),
 and the backward rebuilds a stage from the nearest input held below it. What
 the first call cannot hold to the budget is measuring a stage itself. Its
