@@ -134,6 +134,11 @@ def forward_drops(stages):
 def _check_given(costs, stages, input_bytes, held_bytes, path):
     """Costs read from ``path`` must describe this chain (a file written before
     ``held_bytes`` counted it in ``input_bytes``)."""
+    if costs.tail:
+        raise CostsError(
+            f"remat: the costs in {path} end in a tail (the head and loss after the chain, as "
+            f"remat.explain().costs has them); a chain's costs file holds the costs it measured "
+            f"(remat.explain().measured): delete the file to measure again, or save those")
     sizes = [s.out_bytes for s in stages]
     same_input = costs.input_bytes in (input_bytes, input_bytes + held_bytes)
     if costs.length != len(sizes) or not same_input or list(costs.out_bytes) != sizes:
@@ -144,10 +149,11 @@ def _check_given(costs, stages, input_bytes, held_bytes, path):
         )
     # the sizes above agree for models of another width with the same input and
     # output (a GPT's blocks): what each stage saves, seen in this call's forward, must
-    # be within 2x of the file's (the same model gives the same bytes)
+    # be within 10% of the file's (the same model gives the same bytes; within 2x, an
+    # MLP 7/4 as wide ran 44% over its budget on the file's figures)
     for i, stage in enumerate(stages):
         seen, filed = stage.saved_seen, costs.saved_bytes[i]
-        if seen is not None and not (filed / 2 <= seen <= 2 * filed):
+        if seen is not None and not (filed / 1.1 <= seen <= 1.1 * filed):
             raise CostsError(
                 f"remat: the costs in {path} describe another chain: its stage {i + 1} saves "
                 f"{format_bytes(filed)} for the backward, and this chain's saves {format_bytes(seen)} (a "

@@ -57,6 +57,9 @@ def check_time(name, i, v, option=None):
     """``v`` as a float of seconds, or a ``CostsError`` naming the entry."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise CostsError(f"remat: {where(name, i, option)} must be a number of seconds, got {v!r}")
+    if isinstance(v, numbers.Integral) and v > MAX_SECONDS:   # (float() of a huge int overflows)
+        raise CostsError(f"remat: {where(name, i, option)} is {len(str(v))} digits of seconds, beyond any real run; "
+                         f"check the unit")
     v = float(v)
     if not math.isfinite(v) or v < 0:
         raise CostsError(f"remat: {where(name, i, option)} is {v}; times must be finite and non-negative")

@@ -147,6 +147,28 @@ def _another_chains_costs(tmp):
     _chain(_stages(), torch.randn(2, 4, requires_grad=True), costs=path)
 
 
+def _tailed_costs(tmp):
+    remat.clear_cache()
+    path = str(tmp / "costs.json")
+    Costs.uniform(3, size=32).with_tail(fwd_time=0.0, bwd_time=0.0, out_bytes=0, saved_bytes=0, fwd_tmp=0,
+                                         bwd_tmp=0, kept=0).save(path)
+    _chain(_stages(), torch.randn(2, 4, requires_grad=True), costs=path)
+
+
+def _wider_costs(tmp):
+    """The costs file of 3 stages that save 4/7 of what these do (their MLPs 4/7 as wide)."""
+    remat.clear_cache()
+    path = str(tmp / "costs.json")
+
+    def stages(hidden):
+        torch.manual_seed(0)
+        return [remat.stage(nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 4))) for _ in range(3)]
+
+    _chain(stages(16), torch.randn(8, 4, requires_grad=True), costs=path)
+    remat.clear_cache()
+    _chain(stages(28), torch.randn(8, 4, requires_grad=True), costs=path)
+
+
 def _costs_dir(tmp):
     remat.clear_cache()
     _chain(_stages(), torch.randn(2, 4, requires_grad=True), costs=str(tmp))
@@ -197,6 +219,9 @@ CASES = {
     "chain-costs-file-corrupt": lambda t: _chain_with_file(t, "{oops"),
     "chain-costs-file-binary": lambda t: _chain_with_file(t, b"\x00\xff", "wb"),
     "chain-costs-other-chain": _another_chains_costs,
+    "costs-huge-int-time": lambda t: _costs(fwd_time=[10**400, 1, 1]),
+    "chain-costs-tail": _tailed_costs,
+    "chain-costs-other-width": _wider_costs,
     "chain-costs-directory": _costs_dir,
     "chain-costs-not-a-path": lambda t: remat.chain(budget=100, costs=123),
     "solve-L0": lambda t: remat.solve(Costs(**_L0), 100),
