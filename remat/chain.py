@@ -202,7 +202,8 @@ class Explanation:
         if getattr(self.schedule, "grouping", None) is not None:   # (remat/solver/group.py Note [Groups])
             summary += f"\n{self.schedule.grouping}"
         if self._end > self.schedule.peak:   # (Note [The code before the chain], remat/measure/linger.py)
-            summary += f"\nthe step peaks at {format_bytes(self._end)} after the chain's backward, in the code before it"
+            summary += f"\nthe step peaks at {format_bytes(self._end)} after the chain's backward, in the code " \
+                "before it"
         if self.measured_peak is not None:
             summary += f"\nmeasured peak {format_bytes(self.measured_peak)} (remat.measure_peak)"
         if self._record is not None:   # (Note [Paths of a chain], remat/runtime/paths.py; [Skipped stages], skips.py)

@@ -23,10 +23,11 @@ pass (``_suspect_changed``), where they cost about half as much, with nothing
 to replay set up (figures: docs/how-it-works.md, "Measured while building
 remat"). A stage that fails there is a suspect: from the next call on it is
 checked as it is called, as other stages are, and measured again if it has
-changed. A frozen stage (none of its parameters needing grad as measured) is
-one from the start: unfrozen, its call would otherwise run on costs without its
-backward (linear probing, then fine-tuning: 3.2 times the budget). It may not have: a wrapper may hold its module otherwise between its
+changed. It may not have: a wrapper may hold its module otherwise between its
 calls than during them (FSDP frees the unsharded parameters after a forward).
+A frozen stage (none of its parameters needing grad as measured) is a suspect
+from the start: unfrozen, its call would otherwise run on costs without its
+backward (linear probing, then fine-tuning: 3.2 times the budget).
 This call, run as recorded, is exact all the same, its peak off by the change,
 and the record learns nothing from it of what the forward phase let go and
 kept (``watch_caller``): a stage unfrozen since keeps its input, which
