@@ -5,6 +5,7 @@ Stage i (1..L) is at index i-1 of every list. Times are seconds, sizes bytes.
 
 import json
 import numbers
+import os
 from dataclasses import MISSING, dataclass, fields
 
 from ..errors import CostsError
@@ -297,9 +298,19 @@ class Costs:
         return cls(**{k: data[k] for k in names if k in data})
 
     def save(self, path):
-        """Write the costs to ``path`` as JSON."""
-        with open(path, "w") as fh:
-            json.dump({"format": FORMAT_OPTIONS if self.has_options else FORMAT, **self.to_dict()}, fh, indent=1)
+        """Write the costs to ``path`` as JSON, whole: a regular file through one beside it
+        renamed over it, so that a process reading it meanwhile (another job's first
+        call) finds the old record or the new one, never the start of one."""
+        text = json.dumps({"format": FORMAT_OPTIONS if self.has_options else FORMAT, **self.to_dict()}, indent=1)
+        where = f"{path}.{os.getpid()}.tmp" if not os.path.exists(path) or os.path.isfile(path) else path
+        try:
+            with open(where, "w") as fh:
+                fh.write(text)
+            if where != path:
+                os.replace(where, path)
+        finally:
+            if where != path and os.path.exists(where):
+                os.unlink(where)
 
     @classmethod
     def load(cls, path):

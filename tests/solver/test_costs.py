@@ -218,3 +218,36 @@ def test_an_output_the_caller_holds_counts_once():
     assert [m for _, _, m in trace][-1] == 10 + [m for _, _, m in plain_trace][-1]   # (held to the end)
     with pytest.raises(CostsError, match="output_held must be True or False"):
         Costs(**{**base.to_dict(), "output_held": 1})
+
+
+def test_a_costs_file_is_never_read_half_written(tmp_path):
+    """``Costs.save`` writes a file beside the record and renames it over it: a reader
+    meanwhile (another job's first call) finds a whole record every time. Before, it
+    truncated the file and wrote it, and most reads during a rewrite failed with
+    "is not valid JSON ... delete it to measure again"."""
+    import threading
+    import time
+
+    path = str(tmp_path / "costs.json")
+    costs = Costs.uniform(48, time=0.001, size=32768, saved=328704)
+    costs.save(path)
+    done = threading.Event()
+
+    def write():
+        while not done.is_set():
+            costs.save(path)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    failed, end = 0, time.time() + 1.0
+    try:
+        while time.time() < end:
+            try:
+                Costs.load(path)
+            except CostsError:
+                failed += 1
+    finally:
+        done.set()
+        writer.join()
+    assert failed == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["costs.json"]   # (no file left beside it)
