@@ -12,6 +12,10 @@ Note [Stages of a Sequential]
    ``Dropout``, ``Hardtanh`` ...) therefore joins the stage before it, where
    it modifies that stage's own output, as it does in plain PyTorch. In-place
    layers at the very start run before the chain, on the caller's tensor.
+   Layers that may hand on their input itself (``Identity``, a ``Dropout`` in
+   eval mode or at p=0: ``_PASSING``) end no stage for an in-place layer
+   after them: it joins the stage before them, with them (at the start, all
+   run before the chain).
 3. A stage is a ``_Group`` of layers marked with ``remat.stage``; the chain
    is keyed by the first group's identity, so the groups are made once and
    kept while the layers (and their ``inplace`` flags) stay the same.
@@ -44,6 +48,8 @@ __all__ = ["Sequential"]
 
 
 # (shown only where the chain ran no stage: a Sequential that is empty, or all in place)
+# layers that may return their input itself (Note [Stages of a Sequential] 2)
+_PASSING = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _HINTS = ChainHints(empty="this remat.Sequential has no stage: it is empty or all its layers work in place "
                           "(each joins the stage before it)")
 
@@ -194,10 +200,18 @@ class Sequential(nn.Sequential):
         everything = [layer for _, layer in leaves]
         lead, groups = [], []
         for name, layer in leaves:
-            if getattr(layer, "inplace", False) and groups:
+            inplace = getattr(layer, "inplace", False)
+            while inplace and groups and all(isinstance(m, _PASSING) for m in groups[-1][1]):   # (2 of the Note)
+                names, layers = groups.pop()
+                if not groups:
+                    lead.extend(layers)
+                    break
+                groups[-1][0].extend(names)
+                groups[-1][1].extend(layers)
+            if inplace and groups:
                 groups[-1][0].append(name)
                 groups[-1][1].append(layer)
-            elif getattr(layer, "inplace", False):
+            elif inplace:
                 lead.append(layer)
             else:
                 groups.append(([name], [layer]))

@@ -288,6 +288,29 @@ def test_a_trained_sequential_pickles_and_trains_on():
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(seq.parameters(), other.parameters()))
 
 
+@pytest.mark.parametrize("mid", ["identity", "dropout0", "dropout-eval", "leading"])
+def test_an_inplace_layer_after_one_that_hands_on_its_input(mid):
+    """``Identity``, or a ``Dropout`` at p=0 or in eval mode, returns its input itself:
+    an in-place layer after it, joining its stage, wrote that stage's input
+    (``StageError``, whose advice a Sequential's user cannot follow). It now joins the
+    stage before them (Note [Stages of a Sequential] 2), and the results are plain
+    PyTorch's."""
+    torch.manual_seed(0)
+    between = {"identity": nn.Identity(), "dropout0": nn.Dropout(0.0), "dropout-eval": nn.Dropout(0.3).eval(),
+               "leading": nn.Identity()}[mid]
+    layers = [nn.Linear(32, 64), between, nn.ReLU(inplace=True), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)]
+    if mid == "leading":
+        layers = [between, nn.ReLU(inplace=True)] + layers[3:]
+    plain = nn.Sequential(*layers)
+    seq = remat.Sequential.from_module(copy.deepcopy(plain), budget=2**30)
+    for step in range(2):
+        x = torch.randn(16, 32 if mid != "leading" else 64, generator=torch.Generator().manual_seed(step))
+        for net in (plain, seq):
+            net.zero_grad()
+            net(x.clone()).square().sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), seq.parameters())), step
+
+
 def test_measure_says_nothing_of_its_own_probe_budget():
     """``Sequential.measure`` runs a probe with no limit (remat.chain.NO_LIMIT): the
     warning for a budget beyond the device is for budgets users give, not that one."""
