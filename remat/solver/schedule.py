@@ -203,11 +203,9 @@ class Schedule:
     def summary(self):
         """One line: algorithm, predicted time and peak, recomputations."""
         budget = "" if self.budget is None else f" for budget {format_bytes(self.budget)}"
-        return (
-            f"{self.algorithm} schedule{budget}: predicted {self.time * 1e3:.3f} ms, "
-            f"peak {format_bytes(self.peak)}, {self.recomputations()} recomputed stages"
-            + (f", solved on {len(self.grouping.sizes):,} groups of stages" if self.grouping else "")
-        )
+        return (f"{self.algorithm} schedule{budget}: predicted {self.time * 1e3:.3f} ms, "
+                f"peak {format_bytes(self.peak)}, {self.recomputations()} recomputed stages"
+                + (f", solved on {len(self.grouping.sizes):,} groups of stages" if self.grouping else ""))
 
 
 def simulate(costs, schedule, trace=None):
@@ -224,6 +222,7 @@ def simulate(costs, schedule, trace=None):
 
     Raises:
         InvalidScheduleError: the schedule breaks a rule; the message names the op.
+        TypeError: ``trace`` is not a list.
 
     Example:
         >>> from remat import Costs
@@ -232,6 +231,8 @@ def simulate(costs, schedule, trace=None):
         Simulation(time=6.0, peak=50)
     """
     ops = schedule.ops if isinstance(schedule, Schedule) else tuple(schedule)
+    if trace is not None and not isinstance(trace, list):
+        raise TypeError(f"remat: simulate's trace must be a list (each op's is appended), got {type(trace).__name__}")
     run = _Run(costs)
     n = run.n
     tail = n if costs.tail else None
@@ -243,8 +244,8 @@ def simulate(costs, schedule, trace=None):
         if code == 4:
             run.loss(pos, op)
         else:
-            if not isinstance(i, int) or not 1 <= i <= n:
-                _bad(pos, op, f"stage {i} is outside 1..{n}")
+            if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= n:
+                _bad(pos, op, f"stage {i!r} is outside 1..{n}")
             if i == tail and code != 3 and (code != 2 or not run.forward):
                 _bad(pos, op, f"stage {i} is the chain's tail (the code after it), which runs once: "
                               f"Fall({i}) in the forward phase, then B({i})")
@@ -270,8 +271,7 @@ class _Run:
 
     ``mem`` is what is held (rule 1), ``during`` the peak during the last op,
     ``peak`` the largest ``during`` so far and ``time`` the seconds so far. Each op
-    checks what it needs, then updates them.
-    """
+    checks what it needs, then updates them."""
 
     __slots__ = ("n", "x", "xa", "s", "ft", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
                  "whole", "mem", "during", "peak", "time", "forward", "next_fwd", "grad")

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import remat
 from remat import Costs
+from remat.solver.schedule import B, Fall, Loss
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hostile-input.md"
 _L0 = dict(fwd_time=[], fwd_nograd_time=[], bwd_time=[], out_bytes=[], saved_bytes=[], fwd_tmp=[],
@@ -226,6 +227,8 @@ CASES = {
     "chain-costs-not-a-path": lambda t: remat.chain(budget=100, costs=123),
     "solve-L0": lambda t: remat.solve(Costs(**_L0), 100),
     "solve-not-costs": lambda t: remat.solve({"fwd_time": []}, 100),
+    "simulate-bool-stage": lambda t: remat.simulate(_costs(), [Fall(True), Fall(2), Fall(3), Loss, B(3), B(2), B(1)]),
+    "simulate-trace-not-list": lambda t: remat.simulate(_costs(), remat.solve(_costs(), 2**20), trace=5),
     "algorithm-unknown": lambda t: remat.chain(budget=100, algorithm="fastest"),
     "algorithm-periodic-0": lambda t: remat.chain(budget=100, algorithm="periodic(0)"),
     "algorithm-none": lambda t: remat.chain(budget=100, algorithm=None),
