@@ -106,6 +106,7 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
        st.floats(0, 0.6), st.booleans())
 @example(["bn", "dropout", "mlp", "bn", "tied"], 8, 0.05, False)   # (run 4 in the call's backward)
 @example(["bn"], 8, 0.1, False)   # (the copies of BatchNorm's statistics through the tail)
+@example(["relu", "mlp", "mlp", "mlp", "relu", "bn"], 24, 0.0, False)   # (run 4 at the call's end: 256 bytes over)
 def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction, after):
     """Random chains with a head inside the chain's block or after it, at random
     budgets from ``least_budget`` up: every call's whole-step peak is under the
