@@ -117,14 +117,14 @@ class Holding:
         hint: (bytes the chain's tail needed, whether storing everything fits the
             budget, the most measuring a stage needs beyond its input) as a
             record of the chain showed them (``ChainRecord.hint``); (None,
-            False) where none has.
+            False, 0) where none has.
         diverged: the stage the call left its recorded path at (0: a first call);
             the stages before it are the schedule's.
     """
 
     def __init__(self, budget, hint, diverged, record=None):
         self.budget, self.diverged, self.record = budget, diverged, record
-        self.tail_hint, self.keep_all, hinted = (*hint, 0)[:3]
+        self.tail_hint, self.keep_all, hinted = hint
         self.held_bytes = 0      # bytes of the saved tensors kept so far
         self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
         self.inputs_bytes = 0

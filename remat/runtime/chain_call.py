@@ -310,8 +310,9 @@ class ChainCall:
                             runner.entry)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
-        entry, spec, budget, published = self.tail_due, self.spec, self.budget, [self.spec.last]
+        entry = self.tail_due
         if entry is not None and self.tail is not None and runner.entry is entry:   # (Note [The chain's tail] 6)
+            spec, budget, published = self.spec, self.budget, [self.spec.last]
             read = getattr(entry.stages[-1].costs, "out_freed", None) == 0
             entry.tail = self.tail.seen(self.prev, [self.prev], lambda seen: backward_seen(
                 entry, spec, budget, published, plan_for, seen), read)
@@ -324,7 +325,7 @@ def _hint(site, budget, input_bytes):
         for key, record in reversed(_cache.items()):
             if key[0] == site:
                 return record.hint(budget, input_bytes)
-    return None, False
+    return None, False, 0
 
 
 def _remember(key, chain_record):
