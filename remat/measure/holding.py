@@ -47,11 +47,12 @@ go as they come (a step adds them into resident ones, which the budget does
 not count: buffers standing in for those would count). So the first call
 stays under the budget (tests/measure/test_first_call_budget.py), but near
 a chain's least budget, where a stage met for the first time is measured
-with its output alive, or again for its gradient's layout (run 4: at the
-call's end where ``run4_fits``, else in the call's own backward), which can
-go over it (docs/limitations.md); on CUDA,
-where the saved tensors are held through that backward, within a stage's
-saved bytes of it.
+with its output alive, which can go over it (docs/limitations.md). Run 4
+(a stage measured again for its gradient's layout) runs at the call's end
+where ``run4_fits``, else in the call's own backward where
+``run4_fits_now``, else not at all (run 2's figures stand). On CUDA,
+where the saved tensors are held through that backward, the first call
+stays within a stage's saved bytes of the budget.
 """
 
 import weakref
@@ -231,6 +232,35 @@ class Holding:
         # output among them), the output's gradient and a copy of it, and the backward's transient
         again = x_in if k > 1 and alive.get(k - 1) is None else 0
         return held + again + x_in + costs.saved_bytes + 2 * costs.out_bytes + max(0, costs.bwd_tmp) <= self.budget
+
+    def run4_fits_now(self, run, k, grad, again, copies):
+        """Whether run 4 of stage k fits the budget in the call's backward, as the
+        stage's gradient ``grad`` arrives and before the stage is rebuilt, beside
+        what the call holds then: the chain's input, the gradients held through the
+        step, what the tail keeps, the stage inputs and saved tensors ``run``'s
+        anchors hold (each storage once, ``grad``'s too) and ``copies`` (bytes of
+        the values written state had before the call). ``again``: the stage's input
+        is to be made again. Run 4 there once put a first call 1.1% over."""
+        record = self.record
+        costs = record.stages[k - 1].costs
+        live = {grad.untyped_storage()._cdata: grad.untyped_storage().nbytes()}
+        anchors = [ref() for ref in run.anchors[1:] if ref is not None] + list(run.orphans.values())
+        for a in anchors:
+            if a is None:
+                continue
+            tensors = ([a.input] if a.input is not None and a.stage > 1 else []) + list(a.saved or ())
+            for t in tensors:
+                if t is not None:
+                    st = t.untyped_storage()
+                    live[st._cdata] = st.nbytes()
+        tail = record.tail
+        kept = 0 if tail is None else tail.kept if tail.kept is not None else tail.alive or 0
+        held = record.input_bytes + record.held_bytes() + kept + copies + sum(live.values())
+        x_in = record.input_bytes if k == 1 else record.stages[k - 2].costs.out_bytes
+        # its input if made again and its gradient, a fresh forward's saved tensors (its output
+        # among them), the gradient's copy the stage may make, and the backward's transient
+        need = (x_in if again else 0) + x_in + costs.saved_bytes + costs.out_bytes + max(0, costs.bwd_tmp)
+        return held + need <= self.budget
 
     def rebuild_holds(self, run, j, k):
         """The stages strictly between j and k whose input a rebuild of stage k from

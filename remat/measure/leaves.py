@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "edge_backward", "edge_roots", "grad_side_inputs",
-           "shared_grad_transients", "side_grads", "stage_leaves", "stop_nodes", "walk"]
+           "node_of", "shared_grad_transients", "side_grads", "stage_leaves", "stop_nodes", "walk"]
 
 
 def stop_nodes(tensors):
@@ -255,3 +255,13 @@ def edge_backward(out, grad, x, params, grads, side=(), keep=True):
     finally:
         for h in handles:
             h.remove()
+
+
+def node_of(x):
+    """The node x's gradient goes to: its grad_fn, or a leaf's AccumulateGrad."""
+    if x.grad_fn is not None:
+        return x.grad_fn
+    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if edge is not None:
+        return edge(x).node
+    return x.view_as(x).grad_fn.next_functions[0][0]

@@ -361,7 +361,8 @@ class Measurer:
                 act = self.outs[last]() if last in self.outs and self.given is None else None
                 spare = tail + getattr(new.stages[-1].costs, "out_bytes", 0)   # (the last stage's run 4: an output
                 self.run4.settle(last, act, self.options,                       # to spare)
-                                 functools.partial(self.holding.run4_fits, last, self.run, dict(self.outs), spare))
+                                 functools.partial(self.holding.run4_fits, last, self.run, dict(self.outs), spare),
+                                 None if distributed() else self.holding.run4_fits_now)
             new.caller_holds(self.outs, last)
             if self.given is None:
                 for i, extra in enumerate(shared_grad_transients([s.held for s in new.stages])):

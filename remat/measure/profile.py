@@ -73,11 +73,11 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import input_modified
 from ..runtime.stage_call import check_output, first
-from .leaves import grad_side_inputs, stage_leaves, stop_nodes
+from .leaves import grad_side_inputs, node_of, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
 from .options import kept_seen
 from .record import Probe, StageCosts, StageGraph
-from .stage_backward import node_of, run_backward
+from .stage_backward import run_backward
 
 __all__ = ["instrumented_run", "observed_forward", "saved_storages"]
 

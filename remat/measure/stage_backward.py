@@ -16,7 +16,7 @@ from .timing import Timer
 
 _SUM = torch.ops.aten.sum.dim_IntList
 
-__all__ = ["backward_again", "node_of", "run_backward"]
+__all__ = ["backward_again", "run_backward"]
 
 
 def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
@@ -218,16 +218,6 @@ _BACKWARD_FAILED = (
     "Measure the costs once without them and pass the file: remat.chain(..., costs=\"costs.json\"))")
 
 
-def node_of(x):
-    """The node x's gradient goes to: its grad_fn, or a leaf's AccumulateGrad."""
-    if x.grad_fn is not None:
-        return x.grad_fn
-    edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    if edge is not None:
-        return edge(x).node
-    return x.view_as(x).grad_fn.next_functions[0][0]
-
-
 class Run4:
     """Run 4 of Note [Measuring a stage] (remat/measure/profile.py) of a measuring
     call's stages, into their costs in the chain's record ``new``. One that would not
@@ -239,6 +229,7 @@ class Run4:
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
         self.later, self.extra = {}, {}   # (extra: stage -> what the call's end added to its bwd_tmp, held gradients)
+        self.room = None   # (run, stage, gradient, input made again, bytes of state copies) -> run 4 fits now
 
     def again(self, m, layout, pool=None, grad=None):
         """Run 4 of the stage of ``m`` for its gradient laid out so (``grad``, the
@@ -263,14 +254,16 @@ class Run4:
         return (last, seen) if last is not None and last.layout is not None and seen not in (None, last.layout) \
             else None
 
-    def settle(self, last, act, options, fits):
+    def settle(self, last, act, options, fits, room):
         """The measuring call ends: what the graph's hooks keep of it is what run 4 may
         yet need (a run 4 cascades down only: the stages above hold their state copies
         no more), the last stage's where its tail may hand it another layout (a^L
-        ``act``, or None: ``watch_last``)."""
+        ``act``, or None: ``watch_last``). ``room``: whether a run 4 fits in the call's
+        backward (``Holding.run4_fits_now``), or None where each runs regardless."""
         top = max([last if act is not None and self.watch_last(last, act, options, fits) else 0, *self.later])
         self.measured = {i: m for i, m in self.measured.items() if i <= top} if top else None
         self.run = self.run if top else None
+        self.room = room if top else None
 
     def watch_last(self, i, act, options, fits):
         """Stage i, the last, gets its gradient from the chain's tail: where that comes in
@@ -287,12 +280,10 @@ class Run4:
         def arrived(grad):   # (an expanded gradient, a sum's, needs less than run 2's: left so)
             if grad.stride() == tuple(m.layout) or 0 in grad.stride() or not self.measured or i not in self.measured:
                 if not self.later:
-                    self.measured = self.run = None
-            elif fits():
+                    self._done()
+            else:
                 self.later[i] = grad.stride()
                 self.arrived(i, grad, options)
-            elif not self.later:
-                self.measured = self.run = None
 
         act.register_hook(arrived)
         return True
@@ -309,12 +300,25 @@ class Run4:
         layout = self.later.pop(i, None)
         if layout is None:
             return
-        due = self.again(self.measured[i], layout, None, grad)
-        if due is not None:   # (when its own gradient arrives)
-            self.later[due[0].index] = due[1]
-        self._remade(options)
+        m = self.measured[i]
+        if self.room is None or self.room(self.run, i, grad, m.x() is None, self._copies()):
+            due = self.again(m, layout, None, grad)
+            if due is not None:   # (when its own gradient arrives)
+                self.later[due[0].index] = due[1]
+            self._remade(options)
+        # (else run 2's figures stand, as where the call's end had no room for the last stage's:
+        # a copy of the gradient off, at most; run 4 there put a first call 1.1% over)
         if not self.later:
-            self.measured = self.run = None
+            self._done()
+
+    def _copies(self):
+        """Bytes of the values from before the call of the state the stages left to
+        run 4 wrote (each storage once): held through the call's backward for it."""
+        return sum({storage_key(old): old.untyped_storage().nbytes()
+                    for m in self.measured.values() for _, old in m.writes}.values())
+
+    def _done(self):
+        self.measured = self.run = self.room = None
 
 
 def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=(), given=None):
@@ -380,8 +384,11 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             start = torch.cuda.memory_allocated() if cuda else inst.live
             inst.peak = inst.live
             ops_before = inst.op_seconds
-            with Timer(cuda) as timer, inst:
-                edge_backward(act, grad, xin if xin.requires_grad else None, params, grads, keep=False)
+            try:
+                with Timer(cuda) as timer, inst:
+                    edge_backward(act, grad, xin if xin.requires_grad else None, params, grads, keep=False)
+            finally:
+                inst.watch = None   # (a cycle through it kept the meter's copies of written state alive)
             peak = torch.cuda.max_memory_allocated() if cuda else inst.peak
         relay.remove()
         if hook is not None:

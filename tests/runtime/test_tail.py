@@ -2,6 +2,7 @@
 the loss after the last stage count in the budget, which bounds the whole step."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -107,14 +108,15 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
 @example(["bn", "dropout", "mlp", "bn", "tied"], 8, 0.05, False)   # (run 4 in the call's backward)
 @example(["bn"], 8, 0.1, False)   # (the copies of BatchNorm's statistics through the tail)
 @example(["relu", "mlp", "mlp", "mlp", "relu", "bn"], 24, 0.0, False)   # (run 4 at the call's end: 256 bytes over)
+@example(["scale", "mlp", "dropout", "dropout", "bn", "bn"], 0, 0.0, False)   # (run 4 in the backward: 108 over)
+@example(["bn", "mlp", "bn"], 0, 0.25, True)   # (a meter's cycle in run 4 held BatchNorm's statistics)
 def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction, after):
     """Random chains with a head inside the chain's block or after it, at random
     budgets from ``least_budget`` up: every call's whole-step peak is under the
     budget, the first (measuring) call's included, on a fresh cache, and losses
-    and gradients are plain PyTorch's bitwise. The first call may go up to 64
-    bytes over where a stage is measured again in its backward (run 4 beside the
-    tail's scalars: 40 bytes over, 0.4%, in 1 of 600 scanned chains;
-    docs/limitations.md)."""
+    and gradients are plain PyTorch's bitwise. Python's cycle collector is off
+    through the steps: what a reference cycle holds counts, as it may where it
+    runs late (a meter's copies of BatchNorm's statistics: 48 bytes over)."""
     torch.manual_seed(0)
     base = HeadNet(kinds, vocab, False, after)
     probe, ref, net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
@@ -125,12 +127,17 @@ def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction
     remember_least(costs)
     net.budget = budget_for(costs, "optimal", fraction)
     remat.clear_cache()
-    for seed in range(3):
-        want, got = step(ref, seed), step(net, seed)
-        for a, b in zip(want[:3], got[:3]):
-            for u, v in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
-                assert torch.equal(u, v), seed
-        assert got[3] <= net.budget + (64 if seed == 0 else 0), (seed, got[3], net.budget)
+    gc.collect()
+    gc.disable()
+    try:
+        for seed in range(3):
+            want, got = step(ref, seed), step(net, seed)
+            for a, b in zip(want[:3], got[:3]):
+                for u, v in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+                    assert torch.equal(u, v), seed
+            assert got[3] <= net.budget, (seed, got[3], net.budget)
+    finally:
+        gc.enable()
     remat.clear_cache()
 
 
