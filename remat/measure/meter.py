@@ -33,10 +33,8 @@ from .linger import settle
 __all__ = ["Instrument", "storage_key"]
 
 
-# Ops that write some arguments in place although their schema does not say
-# so (BatchNorm's running statistics): op name -> argument positions.
-_UNDECLARED_WRITES = {"aten::native_batch_norm": (3, 4), "aten::cudnn_batch_norm": (3, 4),
-                      "aten::miopen_batch_norm": (3, 4)}
+# ops that write arguments in place their schema does not say they write (BatchNorm's statistics): name -> positions
+_UNDECLARED_WRITES = {f"aten::{kind}_batch_norm": (3, 4) for kind in ("native", "cudnn", "miopen")}
 
 
 def _written_arguments(schema):
@@ -54,7 +52,7 @@ def _returns_views(schema):
 
 
 _PLANS = {}   # op -> (_written_arguments, _returns_views) of its schema
-_TO_COPY = torch.ops.aten._to_copy.default
+_TO_COPY, _PARAMETER = torch.ops.aten._to_copy.default, torch.nn.Parameter
 
 _COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_csc: ("ccol_indices", "row_indices"),
                torch.sparse_bsr: ("crow_indices", "col_indices"), torch.sparse_bsc: ("ccol_indices", "row_indices")}
@@ -75,18 +73,13 @@ def dense_parts(t):
 
 
 def _keys(t):
-    return (t.untyped_storage()._cdata,) if t.layout == torch.strided else \
-        tuple(p.untyped_storage()._cdata for p in dense_parts(t))
+    return (t.untyped_storage()._cdata,) if t.layout == torch.strided else tuple(map(storage_key, dense_parts(t)))
 
 
 def _storage_keys(args, kwargs):
     """Storage ids of the tensors among an op's arguments (lists of tensors included)."""
-    keys = set()
-    for a in (*args, *kwargs.values()):
-        for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, torch.Tensor):
-                keys.update(_keys(t))
-    return keys
+    return {key for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, torch.Tensor) for key in _keys(t)}
 
 
 def storage_key(t):
@@ -109,6 +102,7 @@ class Instrument(TorchDispatchMode):
     off = cut = False    # (a lingering meter's metering is over: ops pass straight through; cut short: linger.py)
     watch = None         # called as watch(func, args, kwargs, ran) before (ran False) and after each op not a view
     leaves = None        # a dict: {id: weak reference} of the leaves needing grad ops take are added to it
+    grad_reads = None    # a set: storages of older tensors needing grad that ops take (not parameters) are added to it
     sync = False         # synchronize CUDA around each op: its time is its kernels' (options' shares on a GPU)
 
     def __new__(cls, *args, **kwargs):
@@ -235,7 +229,7 @@ class Instrument(TorchDispatchMode):
             plan = _PLANS[func] = (_written_arguments(func._schema), _returns_views(func._schema))
         writes, views = plan
         self.ops += 1
-        if self.leaves is not None:
+        if self.leaves is not None or self.grad_reads is not None:
             self._note_leaves(args)
         if views:
             out, dt = self._timed(func, args, kwargs)
@@ -295,9 +289,13 @@ class Instrument(TorchDispatchMode):
         return out, dt
 
     def _note_leaves(self, args):
-        for t in args:
-            if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad and id(t) not in self.leaves:
-                self.leaves[id(t)] = weakref.ref(t)
+        for t in (t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                if self.leaves is not None and t.is_leaf and id(t) not in self.leaves:
+                    self.leaves[id(t)] = weakref.ref(t)
+                if self.grad_reads is not None and not isinstance(t if t._base is None else t._base, _PARAMETER) \
+                        and (key := storage_key(t)) not in self.created:   # (nor a view of one: a weight's t())
+                    self.grad_reads.add(key)
 
     def _note_outputs(self, outs, inputs, kept=False):
         created = self.created
@@ -390,8 +388,7 @@ class Instrument(TorchDispatchMode):
 
 
 class _DynamoSafeInstrument(Instrument):
-    """``Instrument`` with its ``__torch_dispatch__`` run outside Dynamo, as
-    TorchDispatchMode does by default (Note [Dynamo and the meter])."""
+    """``Instrument``, its ``__torch_dispatch__`` run outside Dynamo as by default (Note [Dynamo and the meter])."""
 
     __torch_dispatch__ = Instrument.__torch_dispatch__
 

@@ -32,7 +32,11 @@ The measuring call meters the tail (``TailMeter``):
    and the ``.grad`` a first step gives the head's parameters (resident
    from then on, as the budget counts gradients; the leaves are found in
    the tail's graph, or after the block among the ops' arguments), are what
-   the code after the block keeps through the backward (``kept``).
+   the code after the block keeps through the backward (``kept``). Where
+   the tail took a tensor from before the chain that needs grad (a residual
+   around the chain, ``head(chain(x) + x)``), the gradient it hands the
+   chain is kept too: an add hands that tensor the same one, which waits
+   with its node for the chain's backward to end.
    Until a backward has shown them, the tail counts as its forward's peak,
    kept by no one: the least it can need. The measuring call's plan, made
    as its block ends, is for a later call: it is solved again once the
@@ -178,7 +182,7 @@ class TailMeter:
             self.why = "the code after the last stage runs in a frame torch.compile compiled"
             return
         self.meter = Instrument(writes=False)
-        self.meter.made = []
+        self.meter.made, self.meter.grad_reads = [], set()
         self.meter.count(act)
         self.meter.__enter__()
 
@@ -204,7 +208,7 @@ class TailMeter:
         node = act.grad_fn if isinstance(act, torch.Tensor) else None
         if not made and stayed and node is not None and alone() and not distributed():   # (5 of the Note)
             seen = meter.seen = TailSeen(True, why="", after_block=True)   # (``settle`` marks it cut short)
-            self.after = back = _Backward(meter, _Output(meter, act, read), seen, on_kept)
+            self.after = back = _Backward(meter, _Output(meter, act, read), seen, on_kept, outputs)
             # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
             act.register_hook(lambda g: back.begin((g,)))
             return seen
@@ -220,7 +224,7 @@ class TailMeter:
         if node is None or not roots:
             seen.kept, seen.backward_peak, seen.backward_seconds = seen.alive, seen.peak, 0.0
             return seen
-        _Backward(meter, out, seen, on_kept).hook(walk(roots, stop_nodes(outputs)), node)
+        _Backward(meter, out, seen, on_kept, outputs).hook(walk(roots, stop_nodes(outputs)), node)
         return seen
 
 
@@ -257,8 +261,11 @@ class _Backward:
     (Note [The chain's tail] 2-3). The hooks hold it, and it the meter, while
     the graph lives: a backward that never comes lets them go."""
 
-    def __init__(self, meter, out, seen, on_kept):
+    def __init__(self, meter, out, seen, on_kept, outputs=()):
         self.meter, self.out, self.seen, self.on_kept = meter, out, seen, on_kept
+        # (the storages of the stages' outputs: a tensor the tail takes that needs grad and is none of these
+        # nor made by the tail is from before the chain, ``begin``)
+        self.chain = {storage_key(t) for t in outputs if isinstance(t, torch.Tensor)}
         self.leaves = []   # (weak references to the leaves whose gradients the tail makes)
         self.done = False
         self.t0 = None
@@ -316,6 +323,12 @@ class _Backward:
         except (NotImplementedError, RuntimeError):   # (a gradient batched by vmap: is_grads_batched)
             seen.metered, seen.why = False, "its backward ran under torch.func.vmap (batched gradients)"
             return
+        if meter.grad_reads and meter.grad_reads - self.chain:
+            # the tail took a tensor from before the chain that needs grad (a residual around the chain):
+            # the gradient it hands the chain may be the one it hands that tensor too (an add hands on
+            # the same), which then waits with that tensor's node for the chain's backward to end, kept
+            # (4% over a budget before); where it is not, one gradient more is counted
+            handed = 0
         out = self.out
         # a leaf's .grad made here (the first step's: later ones add into it) is resident
         # from then on, as the budget counts the chain's own parameters' gradients
