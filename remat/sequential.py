@@ -40,6 +40,7 @@ from torch import nn
 
 from .chain import NO_LIMIT, ChainHints, chain, explain, parse_budget, resolve_budget
 from .errors import RematError
+from .measure.linger import LINGERING, settle
 from .runtime.replay import capture_rng, cuda_devices
 from .solver.solve import DEFAULT_SLOTS, solve as _solve
 from .stage import stage
@@ -224,6 +225,8 @@ class Sequential(nn.Sequential):
 
     def forward(self, x):
         if self.budget is None or not torch.is_grad_enabled():
+            if LINGERING:   # (a meter left by a measuring call whose backward never came: an evaluation after it)
+                settle()
             return super().forward(x)
         spec = self._spec
         if spec is None or spec.settings != (self.budget, self.algorithm, self.slots, self.costs_path, self.options):
@@ -273,6 +276,7 @@ class Sequential(nn.Sequential):
             with rng.replayed(), torch.enable_grad():
                 self._run(x, probe)
         finally:
+            settle()   # (no backward comes: the meter the measuring call left after its block goes now)
             with torch.no_grad():
                 for b, old in buffers:
                     b.copy_(old)

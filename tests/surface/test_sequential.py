@@ -140,7 +140,12 @@ def test_budget_none_runs_plainly():
 
 
 def test_measure_leaves_no_trace():
-    """measure() keeps parameter .grad, BatchNorm statistics and the RNG stream as they were."""
+    """measure() keeps parameter .grad, BatchNorm statistics and the RNG stream as they
+    were, and leaves no meter on the dispatch-mode stack (the one its measuring call
+    left after the block, for a backward that never comes, slowed a no-grad
+    evaluation after it tenfold)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
     seq = remat.Sequential.from_module(make_layers(), budget="1MiB")
     train(seq, steps=1)
     remat.clear_cache()
@@ -153,6 +158,23 @@ def test_measure_leaves_no_trace():
     assert torch.equal(torch.rand(3), expected)
     assert all(p.grad is g for p, g in zip(seq.parameters(), grads))
     assert_same(state, list(seq.state_dict().values()))
+    assert not _get_current_dispatch_mode_stack()
+
+
+def test_an_evaluation_after_a_forward_with_no_backward_runs_unmetered():
+    """A first call whose backward never comes (a loss computed for a log) leaves
+    its meter after the block; the next call under no_grad takes it off."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    remat.clear_cache()
+    seq = remat.Sequential.from_module(make_layers(), budget="1MiB")
+    x = batch(1)[0]
+    seq(x).sum()
+    assert _get_current_dispatch_mode_stack()   # (else this test tests nothing)
+    with torch.no_grad():
+        seq(x)
+    assert not _get_current_dispatch_mode_stack()
+    remat.clear_cache()
 
 
 def test_measure_then_solve_then_train_matches_plain(monkeypatch):
