@@ -69,10 +69,9 @@ remat/measure/refine.py).
 """
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from ..errors import input_modified
-from ..runtime.stage_call import check_output, first
+from ..runtime.stage_call import check_output, first, out_tensors
 from .leaves import grad_side_inputs, node_of, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
 from .options import kept_seen
@@ -128,7 +127,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     # ctx, a module's cache; no mode of the schedule lets them go before B(i). And what
     # autograd saved that something else holds too (Note [Saved tensors held
     # elsewhere], remat/measure/measuring.py)
-    returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    returned = out_tensors(out)
     probe.held_outside = inst.alive_bytes(saved + returned)
     elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
     probe.saved_elsewhere, probe.saved_cached = sum(elsewhere.values()), sum(cached.values())
@@ -229,7 +228,7 @@ def _forward_costs(costs, fwd_time, x, act, saved, out):
     # whether the stage, recorded, keeps its input's storage (saved, or returned as a
     # view): if not, the forward phase may let a^(i-1) go (Costs.fwd_drop)
     in_key = storage_key(x)
-    returned = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    returned = out_tensors(out)
     costs.input_kept = any(storage_key(t) == in_key for t in saved + returned)
     # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
     # next stage needs it; by B(i) the next stage's backward has let it go, unless

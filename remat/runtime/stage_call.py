@@ -33,8 +33,8 @@ from ..errors import StageError, input_modified
 from .recompute import NO_SLOTS, hooks_disabled
 
 __all__ = ["StageCall", "check_hooks_enabled", "check_output", "find_activation", "first", "handed_on",
-           "hooks_between", "input_signature", "module_dicts", "module_structure", "packed_hint", "same_structure",
-           "signature", "signature_matches", "trained_as"]
+           "hooks_between", "input_signature", "module_dicts", "module_structure", "out_tensors", "packed_hint",
+           "same_structure", "signature", "signature_matches", "trained_as"]
 
 
 class StageCall:
@@ -148,6 +148,18 @@ def first(out):
         return out[0] if out else None
     items = _items(out)
     return items[0] if items else out
+
+
+def out_tensors(out):
+    """The tensors among what a stage returned: in tuples, lists and dicts (and what
+    else torch's pytree takes apart) and in dataclasses, which it does not."""
+    found = []
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += out_tensors(_items(leaf))
+    return found
 
 
 def _items(out):
