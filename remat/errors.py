@@ -57,11 +57,14 @@ def input_modified(index, name):
         f"place or move it to the end of stage {index - 1}")
 
 
-def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks=""):
+def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks="", got=None, prev=None):
     """The StageError for stage ``k`` (``name``) not getting what stage k-1 returned:
     a stage called under no_grad in between (``skipped``, its name), the same block
-    called again (``again``, the stage it first was), or code between the two
+    called again (``again``, the stage it first was) on a tensor not made from what
+    stage k-1 returned (``got``, ``prev``: a second pass), or code between the two
     (``hooks``: a sentence on module hooks that run there, or "")."""
+    if again is not None and _made_from(got, prev):   # (a block reused in one pass, code between its calls)
+        again = None
     if skipped is not None:
         return StageError(
             f"remat: a stage ({skipped}) was called under torch.no_grad() in the middle of a chain, after "
@@ -78,3 +81,19 @@ def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks=""):
         f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({prev_name}) returned; code "
         f"between the two stages changed the activation. Move that code into stage {k - 1} or {k}, or make "
         f"it a stage of its own{hooks}")
+
+
+def _made_from(t, source, nodes=256):
+    """Whether autograd made tensor ``t`` from ``source`` (its graph, searched as far as
+    ``nodes`` nodes, reaches ``source``'s node)."""
+    target = getattr(source, "grad_fn", None)
+    todo, seen = [getattr(t, "grad_fn", None)], set()
+    while todo and target is not None and len(seen) < nodes:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if node is target:
+            return True
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return False

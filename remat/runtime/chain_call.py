@@ -201,7 +201,7 @@ class ChainCall:
         """Stage k's activation ``x`` is what stage k-1 returned, as it returned it."""
         if not handed_on(x, self.prev):
             raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)),
-                                hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""))
+                                hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""), x, self.prev)
         if x._version != self.prev_version:
             raise StageError(
                 f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "

@@ -308,6 +308,17 @@ def test_second_pass_over_the_blocks_is_named():
         model(torch.randn(2, 8), torch.randn(2, 8))
 
 
+def test_a_block_reused_in_one_pass_with_code_between_its_calls_is_told_to_move_that_code():
+    """A block called twice in one pass (shared weights) with plain code between its
+    calls: the error says to move that code, not to open a chain per pass (what a
+    second pass over the blocks is told)."""
+    shared, norm = remat.stage(nn.Linear(8, 8)), nn.LayerNorm(8)
+    with pytest.raises(remat.StageError, match=r"code between the two stages changed the activation"):
+        with remat.chain(budget=2**40):
+            shared(norm(shared(torch.randn(2, 8, requires_grad=True))))
+    remat.clear_cache()
+
+
 def test_options_auto_measures_them_on_cuda_only():
     """``options="auto"`` (the default) measures and plans no options on CPU, where
     option 1's recomputed ops cost about what whole stages do; ``options=True``
