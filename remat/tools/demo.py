@@ -56,17 +56,14 @@ def resolve_demo_budget(text, costs, device):
     """Bytes for a demo budget: a size ("6MiB"), "auto" (``device``'s free memory less
     a margin), or a share of storing everything ("50%")."""
     kind, value = parse_demo_budget(text)
-    if kind == "bytes":
-        return resolve_budget(value, device)
     full = simulate(costs, store_all(costs.length)).peak
     least = minimum_budget(costs)
-    budget = int(value * full)
-    if budget < least:
+    budget = resolve_budget(value, device) if kind == "bytes" else int(value * full)
+    if budget < least:   # (said now, before the other methods' steps: not as remat's first step fails)
+        share = f" of storing everything ({format_bytes(full)}) is {format_bytes(budget)}" if kind != "bytes" else ""
         raise BudgetError(
-            f"remat: a budget of {str(text).strip()} of storing everything ({format_bytes(full)}) is "
-            f"{format_bytes(budget)}, below this chain's minimum of {format_bytes(least)} "
-            f"({100 * least / full:.0f}%); ask for more"
-        )
+            f"remat: a budget of {str(text).strip()}{share}, below this chain's minimum of {format_bytes(least)} "
+            f"({100 * least / full:.0f}% of storing everything); ask for more", least)
     return budget
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import remat
 from remat.tools.demo import run_demo
 from remat.tools.plot import missing
 
@@ -111,6 +112,12 @@ def test_demo_budget_auto_is_the_free_memory(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_demo_budget(" auto", Costs.uniform(3), cpu) == int(10**9 * (1 - budget.AUTO_MARGIN))
     assert resolve_demo_budget("2MiB", Costs.uniform(3), cpu) == 2**21
+    # a size below the chain's minimum is said at once, as a share is (it was said as remat's
+    # first step failed, after the other methods' steps)
+    least = remat.solver.solve.minimum_budget(Costs.uniform(3))
+    with pytest.raises(remat.BudgetError, match="below this chain's minimum") as err:
+        resolve_demo_budget(f"{least - 1}B", Costs.uniform(3), cpu)
+    assert err.value.minimum == least
 
 
 def test_explain_plot_without_matplotlib_says_so_before_measuring(tmp_path, monkeypatch):
