@@ -102,7 +102,7 @@ class Instrument(TorchDispatchMode):
     off = cut = False    # (a lingering meter's metering is over: ops pass straight through; cut short: linger.py)
     watch = None         # called as watch(func, args, kwargs, ran) before (ran False) and after each op not a view
     leaves = None        # a dict: {id: weak reference} of the leaves needing grad ops take are added to it
-    grad_reads = None    # a set: storages of older tensors needing grad that ops take (not parameters) are added to it
+    grad_reads = None    # a dict: {storage: shape} of older tensors needing grad that ops take (not parameters)
     sync = False         # synchronize CUDA around each op: its time is its kernels' (options' shares on a GPU)
 
     def __new__(cls, *args, **kwargs):
@@ -295,7 +295,7 @@ class Instrument(TorchDispatchMode):
                     self.leaves[id(t)] = weakref.ref(t)
                 if self.grad_reads is not None and not isinstance(t if t._base is None else t._base, _PARAMETER) \
                         and (key := storage_key(t)) not in self.created:   # (nor a view of one: a weight's t())
-                    self.grad_reads.add(key)
+                    self.grad_reads[key] = t.shape
 
     def _note_outputs(self, outs, inputs, kept=False):
         created = self.created

@@ -182,7 +182,7 @@ class TailMeter:
             self.why = "the code after the last stage runs in a frame torch.compile compiled"
             return
         self.meter = Instrument(writes=False)
-        self.meter.made, self.meter.grad_reads = [], set()
+        self.meter.made, self.meter.grad_reads = [], {}
         self.meter.count(act)
         self.meter.__enter__()
 
@@ -323,11 +323,12 @@ class _Backward:
         except (NotImplementedError, RuntimeError):   # (a gradient batched by vmap: is_grads_batched)
             seen.metered, seen.why = False, "its backward ran under torch.func.vmap (batched gradients)"
             return
-        if meter.grad_reads and meter.grad_reads - self.chain:
-            # the tail took a tensor from before the chain that needs grad (a residual around the chain):
-            # the gradient it hands the chain may be the one it hands that tensor too (an add hands on
-            # the same), which then waits with that tensor's node for the chain's backward to end, kept
-            # (4% over a budget before); where it is not, one gradient more is counted
+        shapes = {g.shape for g in grads if isinstance(g, torch.Tensor)}
+        if any(shape in shapes for key, shape in (meter.grad_reads or {}).items() if key not in self.chain):
+            # the tail took a tensor from before the chain that needs grad, shaped as the gradient it
+            # hands the chain (a residual around the chain): it may hand it that very gradient (an add
+            # hands on the same), which then waits with that tensor's node for the chain's backward to
+            # end, kept (4% over a budget before); where it does not, one gradient more is counted
             handed = 0
         out = self.out
         # a leaf's .grad made here (the first step's: later ones add into it) is resident
