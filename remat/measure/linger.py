@@ -10,7 +10,9 @@ turns itself off there (``off``: every op passes straight through) and is
 taken off as the backward call returns (``torch.autograd._engine_run_backward``
 wrapped until then), at the next optimizer step (a global step pre-hook), the
 next chain's opening, the next exit of one of remat's meters (``measure_peak``'s,
-say) or ``remat.clear_cache()``, outside any backward. (Left on the stack, a
+say), a ``remat.Sequential`` called under no_grad or ``remat.clear_cache()``,
+outside any backward; ``Sequential.measure``, whose call has no backward,
+takes it off as it ends. (Left on the stack, a
 mode breaks a ``torch.compile``d step: its backward hits the Python dispatch
 key on ops with no tensor argument.)
 The modes pushed above it keep their order. Not inside inference mode either,
