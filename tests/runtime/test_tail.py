@@ -18,25 +18,29 @@ from chains import SEQ_KINDS, Net, budget_for, make_input, remember_least
 class HeadNet(Net):
     """``Net`` with a head (a linear layer to ``vocab`` classes) and a cross-entropy
     loss inside the chain's block, as ``remat.wrap`` runs a model's forward, or
-    ``after`` it (``return self.head(x)`` after the block); returns (loss, logits)
-    where ``keep``, as a model output that holds its logits."""
+    ``after`` it (``return self.head(x)`` after the block), on the chain's output or,
+    ``around``, on it plus the chain's input; returns (loss, logits) where ``keep``,
+    as a model output that holds its logits."""
 
-    def __init__(self, kinds, vocab, keep, after=False, options="auto"):
+    def __init__(self, kinds, vocab, keep, after=False, options="auto", around=False):
         super().__init__(kinds)
         self.head = nn.Linear(self.d, vocab) if vocab else None
-        self.keep, self.after, self.options = keep, after, options
+        self.keep, self.after, self.options, self.around = keep, after, options, around
 
     def forward(self, x, mask, target=None):
+        x0 = x
         if self.budget is None:
-            return self._rest(super().forward(x, mask), target)
+            return self._rest(super().forward(x, mask), target, x0)
         with remat.chain(budget=self.budget, algorithm=self.algorithm, options=self.options):
             for s in self.stages:
                 x = s(x, mask)
             if not self.after:
-                return self._rest(x, target)
-        return self._rest(x, target)
+                return self._rest(x, target, x0)
+        return self._rest(x, target, x0)
 
-    def _rest(self, y, target):
+    def _rest(self, y, target, x0):
+        if self.around:   # (a residual around the chain: Note [The chain's tail] 3)
+            y = y + x0
         if self.head is None:
             return y.square().mean(), None
         logits = self.head(y)
@@ -65,24 +69,26 @@ def step(net, seed, metered=False):
 
 
 @given(st.lists(st.sampled_from(SEQ_KINDS), min_size=1, max_size=8), st.sampled_from([0, 8, 24, 80]),
-       st.booleans(), st.floats(0, 1), st.booleans(), st.booleans())
+       st.booleans(), st.floats(0, 1), st.booleans(), st.booleans(), st.booleans())
 # a head ten times a stage's output, kept: the plan checkpoints the last stage
-@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, False, False)
-@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, True, True)
-@example(["relu", "dropout"], 0, False, 0.0, True, False)
+@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, False, False, False)
+@example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, True, True, False)
+@example(["relu", "dropout"], 0, False, 0.0, True, False, False)
 # a transposed a^L copied by the head, kept by the last stage's saved tensors in later calls
 # (16% over the budget before), or let go (BatchNorm does not save its output)
-@example(["linear", "bn", "relu"], 8, False, 0.0, False, False)
-@example(["linear", "bn", "relu"], 8, False, 0.0, True, False)
-@example(["bn"], 8, False, 0.0, False, False)
-def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, options):
+@example(["linear", "bn", "relu"], 8, False, 0.0, False, False, False)
+@example(["linear", "bn", "relu"], 8, False, 0.0, True, False, False)
+@example(["bn"], 8, False, 0.0, False, False, False)
+@example(["bn", "mlp", "mlp", "bn"], 8, False, 0.0, True, False, True)   # (a residual around the chain)
+@example(["mlp", "mlp", "mlp"], 0, False, 0.0, False, False, True)
+def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, options, around):
     """Random chains with a head and loss inside the chain's block or after it (none,
     or of 1 to 10 times a stage's output bytes), the logits kept or not, stage
     options measured or not, at random budgets: once the first call's backward has
     shown the tail, every step's whole-step peak is under the budget and within 10%
     of explain().predicted_peak, and losses and gradients are plain PyTorch's bitwise."""
     torch.manual_seed(0)
-    base = HeadNet(kinds, vocab, keep, after, options)
+    base = HeadNet(kinds, vocab, keep, after, options, around)
     ref = copy.deepcopy(base)
     net = copy.deepcopy(base)
     net.budget = 2**40
@@ -104,13 +110,14 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
 
 
 @given(st.lists(st.sampled_from(SEQ_KINDS), min_size=1, max_size=6), st.sampled_from([0, 8, 24, 80]),
-       st.floats(0, 0.6), st.booleans())
-@example(["bn", "dropout", "mlp", "bn", "tied"], 8, 0.05, False)   # (run 4 in the call's backward)
-@example(["bn"], 8, 0.1, False)   # (the copies of BatchNorm's statistics through the tail)
-@example(["relu", "mlp", "mlp", "mlp", "relu", "bn"], 24, 0.0, False)   # (run 4 at the call's end: 256 bytes over)
-@example(["scale", "mlp", "dropout", "dropout", "bn", "bn"], 0, 0.0, False)   # (run 4 in the backward: 108 over)
-@example(["bn", "mlp", "bn"], 0, 0.25, True)   # (a meter's cycle in run 4 held BatchNorm's statistics)
-def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction, after):
+       st.floats(0, 0.6), st.booleans(), st.booleans())
+@example(["bn", "dropout", "mlp", "bn", "tied"], 8, 0.05, False, False)   # (run 4 in the call's backward)
+@example(["bn"], 8, 0.1, False, False)   # (the copies of BatchNorm's statistics through the tail)
+@example(["relu", "mlp", "mlp", "mlp", "relu", "bn"], 24, 0.0, False, False)   # (run 4 at the call's end: 256 over)
+@example(["scale", "mlp", "dropout", "dropout", "bn", "bn"], 0, 0.0, False, False)   # (run 4 in the backward: 108 over)
+@example(["bn", "mlp", "bn"], 0, 0.25, True, False)   # (a meter's cycle in run 4 held BatchNorm's statistics)
+@example(["bn", "mlp", "mlp", "bn"], 8, 0.0, True, True)   # (a residual around the chain: its gradient held)
+def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction, after, around):
     """Random chains with a head inside the chain's block or after it, at random
     budgets from ``least_budget`` up: every call's whole-step peak is under the
     budget, the first (measuring) call's included, on a fresh cache, and losses
@@ -118,7 +125,7 @@ def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction
     through the steps: what a reference cycle holds counts, as it may where it
     runs late (a meter's copies of BatchNorm's statistics: 48 bytes over)."""
     torch.manual_seed(0)
-    base = HeadNet(kinds, vocab, False, after)
+    base = HeadNet(kinds, vocab, False, after, around=around)
     probe, ref, net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     probe.budget = 2**40
     step(probe, 0)
