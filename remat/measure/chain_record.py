@@ -72,7 +72,9 @@ from .record import StageCosts
 from .tail import TailSeen
 from ..units import format_bytes
 
-__all__ = ["ChainRecord"]
+__all__ = ["NO_HINT", "ChainRecord"]
+
+NO_HINT = (None, False, 0, 0)   # (``ChainRecord.hint`` where no record has shown the chain's tail)
 
 def _stage_gone(record):
     """The callback of the weak reference to a stage's object. Its ``record`` holds
@@ -180,11 +182,11 @@ class ChainRecord:
         its tail needed above the chain's end, whether storing every stage fits
         ``budget`` with a record more: measured, a kept stage's backward lets none of
         its saved tensors go until it ends, the most measuring a stage needed beyond
-        its input), scaled to the input; (None, False, 0) before a backward has
-        shown the tail."""
+        its input, the largest stage input), scaled to the input; ``NO_HINT``
+        before a backward has shown the tail."""
         if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None \
                 or not any(self.costs.bwd_time):   # (no backward through it: its stages all frozen, say)
-            return None, False, 0
+            return NO_HINT
         scale = 1.0 if input_bytes is None else input_bytes / self.input_bytes
         tail = self.tail.costs()
         costs = self.planning_costs()
@@ -196,7 +198,7 @@ class ChainRecord:
                       for i, s in enumerate(self.stages[:c.length]))
         return int((tail["fwd_tmp"] + tail["kept"]) * scale), \
             (simulate(costs, store_all(costs.length)).peak + max(costs.saved_bytes[:costs.stages])) * scale <= budget, \
-            int(largest * scale)
+            int(largest * scale), int(max(x[:c.length]) * scale)
 
     def counts_output(self):
         """Whether plans count a^L as held through the step (Note [The chain's output])."""

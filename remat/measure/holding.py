@@ -116,21 +116,22 @@ class Holding:
     Args:
         budget: the call's budget in bytes.
         hint: (bytes the chain's tail needed, whether storing everything fits the
-            budget, the most measuring a stage needs beyond its input) as a
-            record of the chain showed them (``ChainRecord.hint``); (None,
-            False, 0) where none has.
+            budget, the most measuring a stage needs beyond its input, the largest
+            stage input) as a record of the chain showed them
+            (``ChainRecord.hint``); ``NO_HINT`` where none has.
         diverged: the stage the call left its recorded path at (0: a first call);
             the stages before it are the schedule's.
     """
 
     def __init__(self, budget, hint, diverged, record=None):
         self.budget, self.diverged, self.record = budget, diverged, record
-        self.tail_hint, self.keep_all, hinted = hint
+        self.tail_hint, self.keep_all, hinted, self.widest = hint
         self.held_bytes = 0      # bytes of the saved tensors kept so far
         self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
         self.inputs_bytes = 0
         self.spacing = 1         # the stages whose input is held: every spacing-th (``thin_inputs``)
         self.largest = hinted    # the most measuring a stage needed beyond its input so far (or, hinted, will)
+        # (widest: the largest stage input so far, or, hinted, to come: alive as that stage is measured)
 
     def keep_saved(self, i, costs, given):
         """Whether measured stage i (its ``costs`` as measured, None if they come
@@ -173,9 +174,12 @@ class Holding:
             return
         self.inputs.append((k, weakref.ref(anchor), nbytes))
         self.inputs_bytes += nbytes
-        # (and an input more: a rebuild from a held input below a stage runs the stages between
-        # without recording, each output made while the one before it is alive)
-        room = self.budget - input_bytes - self.held_bytes - self.largest - nbytes - (self.tail_hint or 0)
+        # (and an input more, the largest: a stage measured has its own alive beside the inputs held
+        # (a CNN's later, wider one put a new shape's first call 5% over), and a rebuild from a held
+        # input below a stage runs the stages between without recording, each output made while the
+        # one before it is alive)
+        room = self.budget - input_bytes - self.held_bytes - self.largest - max(nbytes, self.widest) \
+            - (self.tail_hint or 0)
         while self.inputs_bytes > room and self.inputs:
             self.spacing *= 2
             kept = []
@@ -205,7 +209,7 @@ class Holding:
             return
         x_in = x.untyped_storage().nbytes()
         least = max(stage_least(x_in, *fields), (costs.measure_peak or 0) if costs is not None else 0)
-        self.largest = max(self.largest, least - x_in)
+        self.largest, self.widest = max(self.largest, least - x_in), max(self.widest, x_in)
         least += chain_input if call.index > 1 else 0
         if least > self.budget:
             raise BudgetError(

@@ -48,7 +48,7 @@ from .leaves import GradPool, Upstream, shared_grad_transients, side_grads
 from .meter import Instrument, storage_key
 from .profile import instrumented_run, observed_forward
 from .record import StageRecord
-from .chain_record import ChainRecord
+from .chain_record import NO_HINT, ChainRecord
 from .holding import Holding
 from .refine import ATTEMPTS
 from .stage_backward import Run4
@@ -86,7 +86,7 @@ class Measurer:
             the call left) shows of it (``ChainRecord.hint``).
     """
 
-    def __init__(self, budget, autocast, chain_record=None, run=None, hint=(None, False, 0)):
+    def __init__(self, budget, autocast, chain_record=None, run=None, hint=NO_HINT):
         self.budget, self.autocast = budget, autocast
         self.new = chain_record if chain_record is not None else ChainRecord()
         self.run = run if run is not None else Run(None, autocast)
@@ -108,7 +108,7 @@ class Measurer:
         self.run.holds = self.holding.rebuild_holds   # (the backward's rebuilds hold inputs again where they fit)
 
     @classmethod
-    def first(cls, spec, budget, autocast, x, hint=(None, False, 0)):
+    def first(cls, spec, budget, autocast, x, hint=NO_HINT):
         """The measuring part of a chain's first call on input ``x``, with the
         costs of ``spec.costs_path`` if that file exists (and fits the input);
         ``hint``: what a record of the chain at another shape showed (``ChainRecord.hint``)."""

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..dynamo import in_compiled_frame
 from ..errors import BudgetError, RematError, StageError, not_handed_on
-from ..measure.chain_record import write_costs
+from ..measure.chain_record import NO_HINT, write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
 from ..measure.linger import LINGERING, Before, ends, settle
@@ -229,7 +229,7 @@ class ChainCall:
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None or entry.remeasure:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
-                                       _hint(self.site, self.budget, x.untyped_storage().nbytes()))
+                                       _hint(self.site, ident, self.budget, x.untyped_storage().nbytes()))
             if x.grad_fn is not None and not x.is_cuda and not distributed():   # (remat/measure/linger.py)
                 Before(self.part.new, x, self.budget)
             if entry is not None:   # (Note [Paths of a chain], remat/runtime/paths.py)
@@ -319,13 +319,16 @@ class ChainCall:
             self.tail.linger()
 
 
-def _hint(site, budget, input_bytes):
-    """What a measuring call of the chain at ``site`` can take from its latest record (its ``hint``)."""
+def _hint(site, ident, budget, input_bytes):
+    """What a measuring call of the chain at ``site`` whose first stage is ``ident`` can
+    take from its latest record (its ``hint``): one of this model's, whose stages
+    include ``ident`` (every ``remat.Sequential`` opens its chain at one site: another
+    model's record put a first call up to 118% over its budget)."""
     with _cache_lock:
         for key, record in reversed(_cache.items()):
-            if key[0] == site:
+            if key[0] == site and any(s.ident() is ident for s in record.stages):
                 return record.hint(budget, input_bytes)
-    return None, False, 0
+    return NO_HINT
 
 
 def _remember(key, chain_record):

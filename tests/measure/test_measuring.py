@@ -32,23 +32,23 @@ class Counted(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def _first_call_counts(budget, clear=True):
+def _first_call_counts(budget, clear=True, stages=None, batch=32):
     if clear:
         remat.clear_cache()
     torch.manual_seed(0)
-    stages = nn.ModuleList(Counted(64) for _ in range(12))
+    stages = nn.ModuleList(Counted(64) for _ in range(12)) if stages is None else stages
     counts = []
     for _ in range(2):
         for s in stages:
             s.calls = 0
-        x = torch.randn(32, 64, requires_grad=True)
+        x = torch.randn(batch, 64, requires_grad=True)
         with remat.chain(budget=budget):
             h = x
             for s in stages:
                 h = s(h)
         h.sum().backward()
         counts.append([s.calls for s in stages])
-    return counts, remat.explain().costs
+    return counts, remat.explain().costs, stages
 
 
 def test_first_call_holds_the_stage_inputs_and_one_stage():
@@ -89,15 +89,20 @@ def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
     no record of the chain has shown its tail yet (Note [Measuring within the
     budget]), and those before the last once more, as the backward's first rebuild
     (of the last stage, from the chain's input) holds their inputs again: the call
-    held none while the tail, not known yet, ran; none where a record has shown the
-    tail and everything fits; a later call runs each once when everything fits."""
-    counts, costs = _first_call_counts(2**50)
+    held none while the tail, not known yet, ran; none where a record of the same
+    model (at another batch size) has shown the tail and everything fits, but all
+    of them after another model's record (no hint: Note [Measuring within the
+    budget]); a later call runs each once when everything fits."""
+    counts, costs, stages = _first_call_counts(2**50)
     assert counts == [[4] + [3] * 10 + [2], [1] * 12]
-    counts, costs = _first_call_counts(2**50, clear=False)   # (another model at the same site: its tail seen)
+    # (the same model at another batch size: its tail seen; another model's record hints nothing)
+    counts, costs, _ = _first_call_counts(2**50, clear=False, stages=stages, batch=16)
     assert counts == [[2] + [1] * 11, [1] * 12]
+    assert _first_call_counts(2**50, clear=False)[0] == [[4] + [3] * 10 + [2], [1] * 12]
     least = minimum_budget(costs)
     assert least < costs.input_bytes + costs.held_bytes + sum(costs.saved_bytes)
-    counts, _ = _first_call_counts(least, clear=False)
+    _first_call_counts(2**50, stages=stages)
+    counts, _, _ = _first_call_counts(least, clear=False, stages=stages, batch=16)
     first = counts[0]
     # (at the minimum it holds few stage inputs, and rebuilds each stage from the nearest
     # one held below: at most every stage before it, once per stage)
