@@ -83,6 +83,7 @@ def step(net, seed, metered=False):
 @example(["mlp", "mlp", "mlp"], 0, False, 0.0, False, False, True)
 @example(["linear", "tied"], 0, False, 0.0, False, False, True)   # (B(L) the step's peak: one output high)
 @example(["mlp"], 24, False, 0.25, False, True, True)   # (with options: an output over)
+@example(["relu"], 0, False, 0.0, True, False, False)   # (a^L read after the block: one output high)
 def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, options, around):
     """Random chains with a head and loss inside the chain's block or after it (none,
     or of 1 to 10 times a stage's output bytes), the logits kept or not, stage
@@ -110,7 +111,10 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
         assert peak <= net.budget + (out if options else 0), (seed, peak, net.budget, predicted)
         # (10%: on chains this small the model's safe-side approximations are a large
         # share, docs/limitations.md; the benchmarks' models are within 3%. 20% with
-        # options, whose forward counts what autograd saves as held: the same file)
+        # options, whose forward counts what autograd saves as held: the same file. And
+        # an output more where the code after the block reads a^L, which the last stage
+        # saves too: counted twice, the same file)
+        out = max(out, costs.out_bytes[len(kinds) - 1] if after else 0)
         assert peak + out >= (0.8 if options else 0.9) * predicted, (seed, peak, predicted)
 
 
