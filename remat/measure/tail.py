@@ -56,16 +56,18 @@ The measuring call meters the tail (``TailMeter``):
    backward's peak came out one output under theirs (16% over a small
    chain's budget).
 
-5. Where nothing ran inside the block after the last stage (the head and the
-   loss come after the block, as in ``return self.head(x)``), the meter
-   stays past the block (remat/measure/linger.py): it meters the code after
-   the block, the tail's forward and its backward, until ``B(L)`` starts,
-   and its figures then are the tail's as in 3, its forward and backward as
-   one. It stays only on a dispatch-mode stack of remat's own meters, not
-   where the chain's output needs no gradient, and not under torch.distributed
-   (every rank runs rank 0's schedule, and each rank's code after the block
-   is its own): elsewhere the code after the block is not metered, and a tail
-   outside the block counts as nothing.
+5. The meter stays past the block (remat/measure/linger.py): the head and
+   the loss may come after it (``return self.head(x)``, or a base model's
+   final norm inside the block and the caller's head and loss after it: a
+   tail taken to end with the block put such steps up to 3.4 times over the
+   budget). It meters the code after the block, the tail's forward and its
+   backward, until ``B(L)`` starts, and its figures then are the tail's as
+   in 3, its forward and backward as one. It stays only on a dispatch-mode
+   stack of remat's own meters, not where the chain's output needs no
+   gradient, and not under torch.distributed (every rank runs rank 0's
+   schedule, and each rank's code after the block is its own): elsewhere
+   the tail is what ran inside the block, as in 1-3, and code after the
+   block is not metered.
 
 6. A chain opened before the backward reached this one (the same chain run
    twice in one forward, a siamese encoder's two views; an encoder chain,
@@ -155,7 +157,7 @@ class TailSeen:
                     f"chain's backward")
         if self.after_block:
             cut = ", cut short by a chain opened before it (6 of Note [The chain's tail])" if self.cut else ""
-            return f"tail (the code after the chain's block, until its backward reached the chain{cut}): {seen}"
+            return f"tail (the code after the last stage, until its backward reached the chain{cut}): {seen}"
         return (f"tail (after the last stage, inside the chain's block): peak {_mib(self.peak)} above the "
                 f"chain's end, {_mib(self.alive)} alive as the block ended; {seen}")
 
@@ -182,7 +184,7 @@ class TailMeter:
             self.why = "the code after the last stage runs in a frame torch.compile compiled"
             return
         self.meter = Instrument(writes=False)
-        self.meter.made, self.meter.grad_reads = [], {}
+        self.meter.made, self.meter.grad_reads, self.meter.leaves = [], {}, {}
         self.meter.count(act)
         self.meter.__enter__()
 
@@ -206,9 +208,11 @@ class TailMeter:
         meter.__exit__(None, None, None)
         made, meter.made = meter.made, None
         node = act.grad_fn if isinstance(act, torch.Tensor) else None
-        if not made and stayed and node is not None and alone() and not distributed():   # (5 of the Note)
-            seen = meter.seen = TailSeen(True, why="", after_block=True)   # (``settle`` marks it cut short)
-            self.after = back = _Backward(meter, _Output(meter, act, read), seen, on_kept, outputs)
+        if stayed and node is not None and alone() and not distributed():   # (5 of the Note)
+            out = _Output(meter, act, read)   # (what ran inside the block so far: the call's end holds it)
+            seen = meter.seen = TailSeen(True, max(0, meter.peak - out.bytes), meter.live - out.alive(),
+                                         after_block=True)   # (``settle`` marks it cut short)
+            self.after = back = _Backward(meter, out, seen, on_kept, outputs)
             # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
             act.register_hook(lambda g: back.begin((g,)))
             return seen
@@ -230,11 +234,11 @@ class TailMeter:
 
     def linger(self):
         """The measuring call is over: meter the code after the block until ``B(L)``
-        starts, where the block's tail was nothing (Note [The chain's tail] 5)."""
+        starts (Note [The chain's tail] 5)."""
         after, self.after = self.after, None
         if after is not None:
             after.t0 = time.perf_counter()
-            after.meter.leaves = {}
+            after.meter.leaves = {} if after.meter.leaves is None else after.meter.leaves
             linger(after.meter)
 
 
