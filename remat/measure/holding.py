@@ -257,9 +257,7 @@ class Holding:
                 if t is not None:
                     st = t.untyped_storage()
                     live[st._cdata] = st.nbytes()
-        tail = record.tail
-        kept = 0 if tail is None else tail.kept if tail.kept is not None else tail.alive or 0
-        held = record.input_bytes + record.held_bytes() + kept + copies + sum(live.values())
+        held = record.input_bytes + record.held_bytes() + _tail_kept(record) + copies + sum(live.values())
         x_in = record.input_bytes if k == 1 else record.stages[k - 2].costs.out_bytes
         # its input if made again and its gradient, a fresh forward's saved tensors (its output
         # among them), the gradient's copy the stage may make, and the backward's transient
@@ -280,8 +278,7 @@ class Holding:
             if costs is None or costs.out_bytes is None:
                 return ()
             sizes[i] = costs.out_bytes
-        tail = record.tail
-        kept = 0 if tail is None else tail.kept if tail.kept is not None else tail.alive or 0
+        kept = _tail_kept(record)
         live = sum(st.nbytes() for st in run.held_storages())
         # what B(k) needs beside the inputs held: measuring a stage like the largest, the
         # gradient flowing down, the output of a stage rebuilt beside its input
@@ -303,3 +300,9 @@ class Holding:
             total += sizes[i]
         return holds
 
+
+def _tail_kept(record):
+    """Bytes the chain's tail keeps through its backward, as ``record`` knows them (what
+    it left alive as the block ended where no backward has shown them yet)."""
+    tail = record.tail
+    return 0 if tail is None else tail.kept if tail.kept is not None else tail.alive or 0
