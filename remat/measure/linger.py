@@ -12,7 +12,8 @@ wrapped until then), at the next optimizer step (a global step pre-hook), the
 next chain's opening, the next exit of one of remat's meters (``measure_peak``'s,
 say), a ``remat.Sequential`` called under no_grad or ``remat.clear_cache()``,
 outside any backward; ``Sequential.measure``, whose call has no backward,
-takes it off as it ends. (Left on the stack, a
+takes it off as it ends, and so does the going of a call's graph with no
+backward (an output dropped unused: ``release``). (Left on the stack, a
 mode breaks a ``torch.compile``d step: its backward hits the Python dispatch
 key on ops with no tensor argument.)
 The modes pushed above it keep their order. Not inside inference mode either,
@@ -54,7 +55,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 
 from ..units import format_bytes
 
-__all__ = ["LINGERING", "Before", "alone", "ends", "linger", "settle"]
+__all__ = ["LINGERING", "Before", "alone", "ends", "linger", "release", "settle"]
 
 LINGERING = []   # (thread id, meter) of the meters left after a chain's block
 ends = threading.local()   # ``seq``: the sequence number of the node that made the last chain's output on the thread
@@ -113,11 +114,32 @@ def settle(cut=False):
     mine = [m for t, m in LINGERING if t == me]
     LINGERING[:] = [(t, m) for t, m in LINGERING if t != me]
     for meter in mine:
-        meter.cut = cut and not meter.off
-        if meter.cut and getattr(meter, "seen", None) is not None:   # (a tail's: remat/measure/tail.py)
-            meter.seen.cut = True
-        meter.off = True
+        _turn_off(meter, cut)
         _take_off(meter)
+
+
+def release(meter):
+    """The graph of the call that left ``meter`` is gone with no backward (an output
+    dropped unused): its metering is cut short, as by a chain opening, and it leaves
+    the stack now where that is safe (on its thread, outside a backward and inference
+    mode, and on the stack: not popped for the while of a mode's own dispatch), else
+    it passes ops straight through until one of the points above takes it off."""
+    if meter.off:   # (the backward came: its return takes it off)
+        return
+    _turn_off(meter, True)
+    entry = (threading.get_ident(), meter)
+    if (entry not in LINGERING or torch._C._current_graph_task_id() != -1 or torch.is_inference_mode_enabled()
+            or not any(m is meter for m in _get_current_dispatch_mode_stack())):
+        return
+    LINGERING.remove(entry)
+    _take_off(meter)
+
+
+def _turn_off(meter, cut):
+    meter.cut = cut and not meter.off
+    if meter.cut and getattr(meter, "seen", None) is not None:   # (a tail's: remat/measure/tail.py)
+        meter.seen.cut = True
+    meter.off = True
 
 
 def _take_off(mode):

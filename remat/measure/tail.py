@@ -99,7 +99,7 @@ from ..dynamo import in_compiled_frame
 from ..runtime.executor import distributed
 from ..errors import RematError
 from .leaves import stop_nodes, walk
-from .linger import alone, linger
+from .linger import alone, linger, release
 from .meter import Instrument, storage_key
 
 __all__ = ["TAIL_TRIES", "TailMeter", "TailSeen", "backward_seen"]
@@ -240,6 +240,7 @@ class TailMeter:
             after.t0 = time.perf_counter()
             after.meter.leaves = {} if after.meter.leaves is None else after.meter.leaves
             linger(after.meter)
+            weakref.finalize(after, release, after.meter)   # (the hooks on the graph hold ``after``)
 
 
 class _Output:

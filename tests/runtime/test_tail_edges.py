@@ -232,3 +232,30 @@ def test_a_head_after_the_block_is_metered_when_code_ran_inside_it_after_the_las
             assert e.measured_peak <= e.predicted_peak <= 1.03 * e.measured_peak, (seed, e.measured_peak,
                                                                                   e.predicted_peak)
     remat.clear_cache()
+
+
+def test_a_first_call_whose_output_is_dropped_unused_takes_its_meter_off():
+    """A measuring call's forward with no backward (a shape check, a loss only logged)
+    left its meter on the dispatch-mode stack past the block, and every op of the code
+    after it ran through Python until remat's next entry (9x slower). As the call's
+    graph goes, the meter goes now; the tail it did not see is metered by a later
+    call, and the steps are plain PyTorch's."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    ids = torch.randint(0, 2000, (4, 32), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    base = _Twice(None)
+    remat.clear_cache()
+    net = copy.deepcopy(base)
+    net.budget = 2**30
+    loss = net(ids)
+    assert _get_current_dispatch_mode_stack()   # (else this test tests nothing)
+    del loss
+    assert not _get_current_dispatch_mode_stack()
+    for model in (base, net):
+        for _ in range(3):
+            torch.manual_seed(1)
+            model(ids).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(base.parameters(), net.parameters()))
+    e = remat.explain()
+    assert e.tail.metered and e.tail.backward_peak > 0 and not e.tail.cut, e.tail
