@@ -177,6 +177,18 @@ class Sequential(nn.Sequential):
             out.budget, out.algorithm, out.slots, out.options = self.budget, self.algorithm, self.slots, self.options
         return out
 
+    def __add__(self, other):
+        return self._like(super().__add__(other))   # (nn.Sequential's makes an nn.Sequential)
+
+    def __mul__(self, other):
+        return self._like(super().__mul__(other))
+
+    def _like(self, plain):
+        """A ``remat.Sequential`` of ``plain``'s layers with this one's settings (not its costs file:
+        its costs are this chain's)."""
+        return type(self)(collections.OrderedDict(plain._modules), budget=self.budget, algorithm=self.algorithm,
+                          slots=self.slots, options=self.options)
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_layout"] = state["_explanation"] = None   # (this process's: what its calls ran)

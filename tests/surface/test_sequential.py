@@ -281,11 +281,13 @@ def test_integer_input_to_an_embedding():
 
 
 def test_slice_and_deepcopy_keep_the_budget():
-    """A slice and a deep copy are remat.Sequentials with the same budget and algorithm."""
+    """A slice, a deep copy, a sum and a product are remat.Sequentials with the same budget
+    and algorithm (nn.Sequential's ``+`` and ``*`` made plain nn.Sequentials)."""
     seq = remat.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2), budget="2MiB", algorithm="sqrt")
-    for other in (seq[1:], copy.deepcopy(seq)):
+    for other in (seq[1:], copy.deepcopy(seq), seq + nn.Sequential(nn.Tanh()), seq * 2, 2 * seq):
         assert isinstance(other, remat.Sequential)
         assert (other.budget, other.algorithm) == ("2MiB", "sqrt")
+    assert len(seq * 2) == 6 and (seq + seq)[3] is seq[0]
     copy.deepcopy(seq)(torch.randn(3, 2)).sum().backward()
 
 
