@@ -201,10 +201,10 @@ class Schedule:
         return " ".join(map(name, self.ops))
 
     def summary(self):
-        """One line: algorithm, predicted time and peak, recomputations."""
+        """One line: algorithm, predicted time and peak (where simulated), recomputations."""
         budget = "" if self.budget is None else f" for budget {format_bytes(self.budget)}"
-        return (f"{self.algorithm} schedule{budget}: predicted {self.time * 1e3:.3f} ms, "
-                f"peak {format_bytes(self.peak)}, {self.recomputations()} recomputed stages"
+        sim = f"predicted {self.time * 1e3:.3f} ms, peak {format_bytes(self.peak)}" if self.peak >= 0 else "unsimulated"
+        return (f"{self.algorithm} schedule{budget}: {sim}, {self.recomputations()} recomputed stages"
                 + (f", solved on {len(self.grouping.sizes):,} groups of stages" if self.grouping else ""))
 
 

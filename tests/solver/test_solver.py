@@ -385,3 +385,12 @@ def _raw(costs, budget, slots, mode, limit=2**31, capacity=None):
     status = lib.remat_solve(chain, budget, slots, mode, limit, plan)
     del keep, codes, stages   # plan.codes/stages dangle from here on: read only scalars
     return status, plan
+
+
+def test_a_schedule_made_by_hand_says_it_is_unsimulated():
+    """``Schedule(ops).summary()`` of ops written by hand printed 'predicted nan ms, peak -1 B'."""
+    from remat import B, Fall, Loss, Schedule
+
+    ops = [Fall(1), Fall(2), Loss, B(2), B(1)]
+    assert Schedule(ops).summary() == "custom schedule: unsimulated, 0 recomputed stages"
+    assert "predicted 6000.000 ms, peak 50 B" in solve(Costs.uniform(2, time=1.0, size=10), 10**6).summary()
