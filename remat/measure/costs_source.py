@@ -142,11 +142,15 @@ def _check_given(costs, stages, input_bytes, held_bytes, path):
     sizes = [s.out_bytes for s in stages]
     same_input = costs.input_bytes in (input_bytes, input_bytes + held_bytes)
     if costs.length != len(sizes) or not same_input or list(costs.out_bytes) != sizes:
-        raise CostsError(
-            f"remat: the costs in {path} describe another chain ({costs.length} stages, input "
-            f"{costs.input_bytes} bytes) than this one ({len(sizes)} stages, input {input_bytes} "
-            f"bytes, or other output sizes); delete the file to measure again"
-        )
+        if costs.length != len(sizes):
+            what = f"{costs.length} stages, where this one has {len(sizes)}"
+        elif not same_input:
+            what = f"an input of {costs.input_bytes} bytes, where this one's is {input_bytes}"
+        else:
+            i = next(i for i, n in enumerate(sizes) if costs.out_bytes[i] != n)
+            what = f"stage {i + 1}'s output of {costs.out_bytes[i]} bytes, where this one's is {sizes[i]}"
+        raise CostsError(f"remat: the costs in {path} describe another chain ({what}); delete the file "
+                         f"to measure again")
     # the sizes above agree for models of another width with the same input and
     # output (a GPT's blocks): what each stage saves, seen in this call's forward, must
     # be within 10% of the file's (the same model gives the same bytes; within 2x, an

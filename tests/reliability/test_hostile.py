@@ -148,6 +148,16 @@ def _another_chains_costs(tmp):
     _chain(_stages(), torch.randn(2, 4, requires_grad=True), costs=path)
 
 
+def _other_sizes_costs(tmp):
+    """3 stages, the input's size, stage 2's output twice this chain's."""
+    remat.clear_cache()
+    path = str(tmp / "costs.json")
+    data = Costs.uniform(3, size=32).to_dict()
+    data["out_bytes"][1] = 64
+    Costs.from_dict(data).save(path)
+    _chain(_stages(), torch.randn(2, 4, requires_grad=True), costs=path)
+
+
 def _tailed_costs(tmp):
     remat.clear_cache()
     path = str(tmp / "costs.json")
@@ -220,6 +230,7 @@ CASES = {
     "chain-costs-file-corrupt": lambda t: _chain_with_file(t, "{oops"),
     "chain-costs-file-binary": lambda t: _chain_with_file(t, b"\x00\xff", "wb"),
     "chain-costs-other-chain": _another_chains_costs,
+    "chain-costs-other-sizes": _other_sizes_costs,
     "costs-huge-int-time": lambda t: _costs(fwd_time=[10**400, 1, 1]),
     "chain-costs-tail": _tailed_costs,
     "chain-costs-other-width": _wider_costs,
