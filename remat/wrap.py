@@ -176,6 +176,29 @@ def _checked_blocks(model, blocks):
     return blocks
 
 
+def _layers_hint(model, blocks):
+    """Where ``blocks`` are parts of distinct layers of one list of ``model`` (the attention
+    module of each layer), the hint to pass the layers: the code of each layer between two
+    parts changes the activation."""
+    parent = {id(child): (name, module) for name, module in model.named_modules()
+              for child in module.children()}
+    names = {id(m): name for name, m in model.named_modules()}
+    layers = []
+    for block in blocks:
+        node = block
+        while id(node) in parent and not isinstance(parent[id(node)][1], (torch.nn.ModuleList, torch.nn.Sequential)):
+            node = parent[id(node)][1]
+        if node is block or id(node) not in parent:
+            return None
+        layers.append((parent[id(node)][0], node))
+    if len({name for name, _ in layers}) != 1 or len({id(layer) for _, layer in layers}) != len(layers):
+        return None
+    where = f"model.{layers[0][0]}" if layers[0][0] else "the model"
+    return (f". With remat.wrap: the blocks given are parts of the layers of {where} ({type(blocks[0]).__name__} "
+            f"inside {type(layers[0][1]).__name__}), and each layer's own code runs between them; pass the layers "
+            f"themselves: remat.wrap(model, {where})")
+
+
 def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS, costs=None, *, options="auto"):
     """Run ``model`` under remat: each module of ``blocks`` is a stage and the
     model's forward runs inside a ``remat.chain``. Nothing is copied; the
@@ -234,9 +257,10 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
     hints = ChainHints(
         empty=(f"remat.wrap: the forward of this {type(model).__name__} called none of the "
                f"{len(blocks)} blocks given; pass the blocks it calls, e.g. model.transformer.h"),
-        split=(". With remat.wrap: blocks that do not hand their output straight to the next (an "
-               "encoder's layers and a decoder's) are two chains; wrap each part apart, e.g. "
-               "remat.wrap(model.encoder, encoder layers) and remat.wrap(model.decoder, decoder layers)"),
+        split=_layers_hint(model, blocks) or (
+            ". With remat.wrap: blocks that do not hand their output straight to the next (an "
+            "encoder's layers and a decoder's) are two chains; wrap each part apart, e.g. "
+            "remat.wrap(model.encoder, encoder layers) and remat.wrap(model.decoder, decoder layers)"),
         nested=("remat.wrap opens a chain in the forward of each model it wraps, so a wrapped model "
                 "cannot run inside another: wrap the inner models side by side instead (an "
                 "encoder-decoder: remat.wrap(model.encoder, encoder layers) and "

@@ -276,3 +276,25 @@ def test_encoder_and_decoder_layers_in_one_wrap_say_to_wrap_each_part():
     ids = torch.randint(3, 50, (2, 8))
     with pytest.raises(remat.StageError, match="are two chains; wrap each part apart"):
         model(input_ids=ids, labels=ids)
+
+
+@needs_transformers
+def test_parts_of_each_layer_say_to_pass_the_layers():
+    """The attention module of each layer given as the blocks: the error said to wrap an
+    encoder and a decoder apart; it names the layers to pass, and the model then wraps
+    and trains as plain PyTorch does."""
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(config).eval()
+    model = copy.deepcopy(plain)
+    remat.wrap(model, [layer.attn for layer in model.transformer.h], budget="10MB")
+    ids = torch.randint(0, 100, (2, 16))
+    with pytest.raises(remat.StageError, match=r"parts of the layers of model\.transformer\.h \(GPT2Attention "
+                                               r"inside GPT2Block\).*remat\.wrap\(model, model\.transformer\.h\)"):
+        model(ids, labels=ids)
+    remat.wrap(remat.unwrap(model), model.transformer.h, budget="10MB")
+    for m in (plain, model):
+        for _ in range(2):
+            m(ids, labels=ids).loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters()))
