@@ -69,7 +69,8 @@ class VGG(nn.Module):
     Example:
         >>> import torch
         >>> from remat.models import vgg11
-        >>> vgg11(num_classes=10)(torch.randn(1, 3, 32, 32)).shape
+        >>> model = vgg11(num_classes=10, budget="64MiB")
+        >>> model(torch.randn(1, 3, 32, 32)).shape
         torch.Size([1, 10])
     """
 
