@@ -10,7 +10,7 @@ bin=$(mktemp -d "${TMPDIR:-/tmp}/remat-fuzz.XXXXXX")
 trap 'rm -rf "$bin"' EXIT
 ${CC:-gcc} -std=c99 -O1 -g -fno-omit-frame-pointer \
     -fsanitize=address,undefined -fno-sanitize-recover=all \
-    -I"$root/src_c" "$root/src_c/solver.c" "$root/src_c/minmemory.c" "$root/src_c/mintime.c" \
+    -I"$root/src_c" "$root/src_c/solver.c" "$root/src_c/problem.c" "$root/src_c/minmemory.c" "$root/src_c/mintime.c" \
     "$root/src_c/mintime_table.c" "$root/src_c/mintime_row.c" "$root/src_c/fuzz.c" \
     -lm -o "$bin/fuzz"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:exitcode=86 \

@@ -1,5 +1,5 @@
-"""cffi build script: compiles src_c/solver.c, minmemory.c and mintime*.c into ``remat.solver._solver``
-(out-of-line API mode; named by setup.py's ``cffi_modules``)."""
+"""cffi build script: compiles src_c/solver.c, problem.c, minmemory.c and mintime*.c into
+``remat.solver._solver`` (out-of-line API mode; named by setup.py's ``cffi_modules``)."""
 
 import os
 import re
@@ -51,7 +51,7 @@ ffibuilder.set_source(
     "remat.solver._solver",
     '#include "solver.h"',
     sources=[os.path.relpath(os.path.join(HERE, name))
-             for name in ("solver.c", "minmemory.c", "mintime.c", "mintime_table.c", "mintime_row.c")],
+             for name in ("solver.c", "problem.c", "minmemory.c", "mintime.c", "mintime_table.c", "mintime_row.c")],
     include_dirs=[os.path.relpath(HERE)],
     # (a header changed rebuilds every source: they share its structs and inline functions)
     depends=[os.path.relpath(os.path.join(HERE, name)) for name in ("solver.h", "internal.h", "mintime.h")],

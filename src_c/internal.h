@@ -42,6 +42,7 @@ static inline ll pidx(ll a, ll t) { return t * (t - 1) / 2 + (a - 1); }
 typedef struct {
     ll s;       /* a-bar^k as it keeps it (a^k included) */
     ll fneed;   /* max(s, x[k] + its fwd_tmp): the Fall */
+    ll fneed_rebuilt;   /* the same after Loss: a Fall of the output the caller holds makes a copy of it */
     ll bneed;   /* s + x[k] + x[k-1] + its bwd_tmp (at k = n at least s + x[k]): the B, before the gradient credit */
     ll bneed_rebuilt;   /* the same where a-bar^k was rebuilt after Loss (Costs.bwd_rebuilt_less) */
     double tf, tb;
@@ -76,10 +77,13 @@ static inline ll grad(const problem *p, ll t) { return t < p->n ? p->x[t] : 0; }
  * in P(a, t < n) after it, rebuilding a-bar^k. */
 static inline ll way_bneed(const problem *p, const way *w, ll t) { return t == p->n ? w->bneed : w->bneed_rebuilt; }
 
+/* What the Fall of way w needs at (a, t), before Loss or after it (way_bneed). */
+static inline ll way_fneed(const problem *p, const way *w, ll t) { return t == p->n ? w->fneed : w->fneed_rebuilt; }
+
 /* Least headroom for the conditions of the Fall branch with way w at (a, t). */
 static inline ll fall_need(const problem *p, const way *w, ll t)
 {
-    return smax(w->fneed, way_bneed(p, w, t) - grad(p, t));
+    return smax(way_fneed(p, w, t), way_bneed(p, w, t) - grad(p, t));
 }
 
 /* Picks the branch at (a, t, m): 0 for Fall with the way of index *j in p->ways,

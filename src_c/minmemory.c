@@ -24,7 +24,7 @@ static ll way_lo(const lotable *L, ll a, ll t, int drop, ll q)
 {
     const problem *p = L->p;
     const way *w = &p->ways[q];
-    ll r = fall_drop(p, a, q, drop), need = smax(w->fneed, way_bneed(p, w, t) - grad(p, t) - r);
+    ll r = fall_drop(p, a, q, drop), need = smax(way_fneed(p, w, t), way_bneed(p, w, t) - grad(p, t) - r);
     if (a < t) {
         ll after = lo_of(L, a + 1, t, drop_after_fall(p, a, t, q));
         if (after != LLONG_MAX)

@@ -53,7 +53,7 @@ static int branch(const table *T, ll a, ll t, ll m, int drop, double bound, doub
         const way *w = &p->ways[q];
         ll r = fall_drop(p, a, q, drop);
         double v = w->tf + w->tb;
-        if (m < w->fneed || sadd(m, g + r) < way_bneed(p, w, t))
+        if (m < way_fneed(p, w, t) || sadd(m, g + r) < way_bneed(p, w, t))
             continue;
         if (a < t)
             v = (w->tf + dvalue(T, a + 1, t, drop_after_fall(p, a, t, q), smin(m - w->s + r, T->M))) + w->tb;

@@ -20,6 +20,7 @@ def best_schedule(costs, budget, persistent):
     n = costs.length
     x = costs.sizes()
     xa = costs.alone_sizes()   # (a^j held on its own)
+    held = costs.stages if costs.output_held else -1   # (rule 1: that one made again after Loss is a copy)
     s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
     tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
     fd, fdw = (0,) + costs.fwd_drop, (0,) + costs.fwd_drop_whole
@@ -50,7 +51,7 @@ def best_schedule(costs, budget, persistent):
                 st, op = back[st]
                 ops.append(op)
             return d, tuple(reversed(ops))
-        held_s = [ways[j - 1][rec[j][0]][0] for j in range(1, n + 1)]
+        held_s = [ways[j - 1][rec[j][0]][0] + (x[j] if j == held and rec[j][1] else 0) for j in range(1, n + 1)]
         mem = _held(x, xa, held_s, alone, whole, grad) - sum(fd[j] for j in range(n + 1) if (gone >> j) & 1) \
             + costs.held_bytes
         moves = []
@@ -65,8 +66,9 @@ def best_schedule(costs, budget, persistent):
             if not have_in or have_out:
                 continue
             nf2 = nf + 1 if forward else nf
+            copy = x[i] if i == held and not forward else 0
             for q, (sq, ftq, _, tfq, _) in enumerate(ways[i - 1]):
-                if mem + max(sq, xa[i] + ftq) > budget:
+                if mem + max(sq + copy, (copy or xa[i]) + ftq) > budget:
                     continue
                 g2 = gone   # (rule 9: an option lets nothing go, nor does an a-bar of one)
                 if forward and i > 1 and q == 0 and (
@@ -74,7 +76,7 @@ def best_schedule(costs, budget, persistent):
                     g2 |= 1 << (i - 1)
                 rec2 = rec[:i] + ((q, not forward),) + rec[i + 1:]
                 moves.append((Fall(i, option=q), tfq, (forward, nf2, grad, alone, whole | (1 << i), "all", g2, rec2)))
-            if mem + xa[i] + ft[i - 1] <= budget and not (costs.tail and i == n):
+            if mem + (copy or xa[i]) + ft[i - 1] <= budget and not (costs.tail and i == n):
                 t = tf[i - 1] if forward else tn[i - 1]
                 moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i), gone, rec)))
                 if not persistent or prev == ("f", i - 1):

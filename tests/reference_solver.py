@@ -27,6 +27,7 @@ def reference_optimal(costs, budget_units, units):
     n = costs.length
     x = costs.sizes()
     xa = costs.alone_sizes()   # (a^k held on its own)
+    held = costs.stages if costs.output_held else -1   # (Note [Accounting] 1 in remat/solver/schedule.py)
     s = (0,) + costs.saved_bytes
     ft = (0,) + costs.fwd_tmp
     bt = (0,) + costs.bwd_tmp
@@ -56,9 +57,12 @@ def reference_optimal(costs, budget_units, units):
         for q, sq, ftq, btq, tfq, tbq in ways[a]:
             r = fd[a - 1] if drop and q == 0 else 0   # (an option lets nothing go)
             loss = sq + x[a] if a == n else 0   # the level Loss reaches, which B(L) starts from
+            xq = xa[a]
             if q == 0 and t < n:
                 btq = rebuilt[a]
-            if max(sq, xa[a] + ftq) <= m and max(sq + x[a] + x[a - 1] + btq, loss) <= m + g + r:
+            if t < n and a == held:   # (a^L made again after Loss: a copy beside the caller's)
+                sq, xq = sq + x[a], x[a]
+            if max(sq, xq + ftq) <= m and max(sq + x[a] + x[a - 1] + btq, loss) <= m + g + r:
                 if a == t:
                     c = 0.0
                 else:

@@ -242,6 +242,9 @@ class ChainRecord:
             # its options too (remat/solver/option.py Note [Options]: they keep a^L)
             data["saved_bytes"][-1] -= out
             data["bwd_tmp"][-1] += freed
+            # (but a^L made again after Loss is a copy, which a rebuilt B(L) gives back as measured:
+            # remat/solver/schedule.py Note [Accounting] 1)
+            data.setdefault("bwd_rebuilt_less", [0] * len(data["bwd_tmp"]))[-1] += freed
             for option in data.get("options", [[]])[-1]:
                 option["saved_bytes"] = max(option["saved_bytes"] - out, 0)
                 option["bwd_tmp"] += freed

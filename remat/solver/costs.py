@@ -76,7 +76,7 @@ class Costs:
             stage (before its tail, if any), which the code around the chain
             holds through the step (remat/measure/chain_record.py Note [The
             chain's output]): a^L held on its own, or made by ``Fall(L)``, takes
-            nothing more (``alone_sizes``).
+            nothing more (``alone_sizes``), but where made again after Loss.
         options: for each stage, a list of ``Option``: other ways to record it
             that keep less than a-bar^i and rebuild the rest in B(i)
             (remat/solver/option.py Note [Options]); ``Fall(i, option=k)`` runs

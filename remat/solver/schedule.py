@@ -11,7 +11,9 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    currently flowing back (none before ``Loss``), and of held_bytes. With
    ``Costs.output_held``, held_bytes counts a^L (L the chain's last stage
    before its tail), so a^L on its own, or as ``Fall(L)``'s output in its
-   peak (rule 3), counts 0 (``Costs.alone_sizes``); its gradient x[L].
+   peak (rule 3), counts 0 (``Costs.alone_sizes``); its gradient x[L]. Made
+   again after ``Loss`` (a^L recomputed, in the backward of a tail), it is a
+   copy beside the caller's: x[L] more, in a-bar^L to ``B(L)``.
 2. ``Fn(i)``, ``Fck(i)``: need a^(i-1); peak during the op is
    held + x[i] + fwd_tmp[i]; afterwards a^i is held. ``Fn`` then lets go of
    a^(i-1) (it stays reachable if a-bar^(i-1) is held).
@@ -176,17 +178,11 @@ class Schedule:
 
     def forward_modes(self):
         """The op of each stage in the forward phase, stage 1 first."""
-        out = []
-        for op in self.ops:
-            if op is Loss:
-                break
-            out.append(type(op))
-        return out
+        return [type(op) for op in (self.ops[:self.ops.index(Loss)] if Loss in self.ops else self.ops)]
 
     def backward_ops(self):
         """The ops after ``Loss``."""
-        ops = self.ops
-        return ops[ops.index(Loss) + 1:]
+        return self.ops[self.ops.index(Loss) + 1:]
 
     def recomputations(self):
         """Number of forward ops run after ``Loss``."""
@@ -234,8 +230,7 @@ def simulate(costs, schedule, trace=None):
     if trace is not None and not isinstance(trace, list):
         raise TypeError(f"remat: simulate's trace must be a list (each op's is appended), got {type(trace).__name__}")
     run = _Run(costs)
-    n = run.n
-    tail = n if costs.tail else None
+    n, tail = run.n, (run.n if costs.tail else None)
     for pos, op in enumerate(ops):
         code = getattr(op, "code", None)
         if code is None:
@@ -249,10 +244,7 @@ def simulate(costs, schedule, trace=None):
             if i == tail and code != 3 and (code != 2 or not run.forward):
                 _bad(pos, op, f"stage {i} is the chain's tail (the code after it), which runs once: "
                               f"Fall({i}) in the forward phase, then B({i})")
-            if code == 3:
-                run.backward(pos, op, i)
-            else:
-                run.forward_op(pos, op, i, code)
+            run.backward(pos, op, i) if code == 3 else run.forward_op(pos, op, i, code)
         if trace is not None:
             trace.append((op, run.during, run.mem))
     if run.forward:
@@ -274,12 +266,13 @@ class _Run:
     checks what it needs, then updates them."""
 
     __slots__ = ("n", "x", "xa", "s", "ft", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
-                 "whole", "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
+                 "whole", "held_at", "copy", "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
 
     def __init__(self, costs):
         n = self.n = costs.length
         x = self.x = costs.sizes()
         self.xa = costs.alone_sizes()   # (a^j held on its own: 0 for the one the caller holds)
+        self.held_at, self.copy = costs.stages if costs.output_held else -1, 0   # (rule 1: that one made again)
         self.s, self.ft, self.bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
         self.less = costs.bwd_rebuilt_less
         self.late = [False] * (n + 1)    # the held a-bar^j was made after Loss (rule 5)
@@ -329,6 +322,8 @@ class _Run:
             s, bt, tb = o.saved_bytes, o.bwd_tmp, o.bwd_time
         elif self.late[i]:
             bt -= self.less[i - 1]
+        if i == self.held_at:   # (a copy of a^L a Fall(L) after Loss made: rule 1)
+            s, self.copy = s + self.copy, 0
         during = self.during = mem + gone[i] + x[i - 1] + bt
         if during > self.peak:
             self.peak = during
@@ -371,12 +366,14 @@ class _Run:
                     _bad(pos, op, f"stage {i} has no option {option!r} (Costs.options lists {len(listed)} for it)")
                 o = listed[option - 1]
                 s, ft, tf = o.saved_bytes, o.fwd_tmp, o.fwd_time
-            during = mem + max(s, self.xa[i] + ft)
+            copy = self.x[i] if not forward and i == self.held_at else 0   # (rule 1)
+            self.copy = copy if i == self.held_at else self.copy
+            during = mem + max(s + copy, (copy or self.xa[i]) + ft)
             self.time += tf
             whole[i] = True
             self.rec[i] = option
             self.late[i] = not forward
-            mem += s
+            mem += s + copy
             if forward and i > 1 and not option:   # (rule 9: an option lets nothing go)
                 gone = self.gone
                 drop = (self.fdw[i - 2] if not self.rec[i - 1] else 0) if whole[i - 1] else \
@@ -386,10 +383,11 @@ class _Run:
                     mem -= drop
         else:
             xa = self.xa
-            during = mem + xa[i] + self.ft[i - 1]
+            xi = self.x[i] if not forward and i == self.held_at else xa[i]   # (rule 1)
+            during = mem + xi + self.ft[i - 1]
             self.time += self.tf[i - 1] if forward else self.tn[i - 1]
             alone[i] = True
-            mem += xa[i]
+            mem += xi
             if code == 0 and alone[i - 1]:
                 alone[i - 1] = False
                 if not whole[i - 1]:

@@ -85,3 +85,23 @@ def test_costs_with_and_without_a_tail():
         Costs(**{**costs.to_dict(), "held_bytes": 2})
     with pytest.raises(CostsError, match="tail_kept"):
         Costs(**{**bare.to_dict(), "held_bytes": 8, "tail_kept": 8})
+
+
+def test_the_held_output_made_again_after_loss_counts_as_a_copy():
+    """With ``output_held``, held_bytes counts a^L; a Fall(L) after Loss (stage L
+    recomputed after the tail's backward) makes a^L again beside it: its output and
+    a-bar^L take x[L] more, to B(L) (Note [Accounting] 1); the forward phase's does not."""
+    from remat.solver.schedule import Fn
+
+    base = Costs.uniform(2, time=1.0, size=10)   # (a-bar^i of 10 bytes: a^i alone)
+    held = Costs(**{**base.to_dict(), "output_held": True, "held_bytes": 10})
+    costs = held.with_tail(fwd_time=1.0, bwd_time=1.0, out_bytes=0, saved_bytes=0, fwd_tmp=0, bwd_tmp=0)
+    stored = [Fall(1), Fall(2), Fall(3), Loss, B(3), B(2), B(1)]
+    again = [Fall(1), Fn(2), Fall(3), Loss, B(3), Fall(2), B(2), B(1)]
+    trace_stored, trace_again = [], []
+    simulate(costs, stored, trace_stored)
+    simulate(costs, again, trace_again)
+    assert [(d, m) for op, d, m in trace_stored if op == Fall(2)] == [(40, 40)]   # (a^2 in held_bytes)
+    # after B(3): a^0, a-bar^1, a^2 (held_bytes) and its gradient; Fall(2) keeps a-bar^2 and the copy of a^2
+    assert [(d, m) for op, d, m in trace_again if op in (Fall(2), B(2))] == [(60, 60), (70, 40)]
+    assert simulate(costs, again).peak == 70 and simulate(costs, stored).peak == 60
