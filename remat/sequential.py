@@ -264,7 +264,10 @@ class Sequential(nn.Sequential):
         no trace: parameter ``.grad``, buffers (BatchNorm statistics) and the
         RNG streams are as before. Later calls with inputs like ``sample``
         (same shape, dtype, device and ``requires_grad``, same train/eval
-        mode) then run the schedule at once.
+        mode) then run the schedule at once. The code after the Sequential (its
+        loss) is not run here: the first call meters it, on a plan that cannot
+        count it yet (it may go over the budget by what that code needs), and
+        the calls after it count it.
 
         Args:
             sample: an input like the real ones.
@@ -284,16 +287,19 @@ class Sequential(nn.Sequential):
         tensors = [x] + [p for p, _ in grads] if isinstance(x, torch.Tensor) else [p for p, _ in grads]
         rng = capture_rng(cuda_devices(tensors))
         probe = chain(budget=NO_LIMIT, algorithm="store_all", slots=self.slots, costs=self.costs_path, hints=_HINTS)
+        out = None   # (held to the end: its graph going would have the next call measure again, linger.release)
         try:
             with rng.replayed(), torch.enable_grad():
-                self._run(x, probe)
+                out = self._run(x, probe)
         finally:
-            settle()   # (no backward comes: the meter the measuring call left after its block goes now)
+            settle(cut=True)   # (no backward comes: the meter its measuring call left after its block goes, and
+            # its tail, unseen, is metered by the next call: Note [The chain's tail] 6, remat/measure/tail.py)
             with torch.no_grad():
                 for b, old in buffers:
                     b.copy_(old)
             for p, g in grads:
                 p.grad = g
+        del out
         if self._explanation is None:
             raise RematError(
                 "remat: this Sequential has no stage to measure: it is empty or all its layers work in "

@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 
 from ..units import format_bytes
 
-__all__ = ["LINGERING", "Before", "alone", "ends", "linger", "release", "settle"]
+__all__ = ["LINGERING", "Before", "alone", "downstream", "ends", "linger", "release", "settle"]
 
 LINGERING = []   # (thread id, meter) of the meters left after a chain's block
 ends = threading.local()   # ``seq``: the sequence number of the node that made the last chain's output on the thread
@@ -116,17 +116,36 @@ def settle(cut=False):
     for meter in mine:
         _turn_off(meter, cut)
         _take_off(meter)
+    return mine
 
 
-def release(meter):
+def downstream(x):
+    """Whether ``x`` was made from the output of the last chain that ended on this
+    thread (``ends``), by its graph: only nodes made since are walked."""
+    seq, todo, seen = getattr(ends, "seq", None), [getattr(x, "grad_fn", None)], set()
+    while todo and seq is not None:
+        node = todo.pop()
+        if node is None or node in seen or node._sequence_nr() < seq:
+            continue
+        if node._sequence_nr() == seq:
+            return True
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def release(meter, gone=None):
     """The graph of the call that left ``meter`` is gone with no backward (an output
-    dropped unused): its metering is cut short, as by a chain opening, and it leaves
+    dropped unused): its metering is cut short, as by a chain opening (``gone(meter)``
+    called), and it leaves
     the stack now where that is safe (on its thread, outside a backward and inference
     mode, and on the stack: not popped for the while of a mode's own dispatch), else
     it passes ops straight through until one of the points above takes it off."""
     if meter.off:   # (the backward came: its return takes it off)
         return
     _turn_off(meter, True)
+    if gone is not None:
+        gone(meter)
     entry = (threading.get_ident(), meter)
     if (entry not in LINGERING or torch._C._current_graph_task_id() != -1 or torch.is_inference_mode_enabled()
             or not any(m is meter for m in _get_current_dispatch_mode_stack())):

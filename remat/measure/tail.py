@@ -99,7 +99,7 @@ from ..dynamo import in_compiled_frame
 from ..runtime.executor import distributed
 from ..errors import RematError
 from .leaves import stop_nodes, walk
-from .linger import alone, linger, release
+from .linger import alone, downstream, linger, release
 from .meter import Instrument, storage_key
 
 __all__ = ["TAIL_TRIES", "TailMeter", "TailSeen", "backward_seen"]
@@ -232,15 +232,33 @@ class TailMeter:
         return seen
 
 
-    def linger(self):
-        """The measuring call is over: meter the code after the block until ``B(L)``
-        starts (Note [The chain's tail] 5)."""
+    def linger(self, record=None):
+        """The measuring call of ``record`` is over: meter the code after the block
+        until ``B(L)`` starts (Note [The chain's tail] 5). Where the call's graph goes
+        with no backward (an output dropped unused), the tail's backward is unseen and
+        the record's next call measures again (else a plan on its forward alone ran 63%
+        over the budget)."""
         after, self.after = self.after, None
         if after is not None:
             after.t0 = time.perf_counter()
             after.meter.leaves = {} if after.meter.leaves is None else after.meter.leaves
             linger(after.meter)
-            weakref.finalize(after, release, after.meter)   # (the hooks on the graph hold ``after``)
+            after.meter.record = weakref.ref(record) if record is not None else None
+            weakref.finalize(after, release, after.meter, abandoned)   # (the hooks on the graph hold ``after``)
+
+
+def abandoned(meter, entry=None, x=None):
+    """The measuring call that left ``meter`` past its block will see no backward: its
+    graph is gone, or (``entry`` its record, opened again on ``x``) a new step began
+    that ``x`` was not made from (linger.py ``downstream``; the same forward opening
+    the chain again goes on to the backward). Its tail's backward unseen, the
+    record's next call measures again."""
+    record = getattr(meter, "record", None)
+    record = record() if record is not None else None
+    if record is None or record.tail is None or record.tail.kept is not None:
+        return
+    if entry is None or (record is entry and not downstream(x)):
+        record.remeasure = True
 
 
 class _Output:

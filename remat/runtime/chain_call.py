@@ -19,7 +19,7 @@ from ..measure.chain_record import NO_HINT, write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
 from ..measure.linger import LINGERING, Before, ends, settle
-from ..measure.tail import TAIL_TRIES, TailMeter, backward_seen
+from ..measure.tail import TAIL_TRIES, TailMeter, abandoned, backward_seen
 from ..solver.plan import Plan
 from ..solver.group import least_planned
 from ..solver.solve import minimum_budget, solve
@@ -83,8 +83,8 @@ class ChainCall:
     so far to a new measurer (``Runner.diverge``)."""
 
     def __init__(self, spec, site):
-        if LINGERING:   # (a meter left after the last block on this thread goes: remat/measure/linger.py)
-            settle(cut=True)
+        # (a meter left after the last block on this thread goes: remat/measure/linger.py)
+        self.cut_short = (settle(cut=True) or ()) if LINGERING else ()
         self.spec, self.site, self.k = spec, site, 0
         self.called = False     # a stage was called inside the chain (recorded or not)
         self.prev = None        # the activation the last stage returned
@@ -226,6 +226,8 @@ class ChainCall:
                     del _cache[self.key]
                 else:
                     _cache.move_to_end(self.key)
+        for meter in self.cut_short:   # (its measuring call's backward did not come: a new step)
+            abandoned(meter, entry, x)
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None or entry.remeasure:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
@@ -293,7 +295,7 @@ class ChainCall:
         measurer.originals.clear()   # (nothing to undo now: the copies of written state go)
         self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, new)
         published[0] = self.spec.last
-        self.tail.linger()   # (a tail after the block: Note [The chain's tail] 5, remat/measure/tail.py)
+        self.tail.linger(new)   # (a tail after the block: Note [The chain's tail] 5, remat/measure/tail.py)
 
     def abort(self):
         """The chain's ``with`` block ended with an exception."""

@@ -347,3 +347,30 @@ def test_measure_says_nothing_of_its_own_probe_budget():
         seq.measure(torch.randn(4, 8))
     assert not [w for w in seen if "has in all" in str(w.message)]
     assert remat.chain.NO_LIMIT == 2**60
+
+
+def test_the_code_after_a_measured_sequential_is_metered_by_its_first_call():
+    """``measure`` runs no loss and no backward: the first call meters the code after the
+    Sequential (its head, its loss), and the calls after it count that code. Before, no
+    call metered it and every step ran 30% over the budget (a 1,024-class head)."""
+    from remat.measure.meter import Instrument
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(6)]
+    seq = remat.Sequential(*layers, nn.Linear(32, 1024), budget=2**40)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(64, 32, generator=g), torch.randint(0, 1024, (64,), generator=g)) for _ in range(4)]
+    for x, t in data[:2]:
+        nn.functional.cross_entropy(seq(x), t).backward()
+    e = remat.explain()
+    seq.budget = e.least_budget + (e.predicted_peak - e.least_budget) // 10
+    remat.clear_cache()
+    for p in seq.parameters():
+        p.grad = torch.zeros_like(p)
+    seq.measure(data[0][0])
+    for call, (x, t) in enumerate(data):
+        with Instrument(writes=False) as meter:   # (the step's peak; as remat.measure_peak, but no chain's)
+            nn.functional.cross_entropy(seq(x), t).backward()
+        assert remat.explain().tail.kept is not None
+        peak = meter.peak + x.untyped_storage().nbytes()
+        assert call == 0 or peak <= seq.budget, (call, peak, seq.budget)
