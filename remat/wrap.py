@@ -6,7 +6,10 @@ Note [Wrapping a model]
 -----------------------
 1. Each module of ``blocks`` is marked with ``remat.stage(module)`` (an
    instance ``forward`` attribute); blocks the user had marked already stay
-   marked after ``unwrap``.
+   marked after ``unwrap``, and so do blocks another wrapped model shares
+   (two heads on one backbone) until the last of them is unwrapped
+   (``_CLAIMS``: unwrapping one left the other a chain of no stages, 2.4x
+   over its budget).
 2. The model gets an instance ``forward`` attribute, a ``_WrappedForward``
    that opens the model's ``remat.chain`` around the original bound forward.
    The ``with`` is one line of this module for every wrapped model; chains
@@ -30,6 +33,7 @@ Note [Wrapping a model]
 """
 
 import inspect
+import weakref
 
 import torch
 
@@ -39,6 +43,8 @@ from .solver.solve import DEFAULT_SLOTS
 from .stage import is_stage, stage, unstage
 
 __all__ = ["wrap", "unwrap"]
+
+_CLAIMS = weakref.WeakKeyDictionary()   # block: how many wrapped models marked it or share it (Note 1)
 
 
 class _WrappedForward:
@@ -52,7 +58,7 @@ class _WrappedForward:
         self.original = original    # the bound forward wrap found
         self.spec = spec
         self.blocks = blocks
-        self.marked = marked        # the blocks wrap marked (unwrap unmarks only these)
+        self.marked = marked        # the blocks wrap marked or shares with another wrap (``_CLAIMS``)
         self.previous = previous    # the model's instance forward before wrap, or None
         params = inspect.signature(original).parameters
         self.cache_at = _position(params, "use_cache")   # None, or -1 if keyword-only
@@ -271,8 +277,9 @@ def wrap(model, blocks, budget="auto", algorithm="optimal", slots=DEFAULT_SLOTS,
         if id(block) in seen:
             continue
         seen.add(id(block))
-        if not is_stage(block):
+        if block in _CLAIMS or not is_stage(block):   # (not one the user marked)
             stage(block)
+            _CLAIMS[block] = _CLAIMS.get(block, 0) + 1
             marked.append(block)
     previous = model.__dict__.get("forward")
     model.forward = _WrappedForward(model, model.forward, spec, blocks, marked, previous)
@@ -303,7 +310,11 @@ def unwrap(model):
     if not isinstance(wrapped, _WrappedForward):
         raise ValueError(f"remat.unwrap: this {type(model).__name__} is not wrapped by remat.wrap")
     for block in wrapped.marked:
-        unstage(block)
+        left = _CLAIMS.pop(block, 1) - 1   # (a model unpickled: its blocks its own)
+        if left:
+            _CLAIMS[block] = left
+        else:
+            unstage(block)
     if wrapped.previous is None:
         del model.__dict__["forward"]
     else:

@@ -298,3 +298,22 @@ def test_parts_of_each_layer_say_to_pass_the_layers():
         for _ in range(2):
             m(ids, labels=ids).loss.backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters()))
+
+
+def test_unwrapping_one_of_two_models_sharing_blocks_leaves_the_other_wrapped():
+    """Two heads on one backbone, both wrapped: ``unwrap(a)`` unmarked the blocks ``b``
+    runs too, and ``b``'s chain ran no stage, 2.4x over its budget. The blocks stay
+    stages until the last model sharing them is unwrapped; blocks the user marked stay."""
+    torch.manual_seed(0)
+    backbone = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4))
+    remat.stage(backbone[0])
+    heads = [nn.Sequential(*backbone, nn.Linear(16, 4)) for _ in range(2)]
+    for head in heads:
+        remat.wrap(head, backbone, budget="1MiB")
+    remat.unwrap(heads[0])
+    assert all(is_stage(b) for b in backbone)
+    x = torch.randn(8, 16)
+    heads[1](x).sum().backward()
+    assert [s.name for s in remat.explain()._record.stages] == ["Sequential"] * 4
+    remat.unwrap(heads[1])
+    assert [is_stage(b) for b in backbone] == [True, False, False, False]
