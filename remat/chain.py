@@ -178,6 +178,8 @@ class Explanation:
             if first == "tail":   # (Note [The chain's tail], remat/measure/tail.py)
                 out.append(f"{line}  {'Fall':<8}  (after the last stage: head, loss)")
                 continue
+            if first == "kept" and self.held:   # (the tail's kept bytes: listed under held)
+                continue
             if not first.isdigit():   # the input's, the held bytes' and the options' lines
                 q = int(first[1:]) if first[0] == "o" and first[1:].isdigit() else 0
                 listed = policies[i] if q and i < len(policies) else ()

@@ -328,6 +328,8 @@ class ChainRecord:
             what = ("the chain's output, which the code around the chain keeps through the backward"
                     if self.output_held else "the chain's output, until a backward shows it let go")
             parts[what] = self.costs.out_bytes[-1]
+        if self.tail is not None and self.tail.kept:   # (Costs.tail_kept: remat/measure/tail.py)
+            parts["the tail's, which the code after the last stage keeps through the chain's backward"] = self.tail.kept
         return {k: v for k, v in parts.items() if v}
 
     def times_said(self):

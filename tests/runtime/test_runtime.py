@@ -330,7 +330,8 @@ def test_explain_says_where_the_times_come_from_and_what_is_held():
                 h = x
                 for b in blocks:
                     h = b(h)
-        h.float().sum().backward()
+        out = h.float()   # (kept by the loop through the backward: the tail's kept bytes)
+        out.sum().backward()
         said.append(str(remat.explain()))
     assert "times: first-call estimates" in said[0] and "calls after it refine them" in said[0]
     assert "times: the means of 2 calls' own" in said[-1]
@@ -338,3 +339,4 @@ def test_explain_says_where_the_times_come_from_and_what_is_held():
     assert held["caches' copies of the weights (autocast's casts, parametrize.cached)"] > 0
     assert any("keeps through the backward" in what for what in held)
     assert all(what in said[-1] for what in held)
+    assert sum(held.values()) == remat.explain().costs.held_bytes   # (the tail's kept bytes were not listed)
