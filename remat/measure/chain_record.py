@@ -314,6 +314,16 @@ class ChainRecord:
             RuntimeWarning, stacklevel=4)
         self.save()
 
+    def output_kept(self):
+        """A call found a^L alive at the end of its backward, where the calls before had
+        let it go and its plan counted it so (Note [The chain's output]): say so."""
+        warnings.warn(
+            f"remat: the code around the chain kept the chain's output through its backward (a variable "
+            f"holding it, or a tensor made from it), where the calls before had let it go and this call's "
+            f"schedule counted it so: it may have gone over the budget by up to "
+            f"{format_bytes(self.costs.out_bytes[-1])}. remat counts it as held through the step from now on; "
+            f"let it go before the backward (del it) to have that memory back", RuntimeWarning, stacklevel=2)
+
     def held_parts(self):
         """What the costs count as held through the step, by what it is: {words: bytes}
         (what ``explain()`` shows beside the held bytes)."""

@@ -373,6 +373,8 @@ def watch_output(entry, act, inner=(), first=None):
             if not was and was is not held:
                 e.output_held = held
                 e.plans = {}   # (plans made before either knew nothing of it)
+                if was is False:   # (this call's plan counted it let go)
+                    e.output_kept()
         alive = [i for i, ref in inner if ref() is not None]
         if alive and reached[0] and _releasing():
             e.caller_kept(alive, "through its backward")
