@@ -133,6 +133,7 @@ class ChainRecord:
         self.state_copies = 0    # bytes of written state the measuring call held copies of to its end
         self.others = []         # records of other paths of the chain (Note [Paths of a chain], remat/runtime/paths.py)
         self.remeasure = False   # the next call measures again (a shorter path taken, a stage changed)
+        self.abandoned = False   # measured again as its measuring call's backward never came (remat/measure/tail.py)
         self.quiet = 0           # calls in a row that took its path to its end (``Runner.finish``)
         self.view = None         # (record, its stage of each of these): a view of it, stages skipped
         self.skips = {}          # such views and their plans (Note [Skipped stages], remat/runtime/skips.py)

@@ -75,10 +75,14 @@ def linger(meter):
     if not _hooked:   # (a training loop's next remat-free point outside the backward: the optimizer's step)
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _hooked.append(register_optimizer_step_pre_hook(lambda *_: settle()))
+        _hooked.append(register_optimizer_step_pre_hook(_settle_before_step))
     _until_backward_returns()
     meter.__enter__()
     LINGERING.append((threading.get_ident(), meter))
+
+
+def _settle_before_step(*_):
+    settle()   # (an optimizer step pre-hook returns None)
 
 
 def _until_backward_returns():

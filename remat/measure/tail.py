@@ -255,10 +255,10 @@ def abandoned(meter, entry=None, x=None):
     record's next call measures again."""
     record = getattr(meter, "record", None)
     record = record() if record is not None else None
-    if record is None or record.tail is None or record.tail.kept is not None:
-        return
+    if record is None or record.tail is None or record.tail.kept is not None or record.abandoned:
+        return   # (once: a loop of forwards with no backward would measure every call)
     if entry is None or (record is entry and not downstream(x)):
-        record.remeasure = True
+        record.remeasure = record.abandoned = True
 
 
 class _Output:

@@ -97,6 +97,7 @@ def keep_path(new, old):
     the records ``old`` kept among its others (Note [Paths of a chain])."""
     new.others = [old] + [r for r in old.others if r is not new][:OTHER_PATHS - 1]
     old.remeasure = False
+    new.abandoned = old.abandoned   # (measured again once, not on every call: ``abandoned`` in tail.py)
 
 
 def path_room(entry, plan, budget, spec, solve_at):

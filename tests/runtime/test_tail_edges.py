@@ -346,3 +346,23 @@ def test_a_first_call_with_no_backward_leaves_every_step_under_the_budget(held):
         with remat.measure_peak():
             net(x, t).backward()
         assert remat.explain().measured_peak <= budget, (remat.explain().measured_peak, budget)
+
+
+def test_forwards_with_no_backward_measure_again_once():
+    """Calls whose backward never comes (an evaluation with grad on): the second call
+    measures again, as the first's backward did not come, and the calls after it run a
+    plan, not measuring each in turn."""
+    from remat.measure import measuring
+
+    made, init = [], measuring.Measurer.__init__
+    measuring.Measurer.__init__ = lambda self, *a, **k: made.append(1) or init(self, *a, **k)
+    try:
+        torch.manual_seed(0)
+        net = _Head(2**30)
+        remat.clear_cache()
+        x, t = torch.randn(8, 16, 32), torch.randint(0, 512, (8, 16))
+        for _ in range(5):
+            net(x, t)
+        assert len(made) == 2
+    finally:
+        measuring.Measurer.__init__ = init
