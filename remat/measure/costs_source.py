@@ -120,12 +120,14 @@ def forward_drops(stages):
     """``Costs.fwd_drop`` and ``fwd_drop_whole`` from the measured rows: a^i goes once
     stage i+1 has run recording if that stage keeps no part of its input
     (``input_kept``) and the code around the chain does not hold it
-    (``caller_holds``, remat/runtime/chain_call.py); inside a-bar^i only if B(i) does not read it
-    either (``out_freed``). Unknown is kept."""
+    (``caller_holds``, remat/runtime/chain_call.py) and it is not a view of a^(i-1), which
+    may be held (``out_of_input``: a slice or a transpose of its input; a^i is then no
+    storage of its own going); inside a-bar^i only if B(i) does not read it either
+    (``out_freed``). Unknown is kept."""
     n = len(stages)
     drop = [0] * n
     for i in range(n - 1):
-        if stages[i + 1].input_kept is False and stages[i].caller_holds is False:
+        if stages[i + 1].input_kept is False and stages[i].caller_holds is False and not stages[i].out_of_input:
             drop[i] = stages[i].out_bytes
     whole = [d if stages[i].out_freed else 0 for i, d in enumerate(drop)]
     return drop, whole

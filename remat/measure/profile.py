@@ -134,7 +134,8 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
     probe.costs = StageCosts(out_bytes, saved_seen=max(sum(keys.values()), out_bytes),
                              kept=kept_seen(inst, keys, storage_key(act), act.is_cuda),
-                             out_freed=0 if storage_key(act) in {storage_key(t) for t in saved} else out_bytes)
+                             out_freed=0 if storage_key(act) in {storage_key(t) for t in saved} else out_bytes,
+                             out_of_input=storage_key(act) == storage_key(x))
     # side inputs needing grad (remat/measure/leaves.py grad_side_inputs): their gradients are
     # taken at their edges, as x's is, not as parameters'
     side = grad_side_inputs(call, x) if act.requires_grad else []

@@ -39,6 +39,7 @@ class StageCosts:
     out_freed: int = None      # the output's bytes if the stage's own backward does not read it, else 0
     input_kept: bool = None    # its recording keeps its input's storage (saved, or returned as a view)
     caller_holds: bool = None  # the code around the chain held its output as the chain ended
+    out_of_input: bool = None  # its output shares its input's storage (a view of it): it goes only with that
     saved_seen: int = None     # saved_bytes as a forward with costs from a file saw it (``_check_given``)
     kept: tuple = None         # what run 1 saw of options and rungs (``KeptSeen``, remat/measure/options.py)
     options: tuple = ()        # the options as the costs of a chain measured again after it tell (``of``)

@@ -160,6 +160,33 @@ def test_first_stage_returning_a_view_of_the_input_is_not_a_caller_keep(how):
     assert remat.explain().schedule.recomputations() > 0
 
 
+def test_a_stage_returning_a_slice_of_its_input_inside_the_chain_is_not_a_caller_keep():
+    """A stage inside the chain returning a slice of its input (``x[:, :6]``): its output
+    shares the input's storage, which the plan may hold (inside the stage before's
+    record), so it does not go when the next stage has run. The second call said the
+    loop kept it, and from the third every call refused a budget plain PyTorch fits."""
+    torch.manual_seed(0)
+    lins = [remat.stage(nn.Sequential(nn.Linear(16, 16), nn.Tanh())) for _ in range(4)]
+    odd = remat.stage(lambda x: x[:, :6])
+
+    def step(budget, seed):
+        x = torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+        with remat.measure_peak():
+            with remat.chain(budget=budget):
+                h = lins[3](lins[2](odd(lins[1](lins[0](x)))))
+            h.sum().backward()
+        return remat.explain()
+
+    remat.clear_cache()
+    step(2**40, 100)
+    budget = step(2**40, 101).least_budget + 1000
+    remat.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # (the false "kept the output of stage 3")
+        for call in range(4):
+            assert step(budget, call).measured_peak <= budget
+
+
 class Collecting(nn.Module):
     """Attention whose probabilities, which autograd saves, are also kept: stored on the
     module (``how``: "detach", as a visualisation does), or collected by a forward hook
