@@ -54,7 +54,7 @@ def input_modified(index, name):
     return StageError(
         f"remat: stage {index} ({name}) modified its input in place (e.g. a ReLU(inplace=True) as "
         f"its first op); remat needs the input unchanged to recompute the stage. Make that op out of "
-        f"place or move it to the end of stage {index - 1}")
+        f"place or move it to the end of " + (f"stage {index - 1}" if index > 1 else "the code before the chain"))
 
 
 def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks="", got=None, prev=None):

@@ -137,12 +137,17 @@ def test_hook_on_a_stage_module_changing_the_activation_is_named(hook):
 
 
 def test_in_place_first_op_on_stage_input():
-    """A stage that modifies its input in place is caught through the version counter."""
+    """A stage that modifies its input in place is caught through the version counter; the
+    error names the stage before it, or for the first stage the code before the chain
+    (it named a stage 0)."""
+    from remat.errors import input_modified
+
     net = Chain()
     net.stages[2].mode = "inplace"
-    with pytest.raises(remat.StageError, match="modified its input in place"):
+    with pytest.raises(remat.StageError, match="modified its input in place.*to the end of stage 2$"):
         _grads(net)
     _assert_exact_next_call(net)
+    assert str(input_modified(1, "Toggle")).endswith("move it to the end of the code before the chain")
 
 
 def test_stage_returning_a_non_tensor():
