@@ -341,8 +341,9 @@ class _Backward:
             seen.cut, meter.off = seen.cut or meter.cut, True
             if self.t0 is None:   # (the call raised before the meter could stay)
                 return
-        try:
-            handed = sum(meter.created.get(storage_key(g), 0) for g in grads if isinstance(g, torch.Tensor))
+        try:   # (not one expanded from less, a loss's seed: its maker, backward(), holds that to the end)
+            handed = sum(meter.created.get(storage_key(g), 0) for g in grads if isinstance(g, torch.Tensor)
+                         and g.untyped_storage().nbytes() >= g.numel() * g.element_size())
         except (NotImplementedError, RuntimeError):   # (a gradient batched by vmap: is_grads_batched)
             seen.metered, seen.why = False, "its backward ran under torch.func.vmap (batched gradients)"
             return
