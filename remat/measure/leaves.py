@@ -243,6 +243,13 @@ def edge_backward(out, grad, x, params, grads, side=(), keep=True):
         return add
 
     handles = [p.register_hook(adder(b)) for p, b in zip(params, grads)]
+    if side and x is not None and x.grad_fn is not None:
+        # a side input's node is reached through x's too (a stage before used it): the engine would run
+        # the backward of every stage before, to sum their shares of its gradient (rebuilding each in
+        # a first call's forward phase: 55% over its budget). The stage's own nodes, made after x's,
+        # all run before it (the engine runs the latest made first): the backward stops as x's gradient
+        # is complete, its hooks run (a layout's, registered before) and not x's node's
+        handles.append(x.register_hook(_stop_at_input))
     inputs = ([] if x is None else [x]) + list(side) + list(params)
     try:
         run = getattr(torch.autograd.graph, "_engine_run_backward", None)
@@ -252,9 +259,19 @@ def edge_backward(out, grad, x, params, grads, side=(), keep=True):
         else:
             run((out,), (grad,), keep, False, tuple(edge(t) for t in inputs), allow_unreachable=True,
                 accumulate_grad=False)
+    except _InputReached:
+        pass
     finally:
         for h in handles:
             h.remove()
+
+
+class _InputReached(Exception):
+    """The measured backward of a stage with a side input needing grad is done (``edge_backward``)."""
+
+
+def _stop_at_input(_grad):
+    raise _InputReached
 
 
 def node_of(x):
