@@ -222,6 +222,17 @@ def head_step(blocks, head, x, budget):
     loss.backward()
 
 
+def calls_at_least(step, calls=3):
+    """The least budget ``step(budget, seed)`` (a training step returning
+    ``remat.explain()``) shows after two calls at no limit, and ``calls`` steps at it
+    on a fresh cache: (that budget, their explanations)."""
+    remat.clear_cache()
+    step(2**40, 100)
+    least = step(2**40, 101).least_budget
+    remat.clear_cache()
+    return least, [step(least, seed) for seed in range(calls)]
+
+
 def costs_file_step(layers, path, batch=8):
     """One step of ``layers`` as a chain whose costs file is ``path``, on ``batch``
     random rows of 16; returns the input's gradient."""
