@@ -57,12 +57,13 @@ def input_modified(index, name):
         f"place or move it to the end of " + (f"stage {index - 1}" if index > 1 else "the code before the chain"))
 
 
-def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks="", got=None, prev=None):
+def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks="", got=None, prev=None, given=None):
     """The StageError for stage ``k`` (``name``) not getting what stage k-1 returned:
     a stage called under no_grad in between (``skipped``, its name), the same block
     called again (``again``, the stage it first was) on a tensor not made from what
     stage k-1 returned (``got``, ``prev``: a second pass), or code between the two
-    (``hooks``: a sentence on module hooks that run there, or "")."""
+    (``hooks``: a sentence on module hooks that run there, or ""), or another argument taken
+    for the activation (``given``: the call's args, kwargs and the keyword it was taken as)."""
     if again is not None and _made_from(got, prev):   # (a block reused in one pass, code between its calls)
         again = None
     if skipped is not None:
@@ -77,6 +78,16 @@ def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks="", got=No
             f"than stage {k - 1} ({prev_name}) returned: a second pass over the blocks (a siamese tower, a "
             f"second view) starts its own chain. Open one remat.chain per pass (with remat.wrap, call the "
             f"wrapped model once per pass)")
+    args, kwargs, in_kw = given if given is not None else ((), {}, None)
+    where = next((f"as {key}=" for key, v in kwargs.items() if v is prev and key != in_kw), None) or \
+        next((f"as its argument {i + 1}" for i, v in enumerate(args) if v is prev), None)
+    if prev is not None and where is not None:
+        return StageError(
+            f"remat: stage {k} ({name}) got the tensor stage {k - 1} ({prev_name}) returned {where}, but took "
+            f"{'its argument ' + in_kw if in_kw else 'an argument before it'} for the activation: a stage's "
+            f"activation is its first tensor argument (the first positional one; else, of those passed by "
+            f"keyword, the one whose parameter comes first in its signature). Pass the activation first, or "
+            f"put its parameter first in the stage's signature")
     return StageError(
         f"remat: stage {k} ({name}) did not receive the tensor stage {k - 1} ({prev_name}) returned; code "
         f"between the two stages changed the activation. Move that code into stage {k - 1} or {k}, or make "

@@ -138,7 +138,7 @@ class ChainCall:
             self._begin(ident, args, kwargs, x)
             self.source = x.untyped_storage()
         else:
-            self._check_handed_on(k, ident, name, x)
+            self._check_handed_on(k, ident, name, x, (args, kwargs, in_kw))
         self.k = k
         self.seen.setdefault(id(ident), k)
         call = StageCall(k, name, fn, args, kwargs, pos, in_kw, x.requires_grad)
@@ -197,11 +197,12 @@ class ChainCall:
         self.in_stage = True
         return True
 
-    def _check_handed_on(self, k, ident, name, x):
+    def _check_handed_on(self, k, ident, name, x, given=None):
         """Stage k's activation ``x`` is what stage k-1 returned, as it returned it."""
         if not handed_on(x, self.prev):
             raise not_handed_on(k, name, self.prev_name, self.skipped, self.seen.get(id(ident)),
-                                hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""), x, self.prev)
+                                hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""), x, self.prev,
+                                given)
         if x._version != self.prev_version:
             raise StageError(
                 f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "

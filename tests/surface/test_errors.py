@@ -287,3 +287,29 @@ def test_bad_options_value_is_refused(bad):
     with pytest.raises(TypeError, match="remat: options must be True"):
         remat.wrap(model, list(model), budget="1MiB", options=bad)
     assert [vars(m).get("forward") for m in [model, *model]] == forwards
+
+
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_an_activation_passed_after_a_side_input_is_named(by_keyword):
+    """A stage whose signature puts a mask before the hidden state, called with both: the
+    mask, a tensor passed first, is its activation, and the next stage got the output of
+    the one before as another argument. The error said code between the stages changed
+    the activation; it names the argument and the rule."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        @remat.stage
+        def forward(self, mask=None, hidden=None):
+            return self.lin(hidden) + mask
+
+    blocks = [Block() for _ in range(3)]
+    x, mask = torch.randn(2, 8, requires_grad=True), torch.zeros(2, 8)
+    where = "as hidden=, but took its argument mask" if by_keyword else "as its argument 2, but took an argument"
+    with pytest.raises(remat.StageError, match=rf"stage 2 \(Block\) got the tensor stage 1 \(Block\) returned {where}"):
+        with remat.chain(budget="1MiB"):
+            h = x
+            for b in blocks:
+                h = b(mask=mask, hidden=h) if by_keyword else b(mask, h)
