@@ -62,8 +62,9 @@ def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks="", got=No
     a stage called under no_grad in between (``skipped``, its name), the same block
     called again (``again``, the stage it first was) on a tensor not made from what
     stage k-1 returned (``got``, ``prev``: a second pass), or code between the two
-    (``hooks``: a sentence on module hooks that run there, or ""), or another argument taken
-    for the activation (``given``: the call's args, kwargs and the keyword it was taken as)."""
+    (``hooks``: a sentence on module hooks that run there, or ""), or another argument, which
+    needs no grad (a mask), taken for the activation (``given``: the call's args, kwargs and
+    the keyword it was taken as; one that needs grad may begin another chain, a decoder's)."""
     if again is not None and _made_from(got, prev):   # (a block reused in one pass, code between its calls)
         again = None
     if skipped is not None:
@@ -81,7 +82,7 @@ def not_handed_on(k, name, prev_name, skipped=None, again=None, hooks="", got=No
     args, kwargs, in_kw = given if given is not None else ((), {}, None)
     where = next((f"as {key}=" for key, v in kwargs.items() if v is prev and key != in_kw), None) or \
         next((f"as its argument {i + 1}" for i, v in enumerate(args) if v is prev), None)
-    if prev is not None and where is not None:
+    if prev is not None and where is not None and not getattr(got, "requires_grad", True):   # (else a chain's input)
         return StageError(
             f"remat: stage {k} ({name}) got the tensor stage {k - 1} ({prev_name}) returned {where}, but took "
             f"{'its argument ' + in_kw if in_kw else 'an argument before it'} for the activation: a stage's "
