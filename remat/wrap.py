@@ -188,7 +188,6 @@ def _layers_hint(model, blocks):
     parts changes the activation."""
     parent = {id(child): (name, module) for name, module in model.named_modules()
               for child in module.children()}
-    names = {id(m): name for name, m in model.named_modules()}
     layers = []
     for block in blocks:
         node = block
