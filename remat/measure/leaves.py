@@ -267,7 +267,7 @@ def edge_backward(out, grad, x, params, grads, side=(), keep=True):
 
 
 class _InputReached(Exception):
-    """The measured backward of a stage with a side input needing grad is done (``edge_backward``)."""
+    """A stage's measured backward is done: its input's gradient is complete (``edge_backward``)."""
 
 
 def _stop_at_input(_grad):

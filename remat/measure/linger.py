@@ -141,10 +141,10 @@ def downstream(x):
 def release(meter, gone=None):
     """The graph of the call that left ``meter`` is gone with no backward (an output
     dropped unused): its metering is cut short, as by a chain opening (``gone(meter)``
-    called), and it leaves
-    the stack now where that is safe (on its thread, outside a backward and inference
-    mode, and on the stack: not popped for the while of a mode's own dispatch), else
-    it passes ops straight through until one of the points above takes it off."""
+    called), and it leaves the stack now where that is safe (on its thread, outside a
+    backward and inference mode, and on the stack: not popped for the while of a
+    mode's own dispatch), else it passes ops straight through until one of the points
+    above takes it off."""
     if meter.off:   # (the backward came: its return takes it off)
         return
     _turn_off(meter, True)
