@@ -132,6 +132,9 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
     probe.saved_elsewhere, probe.saved_cached = sum(elsewhere.values()), sum(cached.values())
     keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
+    # the output is part of a-bar^i (saved_bytes) for the forward phase, where the next stage
+    # needs it; by B(i) the next stage's backward has let it go, unless this stage's own backward
+    # reads it: if not, bwd_tmp gives its bytes back (below zero where its own transient is smaller)
     probe.costs = StageCosts(out_bytes, saved_seen=max(sum(keys.values()), out_bytes),
                              kept=kept_seen(inst, keys, storage_key(act), act.is_cuda),
                              out_freed=0 if storage_key(act) in {storage_key(t) for t in saved} else out_bytes,
@@ -190,7 +193,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
     forward_writes = dict(inst.mutated)
     costs = probe.costs
-    _forward_costs(costs, fwd_time, x, act, saved, probe.out)
+    _forward_costs(costs, fwd_time, x, saved, probe.out)
     bwd_delta = in_grad = rebuilt_delta = 0
     donor = None
     if twin is not None:
@@ -221,9 +224,10 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     return probe
 
 
-def _forward_costs(costs, fwd_time, x, act, saved, out):
-    """Set what run 1 tells of a stage's ``costs``: its forward time, its saved bytes,
-    whether it keeps its input and whether its backward reads its output ``act``."""
+def _forward_costs(costs, fwd_time, x, saved, out):
+    """Set what run 1 tells of a stage's ``costs``: its forward time, its saved bytes and
+    whether it keeps its input (whether its backward reads its output, ``out_freed``,
+    is ``observed_forward``'s)."""
     # (saved_seen is what a forward with costs from a file checks them against)
     costs.fwd_time, costs.bwd_time = fwd_time, 0.0
     costs.saved_bytes, costs.saved_seen = costs.saved_seen, None
@@ -232,12 +236,6 @@ def _forward_costs(costs, fwd_time, x, act, saved, out):
     in_key = storage_key(x)
     returned = out_tensors(out)
     costs.input_kept = any(storage_key(t) == in_key for t in saved + returned)
-    # the output is part of a-bar^i (saved_bytes) for the forward phase, where the
-    # next stage needs it; by B(i) the next stage's backward has let it go, unless
-    # this stage's own backward reads it: if not, bwd_tmp gives its bytes back
-    # (below zero where the backward's own transient is smaller)
-    out_key = storage_key(act)
-    costs.out_freed = 0 if any(storage_key(t) == out_key for t in saved) else costs.out_bytes
 
 
 def _graph_shape(node, stop):
