@@ -109,3 +109,23 @@ def _made_from(t, source, nodes=256):
         seen.add(node)
         todo.extend(n for n, _ in node.next_functions)
     return False
+
+
+def backward_failed(call, exc):
+    """Say why a stage's measured backward (run 2) raised ``exc``: a StageError for a
+    reentrant checkpoint inside the stage, else a note on the exception."""
+    if isinstance(exc, RuntimeError) and "use_reentrant=True" in str(exc):
+        raise StageError(
+            f"remat: stage {call.index} ({call.name}) runs torch.utils.checkpoint with "
+            f"use_reentrant=True inside, whose backward cannot be run on one stage alone, as "
+            f"remat's first call measures each stage. Pass use_reentrant=False (or drop the "
+            f"checkpoint: remat decides what to recompute), or measure the costs once that way "
+            f"and pass the file: remat.chain(..., costs=\"costs.json\")") from exc
+    if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
+        exc.add_note(_BACKWARD_FAILED)
+
+
+_BACKWARD_FAILED = (
+    "(raised by the backward that remat's first call runs on each stage to measure it, inside "
+    "the chain's forward: hooks that expect a backward only after the forward may reject it. "
+    "Measure the costs once without them and pass the file: remat.chain(..., costs=\"costs.json\"))")

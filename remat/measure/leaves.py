@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "edge_backward", "edge_roots", "grad_side_inputs",
-           "node_of", "shared_grad_transients", "side_grads", "stage_leaves", "stop_nodes", "walk"]
+           "node_of", "Shares", "side_grads", "sums_started", "with_sums", "stage_leaves", "stop_nodes", "walk"]
 
 
 def stop_nodes(tensors):
@@ -42,8 +42,8 @@ class Upstream:
     """The leaf tensors behind a chain's stages: reachable from the graphs of
     their activations and side inputs, which grow stage by stage (each node is
     visited once). A stage's backward on its real graph (Note [Measuring a
-    stage] 2) leaves such a parameter out: to reach it the engine would run the
-    graph behind the stage."""
+    stage] 2) makes its share of such a parameter's gradient, stopping before
+    the graph behind the stage runs (Note [Shared leaves])."""
 
     def __init__(self):
         self._seen = set()
@@ -169,7 +169,7 @@ def grad_side_inputs(call, x):
     encoder's output into cross-attention stages, a skip from code before the
     chain, a tensor made with ``requires_grad=True`` and handed to every stage).
     A parameter passed as a side input (a tied weight) is counted as a shared
-    parameter is (``Upstream.held_grads``, ``shared_grad_transients``)."""
+    parameter is (``Upstream.held_grads``, Note [Shared leaves])."""
     return [a for a in tree_leaves((call.args, call.kwargs))
             if isinstance(a, torch.Tensor) and a.requires_grad and a is not x
             and (a.grad_fn is not None or not isinstance(a, torch.nn.Parameter))]
@@ -187,20 +187,120 @@ def side_grads(call, x):
     return {("side", id(a)): a.numel() * a.element_size() for a in grad_side_inputs(call, x)}
 
 
-def shared_grad_transients(held):
-    """Per stage, the bytes to add to its bwd_tmp for the parameters it shares with
-    stages before it (``held``: per stage, {id: bytes} of ``Upstream.held_grads``)
-    and also with one after it. Such a stage's measured backward leaves them out,
-    but B(i) makes its share of their gradient all the same, alive until the engine
-    adds it into the sum it holds (counted in held_bytes); the share of the last
-    stage using one is that sum's first term, no extra."""
+def sums_started(held):
+    """Per stage, (the bytes of the shared leaves whose gradients' sums its backward
+    starts, those of all its shared leaves) (``held``: per stage, {id: bytes} of
+    ``Upstream.held_grads``): it starts the sum of each it is the last stage to use
+    (Note [Shared leaves])."""
     out = []
     for i, h in enumerate(held):
         later = set()
         for g in held[i + 1:]:
             later.update(key for key in g if not isinstance(key, tuple))
-        out.append(sum(v for key, v in h.items() if not isinstance(key, tuple) and key in later))
+        mine = {key: v for key, v in h.items() if not isinstance(key, tuple)}
+        out.append((sum(v for key, v in mine.items() if key not in later), sum(mine.values())))
     return out
+
+
+def with_sums(bwd_tmp, bwd_tmp_sums, started):
+    """A stage's bwd_tmp, given its two figures (``Shares``) and ``started``, its
+    ``sums_started`` pair: that of a backward adding every share into a sum the
+    engine holds already; that of one starting every sum; or, starting some, the
+    first with those it starts held throughout (above what any moment holds)."""
+    mine, shared = started
+    if not mine or bwd_tmp_sums is None:
+        return bwd_tmp
+    return bwd_tmp_sums if mine == shared else bwd_tmp + mine
+
+
+class Shares:
+    """Note [Shared leaves]
+    --------------------
+    A leaf a stage uses that is also used behind it (a tied weight, a gate every
+    stage takes as an argument, ALBERT's one layer as every stage) gets a share of
+    its gradient from each stage using it, which the engine sums into a buffer it
+    holds from the backward of the last stage using it (which starts the sum) to the
+    first use's; that sum is in ``Costs.held_bytes``. A stage's measured backward
+    makes its shares too (``edge_backward``, ``shared``), with what it makes on the
+    way to them (a gate's product with an activation, summed to the gate's shape),
+    and meters two figures, as the engine would run it: ``mid``, where the stage
+    adds each share into a sum held already (the engine's add is out of place:
+    the share and the new sum are alive together, then the old sum and the share
+    go), and ``held``, where it starts them (each leaf's first share stays, the
+    next ones are added into it). Which one a stage is, the chain's end knows
+    (``sums_started``, ``with_sums``). Each share is dropped from the graph as it
+    is made, so the engine sums nothing. The figures are absolute, on the meter
+    (the window of ``run_backward``, the whole of ``backward_again``) or on
+    CUDA's allocator statistics, whose peak is started again after each share
+    there (its own bytes still counted there, which errs high)."""
+
+    def __init__(self, act, stop, shared, inst, cuda, window):
+        self.inst, self.cuda, self.window = inst, cuda, window
+        self.mid = self.held = self.acc = 0
+        self.started, self.handles, self.due, self.prev = set(), [], False, inst.watch
+        ids = {id(p) for p in shared}
+        if not ids or act.grad_fn is None:
+            return
+        for node in walk([act.grad_fn], stop):
+            to = [(j, n.variable) for j, (n, _) in enumerate(node.next_functions)
+                  if n is not None and id(getattr(n, "variable", None)) in ids]
+            if to:
+                self.handles.append(node.register_hook(functools.partial(self._made, to)))
+        if self.handles:
+            inst.watch = self._watch
+
+    def _peak(self):
+        if self.cuda:
+            return torch.cuda.max_memory_allocated()
+        return self.inst.window_peak if self.window else self.inst.peak
+
+    def _restart(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self.window:
+            self.inst.window_peak = self.inst.window_live
+        else:
+            self.inst.peak = self.inst.live
+
+    def _made(self, to, grad_inputs, _grad_outputs):
+        out = list(grad_inputs)
+        for j, p in to:
+            g = out[j]
+            if g is None:
+                continue
+            first = id(p) not in self.started
+            if first:
+                self.held = max(self.held, self._peak() + self.acc)
+            total = torch.empty_like(g)   # (the engine's new sum, beside the share)
+            peak = self._peak()
+            del total
+            self.mid = max(self.mid, peak)
+            if not first:
+                self.held = max(self.held, peak + self.acc)
+            else:
+                self.acc += p.numel() * p.element_size()
+                self.started.add(id(p))
+            out[j] = None
+        self.due = True   # (the peak starts again at the next op, the shares gone)
+        return tuple(out)
+
+    def _watch(self, func, args, kwargs, ran):
+        if self.prev is not None:
+            self.prev(func, args, kwargs, ran)
+        if self.due and not ran:
+            self.due = False
+            self._restart()
+
+    def figures(self):
+        """(mid, held) as Note [Shared leaves] says, absolute; call after the backward."""
+        for h in self.handles:
+            h.remove()
+        if self.handles:
+            self.inst.watch = self.prev
+        if self.due:   # (no op since the last share: the peak so far is what was before it)
+            self._restart()
+        peak = self._peak()
+        return max(self.mid, peak), max(self.held, peak + self.acc)
 
 
 @functools.cache
@@ -215,7 +315,7 @@ def edge_roots():
         return False
 
 
-def edge_backward(out, grad, x, params, grads, side=(), keep=True):
+def edge_backward(out, grad, x, params, grads, side=(), keep=True, shared=(), stops=()):
     """The stage's backward on the real forward's graph (kept for the real backward
     later, where ``keep``), for ``grad = ones_like(out)``, as a training step runs it, stopping at
     its input ``x`` (or None) without running x's node: that node is the stage
@@ -225,7 +325,10 @@ def edge_backward(out, grad, x, params, grads, side=(), keep=True):
     node runs in ``backward``'s mode), x's held to the end as a training step holds
     it for the stage before; each parameter's is added into its buffer of ``grads``
     by a hook, as AccumulateGrad adds into an existing ``.grad`` (dropped where its
-    buffer is None), and leaves a zero that takes no memory. The engine is called directly where PyTorch allows: the
+    buffer is None), and leaves a zero that takes no memory. ``shared``: leaves also used
+    behind the stage, whose shares of their gradients it makes (``Shares`` meters
+    them); ``stops``: the stage's tensor arguments (x among them), whose nodes are the
+    stages' before or the code before the chain. The engine is called directly where PyTorch allows: the
     public call checks grad's shape with sympy, imported on first use (half a
     second of a first call, for a check that cannot fail here)."""
     zeros = {}
@@ -243,14 +346,17 @@ def edge_backward(out, grad, x, params, grads, side=(), keep=True):
         return add
 
     handles = [p.register_hook(adder(b)) for p, b in zip(params, grads)]
-    if side and x is not None and x.grad_fn is not None:
-        # a side input's node is reached through x's too (a stage before used it): the engine would run
-        # the backward of every stage before, to sum their shares of its gradient (rebuilding each in
-        # a first call's forward phase: 55% over its budget). The stage's own nodes, made after x's,
-        # all run before it (the engine runs the latest made first): the backward stops as x's gradient
-        # is complete, its hooks run (a layout's, registered before) and not x's node's
-        handles.append(x.register_hook(_stop_at_input))
-    inputs = ([] if x is None else [x]) + list(side) + list(params)
+    if side or shared:
+        # a side input's or a shared leaf's node is reached through x's too (a stage before used it), or
+        # through another argument's: the engine would run the backward of every stage before (or of the
+        # code before the chain), to sum their shares of its gradient (rebuilding each in a first call's
+        # forward phase: 55% over its budget). The stage's own nodes, made after its arguments', all run
+        # before theirs (the engine runs the latest made first): the backward stops as the first of those
+        # is reached, its hooks run (a layout's, registered before) and not its node
+        for t in {id(t): t for t in ([] if x is None else [x]) + list(stops)}.values():
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                handles.append(t.register_hook(_stop_at_input))
+    inputs = ([] if x is None else [x]) + list(side) + list(params) + list(shared)
     try:
         run = getattr(torch.autograd.graph, "_engine_run_backward", None)
         edge = getattr(torch.autograd.graph, "get_gradient_edge", None)

@@ -44,7 +44,7 @@ from ..runtime.stage_call import first, input_signature, module_dicts, module_st
 from ..errors import BudgetError
 from ..units import format_bytes
 from .costs_source import chain_costs, distributed, read_costs
-from .leaves import GradPool, Upstream, shared_grad_transients, side_grads
+from .leaves import GradPool, Upstream, side_grads, sums_started, with_sums
 from .meter import Instrument, storage_key
 from .profile import instrumented_run, observed_forward
 from .record import StageRecord
@@ -365,11 +365,11 @@ class Measurer:
                                  None if distributed() else self.holding.run4_fits_now)
             new.caller_holds(self.outs, last)
             if self.given is None:
-                for i, extra in enumerate(shared_grad_transients([s.held for s in new.stages])):
+                for i, started in enumerate(sums_started([s.held for s in new.stages])):
                     costs = new.stages[i].costs
-                    if extra and i + 1 >= self.diverged and costs is not None and costs.backward_measured:
-                        costs.bwd_tmp += extra
-                        self.run4.extra[i + 1] = extra   # (kept if run 4 comes later)
+                    if started[0] and i + 1 >= self.diverged and costs is not None and costs.backward_measured:
+                        costs.bwd_tmp = with_sums(costs.bwd_tmp, costs.bwd_tmp_sums, started)
+                        self.run4.started[i + 1] = started   # (kept if run 4 comes later)
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given, self.options)
             new.from_file = self.given is not None

@@ -28,10 +28,10 @@ this order:
    node, the previous stage's, does not run, nor do AccumulateGrad and its
    hooks (FSDP1's post-backward); the input's and parameters' own hooks are
    held back. A
-   parameter also used behind the stage (tied weights, see ``Upstream``) is
-   left out, or the engine would run the graph behind the stage to reach
-   it: its gradient's share of the time is not counted. What this backward
-   writes in place is put back.
+   parameter also used behind the stage (tied weights, see ``Upstream``) has
+   its share of the gradient made and dropped, the backward stopping before
+   the graph behind the stage runs (Note [Shared leaves] in
+   remat/measure/leaves.py). What this backward writes in place is put back.
 3. A timed forward without recording, from the RNG and in-place state the
    stage started from (put back after), replayed as the runtime replays a
    recomputation (``Replay``, remat/runtime/recompute.py, whose per-call work is then in the time):
@@ -145,7 +145,8 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     params = [p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side)] \
         if act.requires_grad else []
     probe.held_grads = upstream.held_grads(params)
-    return probe, StageGraph(stop, side, [p for p in params if id(p) not in upstream.leaves], saved, keys)
+    return probe, StageGraph(stop, side, [p for p in params if id(p) not in upstream.leaves], saved, keys,
+                             [p for p in params if id(p) in upstream.leaves])
 
 
 def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, release=False):
@@ -195,6 +196,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     costs = probe.costs
     _forward_costs(costs, fwd_time, x, saved, probe.out)
     bwd_delta = in_grad = rebuilt_delta = 0
+    sums = None
     donor = None
     if twin is not None:
         donor = twin.find((costs.out_bytes, costs.saved_bytes, fwd_peak, costs.out_freed, probe.uses_rng,
@@ -205,8 +207,8 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
                            _graph_shape(act.grad_fn, graph.stop)))
     if donor is not None:
         probe.take_run2(donor)
-    elif act.requires_grad and (x.requires_grad or graph.params):
-        bwd_delta, in_grad, rebuilt_delta = run_backward(call, act, x, graph, inst, probe, anchor, release)
+    elif act.requires_grad and (x.requires_grad or graph.params or graph.shared):
+        bwd_delta, in_grad, rebuilt_delta, sums = run_backward(call, act, x, graph, inst, probe, anchor, release)
         if not cuda:   # (run 2 holds the output, and the input beside its gradient: more than any B(i))
             # (and the gradient handed in, one element expanded, made outside the meter)
             costs.measure_peak = inst.peak + x.untyped_storage().nbytes() + act.element_size()
@@ -221,6 +223,8 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     if donor is None:
         costs.bwd_tmp = max(0, bwd_delta - in_grad) - costs.out_freed
         costs.bwd_rebuilt_less = costs.bwd_tmp - (max(0, rebuilt_delta - in_grad) - costs.out_freed)
+        if sums is not None:
+            costs.bwd_tmp_sums = max(0, sums - in_grad) - costs.out_freed
     return probe
 
 

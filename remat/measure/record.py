@@ -45,6 +45,8 @@ class StageCosts:
     options: tuple = ()        # the options as the costs of a chain measured again after it tell (``of``)
     policies: tuple = ()       # what each of its options keeps (remat/measure/options.py, ``stage_options``)
     measure_peak: int = None   # the most its measuring runs 1 and 2 held at once, its input counted (CPU)
+    bwd_tmp_sums: int = None   # bwd_tmp where it starts the sums of its shared leaves' gradients (None: it has
+                               # none; Note [Shared leaves], remat/measure/leaves.py)
 
     @property
     def backward_measured(self):
@@ -70,6 +72,7 @@ class StageGraph(NamedTuple):
     params: list    # the leaves whose gradients it makes (those used behind it left out)
     saved: list     # what autograd saved in its forward
     keys: dict      # {storage: bytes} of those the stage made (``saved_storages``)
+    shared: list = []   # the leaves whose gradients it makes that are used behind it too (``Upstream``)
 
 
 @dataclass(slots=True, eq=False)
@@ -95,13 +98,14 @@ class Probe:
         takes, as a dict."""
         c = self.costs
         return {"bwd_time": c.bwd_time, "bwd_tmp": c.bwd_tmp, "bwd_rebuilt_less": c.bwd_rebuilt_less,
-                "grad_layout": self.grad_layout,
+                "bwd_tmp_sums": c.bwd_tmp_sums, "grad_layout": self.grad_layout,
                 "input_grad_layout": self.input_grad_layout}
 
     def take_run2(self, run2):
         """Take a twin's run 2 results (``run2``)."""
         c = self.costs
         c.bwd_time, c.bwd_tmp, c.bwd_rebuilt_less = run2["bwd_time"], run2["bwd_tmp"], run2["bwd_rebuilt_less"]
+        c.bwd_tmp_sums = run2["bwd_tmp_sums"]
         self.grad_layout, self.input_grad_layout = run2["grad_layout"], run2["input_grad_layout"]
 
 

@@ -6,9 +6,9 @@ another layout of its output's gradient (run 4).
 
 import torch
 
-from ..errors import StageError
+from ..errors import backward_failed
 from .costs_source import chain_costs
-from .leaves import HeldHooks, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
+from .leaves import HeldHooks, Shares, with_sums, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
@@ -35,8 +35,10 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
 
     Returns:
         (the backward's peak above its start, the bytes of the gradients of the
-        output and of the input, which simulate counts apart from bwd_tmp, and
-        the peak of the stage rebuilt, ``_Releases.rebuilt_peak``).
+        output and of the input, which simulate counts apart from bwd_tmp, the
+        peak of the stage rebuilt, ``_Releases.rebuilt_peak``, and the peak where
+        the stage starts the sums of its shared leaves' gradients, less theirs,
+        or None: Note [Shared leaves], remat/measure/leaves.py).
     """
     cuda, side, params = act.is_cuda, graph.side, graph.params
     # the meter is off between the two runs: what is made here is no stage's
@@ -66,13 +68,16 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
             released = _Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor, release)
             inst.open_window(released.held)
         ops_before = inst.op_seconds
+        shares = Shares(act, graph.stop, graph.shared, inst, cuda, window=True)
         try:
             with inst:
-                edge_backward(act, grad_out, x if x.requires_grad else None, params, grads, side)
+                edge_backward(act, grad_out, x if x.requires_grad else None, params, grads, side,
+                              shared=graph.shared, stops=call.args)
         except BaseException as exc:
-            _backward_failed(call, exc)
+            backward_failed(call, exc)
             raise
         finally:
+            peak, held_peak = shares.figures()
             if released is not None:
                 released.close()
             if hook is not None:
@@ -81,16 +86,20 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
             relay.remove()
         probe.costs.bwd_time = inst.op_seconds - ops_before
         rebuilt = None
-        if cuda:
-            bwd_delta = torch.cuda.max_memory_allocated() - base_b
-        else:
-            bwd_delta = inst.window_peak - released.held
-            if released.rebuilt_peak is not None:
-                rebuilt = min(bwd_delta, released.rebuilt_peak - released.held)
+        base = base_b if cuda else released.held
+        bwd_delta = peak - base
+        if not cuda and released.rebuilt_peak is not None:
+            rebuilt = min(bwd_delta, released.rebuilt_peak - released.held)
     # the output's gradient stands for the one simulate holds (x[i]), and the
-    # input's for the one B(i) adds (x[i-1]); what is left is bwd_tmp
+    # input's for the one B(i) adds (x[i-1]); what is left is bwd_tmp (and where the
+    # stage starts the sums of shared leaves' gradients, held_bytes counts those)
     in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
-    return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt
+    held = held_peak - base - _bytes(graph.shared) if graph.shared else None
+    return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt, held
+
+
+def _bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _Releases:
@@ -198,26 +207,6 @@ class _Releases:
             self.anchor.observe = None
 
 
-def _backward_failed(call, exc):
-    """Say why a stage's measured backward (run 2) raised ``exc``: a StageError for a
-    reentrant checkpoint inside the stage, else a note on the exception."""
-    if isinstance(exc, RuntimeError) and "use_reentrant=True" in str(exc):
-        raise StageError(
-            f"remat: stage {call.index} ({call.name}) runs torch.utils.checkpoint with "
-            f"use_reentrant=True inside, whose backward cannot be run on one stage alone, as "
-            f"remat's first call measures each stage. Pass use_reentrant=False (or drop the "
-            f"checkpoint: remat decides what to recompute), or measure the costs once that way "
-            f"and pass the file: remat.chain(..., costs=\"costs.json\")") from exc
-    if hasattr(exc, "add_note") and not isinstance(exc, KeyboardInterrupt):
-        exc.add_note(_BACKWARD_FAILED)
-
-
-_BACKWARD_FAILED = (
-    "(raised by the backward that remat's first call runs on each stage to measure it, inside "
-    "the chain's forward: hooks that expect a backward only after the forward may reject it. "
-    "Measure the costs once without them and pass the file: remat.chain(..., costs=\"costs.json\"))")
-
-
 class Run4:
     """Run 4 of Note [Measuring a stage] (remat/measure/profile.py) of a measuring
     call's stages, into their costs in the chain's record ``new``. One that would not
@@ -228,7 +217,7 @@ class Run4:
 
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
-        self.later, self.extra = {}, {}   # (extra: stage -> what the call's end added to its bwd_tmp, held gradients)
+        self.later, self.started = {}, {}   # (started: stage -> its ``sums_started``, as the call's end found)
         self.room = None   # (run, stage, gradient, input made again, bytes of state copies) -> run 4 fits now
 
     def again(self, m, layout, pool=None, grad=None):
@@ -244,8 +233,8 @@ class Run4:
                                m.leaves, grad)
         if again is None:
             return None
-        seconds, bwd_tmp, seen = again
-        costs.bwd_tmp = bwd_tmp + self.extra.get(m.index, 0)
+        seconds, costs.bwd_tmp, seen, costs.bwd_tmp_sums = again
+        costs.bwd_tmp = with_sums(costs.bwd_tmp, costs.bwd_tmp_sums, self.started.get(m.index, (0, 0)))
         # (run 4 frees as autograd does: what a rebuilt backward needs less is run 2's)
         costs.bwd_rebuilt_less = min(costs.bwd_rebuilt_less, costs.bwd_tmp + costs.out_bytes)
         if not m.cuda:   # on CUDA it ran under the meter, whose Python is in the wall time:
@@ -336,8 +325,10 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         given: the gradient to hand the stage, laid out so (one in a backward), or None.
 
     Returns:
-        (bwd_time, bwd_tmp, strides of the gradient it hands its input or None),
-        or None when the stage's output needs no gradient.
+        (bwd_time, bwd_tmp, strides of the gradient it hands its input or None,
+        bwd_tmp where it starts the sums of its shared leaves' gradients or None:
+        Note [Shared leaves], remat/measure/leaves.py), or None when the stage's
+        output needs no gradient.
     """
     xin = x.detach().requires_grad_(call.input_requires_grad)   # (``x`` may be a detached copy)
     stop = stop_nodes(call.args)
@@ -349,9 +340,11 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
                 t.copy_(old)
         with inst:
             act = call.activation(xin)
-        params = [p for p in stage_leaves(act, stop) if p is not xin and id(p) not in leaves]
+        reached = [p for p in stage_leaves(act, stop) if p is not xin]
+        params = [p for p in reached if id(p) not in leaves]
+        shared = [p for p in reached if id(p) in leaves]
         inputs = [xin] if xin.requires_grad else []
-        if not act.requires_grad or not (inputs or params):
+        if not act.requires_grad or not (inputs or params or shared):
             return None
         shape, dtype, device, out_bytes = act.shape, act.dtype, act.device, act.numel() * act.element_size()
         grad = torch.ones((), dtype=dtype, device=device).expand(shape)   # (handed in as no memory)
@@ -370,6 +363,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         hook = xin.register_hook(lambda g: handed.append(g.stride())) if xin.requires_grad else None
         # the output goes where its backward does not read it, as in a step's B(i) (held, run 4 in the call's
         # backward went one output over the budget): from its edge; the start below is taken without it
+        shares = Shares(act, stop, shared, inst, cuda, window=False)
         if not torch.overrides.has_torch_function((act,)) and edge_roots():
             act = torch.autograd.graph.get_gradient_edge(act)
         # each parameter's gradient is added into the pool's buffer standing in for its resident ``.grad``,
@@ -386,13 +380,15 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             ops_before = inst.op_seconds
             try:
                 with Timer(cuda) as timer, inst:
-                    edge_backward(act, grad, xin if xin.requires_grad else None, params, grads, keep=False)
+                    edge_backward(act, grad, xin if xin.requires_grad else None, params, grads, keep=False,
+                                  shared=shared, stops=call.args)
             finally:
+                peak, held_peak = shares.figures()
                 inst.watch = None   # (a cycle through it kept the meter's copies of written state alive)
-            peak = torch.cuda.max_memory_allocated() if cuda else inst.peak
         relay.remove()
         if hook is not None:
             hook.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
         in_grad = (x.untyped_storage().nbytes() if call.input_requires_grad else 0) + out_bytes
-        return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None
+        held = max(0, held_peak - start - in_grad - _bytes(shared)) - out_freed if shared else None
+        return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None, held
