@@ -54,7 +54,9 @@ The measuring call meters the tail (``TailMeter``):
    tensors) but the last stage's own backward reads it (``_Output.read``),
    later calls hold it in a-bar^L beside the tail, and taken off there its
    backward's peak came out one output under theirs (16% over a small
-   chain's budget).
+   chain's budget). So where an option of the last stage keeps a^L (a kept
+   op made it, ``output_held_later``): plans recording it whole then count
+   it one output high at the tail (an option's ran one output over).
 
 5. The meter stays past the block (remat/measure/linger.py): the head and
    the loss may come after it (``return self.head(x)``, or a base model's
@@ -102,7 +104,7 @@ from .leaves import stop_nodes, walk
 from .linger import alone, downstream, linger, release
 from .meter import Instrument, storage_key
 
-__all__ = ["TAIL_TRIES", "TailMeter", "TailSeen", "backward_seen"]
+__all__ = ["TAIL_TRIES", "TailMeter", "TailSeen", "abandoned", "backward_seen", "output_held_later"]
 
 TAIL_TRIES = 2   # running calls whose tail was cut short after which a record keeps what it saw (6 of the Note)
 
@@ -150,11 +152,8 @@ class TailSeen:
     def __str__(self):
         if not self.metered:
             return f"tail not metered: {self.why}"
-        if self.kept is None:
-            seen = "its backward not yet seen"
-        else:
-            seen = (f"{_mib(self.backward_peak)} with its backward, {_mib(self.kept)} kept through the "
-                    f"chain's backward")
+        seen = "its backward not yet seen" if self.kept is None else \
+            f"{_mib(self.backward_peak)} with its backward, {_mib(self.kept)} kept through the chain's backward"
         if self.after_block:
             cut = ", cut short by a chain opened before it (6 of Note [The chain's tail])" if self.cut else ""
             return f"tail (the code after the last stage, until its backward reached the chain{cut}): {seen}"
@@ -200,7 +199,7 @@ class TailMeter:
         the activations every stage returned): what the last window saw
         (``TailSeen``); its backward is metered (Note [The chain's tail] 2), and
         ``on_kept(seen)`` is called as ``B(L)`` starts, the backward's figures set;
-        ``read``: the last stage's own backward reads a^L (``_Output``)."""
+        ``read``: later calls may hold a^L (``output_held_later``)."""
         meter, self.meter = self.meter, None
         if meter is None:
             return TailSeen(why=self.why)
@@ -231,7 +230,6 @@ class TailMeter:
         _Backward(meter, out, seen, on_kept, outputs).hook(walk(roots, stop_nodes(outputs)), node)
         return seen
 
-
     def linger(self, record=None):
         """The measuring call of ``record`` is over: meter the code after the block
         until ``B(L)`` starts (Note [The chain's tail] 5). Where the call's graph goes
@@ -261,12 +259,19 @@ def abandoned(meter, entry=None, x=None):
         record.remeasure = record.abandoned = True
 
 
+def output_held_later(stages, options):
+    """Whether later calls may hold a^L beside the tail (4 of Note [The chain's tail]): the
+    last stage's backward reads it, or a kept op made it, which its ``options`` keep."""
+    costs = stages[-1].costs if stages else None
+    return costs is not None and (costs.out_freed == 0 or bool(options and costs.kept and costs.kept.out_kept))
+
+
 class _Output:
     """a^L under the tail's meter, counted from the window's start (Note [The chain's
     tail] 4): the meter's figures, less ``bytes``, are the tail's above the chain's end."""
 
     def __init__(self, meter, act, read=False):
-        self.meter, self.read = meter, read   # (read: the last stage's backward reads a^L: 4 of the Note)
+        self.meter, self.read = meter, read   # (read: later calls may hold a^L: 4 of the Note)
         self.key = storage_key(act)
         self.bytes = meter.created.get(self.key, 0)
         self.storage = weakref.ref(act.untyped_storage())

@@ -19,7 +19,7 @@ from ..measure.chain_record import NO_HINT, write_costs
 from ..measure.measuring import Measurer
 from ..measure.refine import StageTimes, refine
 from ..measure.linger import LINGERING, Before, ends, settle
-from ..measure.tail import TAIL_TRIES, TailMeter, abandoned, backward_seen
+from ..measure.tail import TAIL_TRIES, TailMeter, abandoned, backward_seen, output_held_later
 from ..solver.plan import Plan
 from ..solver.group import least_planned
 from ..solver.solve import minimum_budget, solve
@@ -272,9 +272,9 @@ class ChainCall:
         measurer = self.part
         # (what the tail's backward hooks hold: no activation, so not self, whose prev is a^L)
         record, published, spec, budget = [None], [None], self.spec, self.budget
-        read = bool(measurer.new.stages) and getattr(measurer.new.stages[-1].costs, "out_freed", None) == 0
-        tail = self.tail.seen(self.prev, [ref() for ref in measurer.outs.values()],   # (read: B(L) reads a^L)
-                              lambda seen: backward_seen(record[0], spec, budget, published, plan_for, seen), read)
+        tail = self.tail.seen(self.prev, [ref() for ref in measurer.outs.values()],
+                              lambda seen: backward_seen(record[0], spec, budget, published, plan_for, seen),
+                              output_held_later(measurer.new.stages, measurer.options))
         self.in_stage = True   # stages inside the stage measured again run plainly
         try:
             new = measurer.finish(self.k, tail.alive)
@@ -316,9 +316,8 @@ class ChainCall:
         entry = self.tail_due
         if entry is not None and self.tail is not None and runner.entry is entry:   # (Note [The chain's tail] 6)
             spec, budget, published = self.spec, self.budget, [self.spec.last]
-            read = getattr(entry.stages[-1].costs, "out_freed", None) == 0
             entry.tail = self.tail.seen(self.prev, [self.prev], lambda seen: backward_seen(
-                entry, spec, budget, published, plan_for, seen), read)
+                entry, spec, budget, published, plan_for, seen), output_held_later(entry.stages, entry.costs.has_options))
             self.tail.linger()
 
 
