@@ -11,7 +11,7 @@ from .chain import chain, clear_cache, explain
 from .solver.costs import Costs
 from .solver.option import Option
 from .errors import (BudgetError, CostsError, InvalidScheduleError, RecomputeMismatchError, RematError,
-                     SolverError, StageError)
+                     SolverError, StageError, UsageError)
 from .solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from .measure.peak import measure_peak
 from .sequential import Sequential
@@ -26,5 +26,5 @@ __all__ = [
     "explain", "measure_peak", "clear_cache", "solve", "simulate", "Costs", "Option", "Schedule",
     "Fn", "Fck", "Fall", "B", "Loss",
     "RematError", "BudgetError", "CostsError", "InvalidScheduleError", "SolverError", "StageError",
-    "RecomputeMismatchError",
+    "RecomputeMismatchError", "UsageError",
 ]

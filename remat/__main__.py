@@ -106,8 +106,8 @@ def _main(argv=None):
 
         if args.model not in MODELS:
             parser.error(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
-        if args.steps < 2:
-            parser.error("--steps must be at least 2 (the first step is a warm-up)")
+        if args.steps < 3:
+            parser.error("--steps must be at least 3 (a warm-up, a timed step and a metered one)")
         run_demo(args.model, args.budget, device, args.steps, progress=not args.no_progress)
     return 0
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from .dynamo import DYNAMO_SKIPS
-from .errors import BudgetError, StageError
+from .errors import BudgetError, StageError, UsageError
 from .measure.holding import least_budget
 from .measure.options import keeps_said
 from .runtime.chain_call import CACHE_SIZE, ChainCall, clear_cache, measuring_peaks
@@ -73,10 +73,10 @@ def parse_budget(budget):
         if isinstance(budget, float):
             raise BudgetError(f"remat: budget {budget!r} is a float; give an int of bytes or a string with a unit, "
                               f"e.g. '1.5GiB'")
-        raise BudgetError(
-            f"remat: budget must be an int of bytes, a string such as '900MB' or '1.5GiB', or 'auto'; "
-            f"got {type(budget).__name__} {budget!r}"
-        )
+        bare = ("; as a decorator, remat.chain takes its settings first: @remat.chain(budget='2GiB'), or "
+                "@remat.chain() for 'auto'" if callable(budget) else "")
+        raise BudgetError(f"remat: budget must be an int of bytes, a string such as '900MB' or '1.5GiB', or 'auto'; "
+                          f"got {type(budget).__name__} {budget!r}{bare}")
     else:
         value = budget
     if value <= 0:
@@ -146,7 +146,7 @@ class Explanation:
         self._record = record   # (``times`` and ``held`` are asked of it when read: not on every call)
         self.measured_peak = None   # set by a ``remat.measure_peak`` block around the step
 
-    times = property(lambda self: self._record.times_said() if self._record is not None else None,
+    times = property(lambda self: self._record.times_said(self.measured) if self._record is not None else None,
                      doc="Where the stages' times come from, in words, or None.")
 
     @property
@@ -341,7 +341,7 @@ class chain:
                  hints=None):
         self.settings = (budget, algorithm, slots, costs, options)   # as given
         if type(options) is not bool and options != "auto":
-            raise TypeError(f"remat: options must be True (plan each stage's option 1, the outputs of matmuls, "
+            raise UsageError(f"remat: options must be True (plan each stage's option 1, the outputs of matmuls, "
                             f"convolutions and attention kept and the rest recomputed, where it pays), False "
                             f"(each stage recorded whole or not at all) or 'auto' (True on CUDA, False "
                             f"elsewhere), got {options!r}")
@@ -349,7 +349,7 @@ class chain:
         self.hints = hints if hints is not None else ChainHints()
         self.budget = parse_budget(budget)
         if costs is not None and not isinstance(costs, (str, os.PathLike)):
-            raise TypeError(f"remat: costs must be a path to a JSON file, got {type(costs).__name__}")
+            raise UsageError(f"remat: costs must be a path to a JSON file, got {type(costs).__name__}")
         self.costs_path = costs
         _check_settings(algorithm, slots)
         self.algorithm = algorithm

@@ -8,6 +8,7 @@ __all__ = [
     "SolverError",
     "StageError",
     "RecomputeMismatchError",
+    "UsageError",
 ]
 
 
@@ -43,6 +44,11 @@ class SolverError(RematError, RuntimeError):
 
 class StageError(RematError, RuntimeError):
     """A stage or a chain was misused (names the stage and the fix)."""
+
+
+class UsageError(RematError, TypeError, ValueError):
+    """An argument of remat's API of the wrong type or value (the message names it
+    and what to give): catchable as ``TypeError`` and ``ValueError`` too."""
 
 
 class RecomputeMismatchError(RematError, RuntimeError):

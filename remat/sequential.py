@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .chain import NO_LIMIT, ChainHints, chain, explain, parse_budget, resolve_budget
-from .errors import RematError
+from .errors import RematError, UsageError
 from .measure.linger import LINGERING, settle
 from .runtime.replay import capture_rng, cuda_devices
 from .solver.solve import DEFAULT_SLOTS, solve as _solve
@@ -168,7 +168,7 @@ class Sequential(nn.Sequential):
             True
         """
         if not isinstance(module, nn.Sequential):
-            raise TypeError(f"remat.Sequential.from_module needs an nn.Sequential, got {type(module).__name__}")
+            raise UsageError(f"remat.Sequential.from_module needs an nn.Sequential, got {type(module).__name__}")
         return cls(collections.OrderedDict(module._modules), **kwargs)
 
     def __getitem__(self, idx):

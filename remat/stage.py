@@ -30,6 +30,7 @@ import torch
 
 from .chain import active as _active
 from .dynamo import DYNAMO_SKIPS
+from .errors import StageError, UsageError
 
 __all__ = ["stage", "is_stage", "unstage"]
 
@@ -57,7 +58,7 @@ class _StageForward:
     def __call__(self, *args, **kwargs):
         module = self.module()
         if module is None:
-            raise ReferenceError("remat: the module whose forward this was is gone (a forward taken from a "
+            raise StageError("remat: the module whose forward this was is gone (a forward taken from a "
                                  "stage module outlived it); call the module itself")
         # (a bound method made directly: torch 2.5's dynamo fails to trace a function's __get__)
         forward = self.inner if self.inner is not None else types.MethodType(type(module).forward, module)
@@ -126,7 +127,7 @@ def stage(obj):
         torch.Size([2, 8])
     """
     if isinstance(obj, _SCRIPTED):
-        raise TypeError(
+        raise UsageError(
             f"remat.stage cannot mark TorchScript code ({type(obj).__name__}, from torch.jit.script or "
             f"torch.jit.trace): remat measures and replays a stage through its Python code. Mark the "
             f"eager module or function instead")
@@ -141,12 +142,12 @@ def stage(obj):
     if isinstance(obj, (staticmethod, classmethod)):   # (@remat.stage above @staticmethod)
         return type(obj)(stage(obj.__func__))
     if isinstance(obj, type):
-        raise TypeError(
+        raise UsageError(
             f"remat.stage marks a function, a method or a module instance, not the class {obj.__name__}: "
             f"decorate its forward (@remat.stage above def forward) or mark an instance "
             f"(remat.stage({obj.__name__}(...)))")
     if not callable(obj):
-        raise TypeError(f"remat.stage needs a function, a method or an nn.Module, got {type(obj).__name__}")
+        raise UsageError(f"remat.stage needs a function, a method or an nn.Module, got {type(obj).__name__}")
     if getattr(obj, "_remat_stage", False):
         return obj
     try:

@@ -38,7 +38,7 @@ import weakref
 import torch
 
 from .chain import ChainHints, chain
-from .errors import StageError
+from .errors import StageError, UsageError
 from .solver.solve import DEFAULT_SLOTS
 from .stage import is_stage, stage, unstage
 
@@ -134,14 +134,14 @@ def _checkpointing_on(kind, when=""):
 def _checked_blocks(model, blocks):
     """``blocks`` as a list, once ``model`` and they are fit to wrap (the errors of ``wrap``)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"remat.wrap needs an nn.Module, got {type(model).__name__}")
+        raise UsageError(f"remat.wrap needs an nn.Module, got {type(model).__name__}")
     if isinstance(model.__dict__.get("forward"), _WrappedForward):
         raise StageError(
             f"remat: this {type(model).__name__} is wrapped already; call remat.unwrap(model) "
             f"before wrapping it again with other blocks or another budget"
         )
     if isinstance(blocks, torch.nn.Module) and not isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
-        raise TypeError(
+        raise UsageError(
             f"remat.wrap needs an iterable of blocks, e.g. model.layers, got one {type(blocks).__name__}; "
             f"pass [block] for a single one"
         )
@@ -153,23 +153,23 @@ def _checked_blocks(model, blocks):
     try:
         blocks = list(blocks)
     except TypeError:
-        raise TypeError(f"remat.wrap needs an iterable of blocks, e.g. model.layers, got "
+        raise UsageError(f"remat.wrap needs an iterable of blocks, e.g. model.layers, got "
                         f"{type(blocks).__name__}") from None
     if not blocks:
-        raise ValueError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
+        raise UsageError("remat.wrap: blocks is empty; pass the modules that form the chain, e.g. model.transformer.h")
     inside = {id(m) for m in model.modules()}
     for i, block in enumerate(blocks):
         if not isinstance(block, torch.nn.Module):
-            raise TypeError(f"remat.wrap: block {i} is a {type(block).__name__}, not an nn.Module")
+            raise UsageError(f"remat.wrap: block {i} is a {type(block).__name__}, not an nn.Module")
         if id(block) not in inside:
-            raise ValueError(
+            raise UsageError(
                 f"remat.wrap: block {i} ({type(block).__name__}) is not a submodule of this "
                 f"{type(model).__name__}; its calls would not be part of the model's chain"
             )
         if block is model:
-            raise ValueError("remat.wrap: the model cannot be one of its own blocks")
+            raise UsageError("remat.wrap: the model cannot be one of its own blocks")
         if isinstance(block, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            raise TypeError(
+            raise UsageError(
                 f"remat.wrap: block {i} is a {type(block).__name__}, a container that is never called; "
                 f"pass its blocks themselves (remat.wrap(model, model.layers), not [model.layers])")
         fwd = block.__dict__.get("forward")
@@ -307,7 +307,7 @@ def unwrap(model):
     """
     wrapped = model.__dict__.get("forward") if isinstance(model, torch.nn.Module) else None
     if not isinstance(wrapped, _WrappedForward):
-        raise ValueError(f"remat.unwrap: this {type(model).__name__} is not wrapped by remat.wrap")
+        raise UsageError(f"remat.unwrap: this {type(model).__name__} is not wrapped by remat.wrap")
     for block in wrapped.marked:
         left = _CLAIMS.pop(block, 1) - 1   # (a model unpickled: its blocks its own)
         if left:

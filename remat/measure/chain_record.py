@@ -67,7 +67,7 @@ from ..solver.schedule import simulate
 from ..solver.solve import store_all
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import CostsError
-from .holding import stage_least
+from .holding import least_budget, stage_least
 from .record import StageCosts
 from .tail import TailSeen
 from ..units import format_bytes
@@ -140,6 +140,11 @@ class ChainRecord:
         self.skipped = False     # a call ran on such a view
         self.before = None       # what the code before the chain's backward needed (remat/measure/linger.py)
         self.tail_tries = 0      # running calls' tails cut short (Note [The chain's tail] 6, remat/measure/tail.py)
+        self.in_flight = None    # a weak reference to the latest call's InFlight (remat/measure/overlap.py)
+        self.overlap = None      # what a call alive with another holds for the parameters' gradients (overlap.py)
+        self.overlapping = 0     # that, for the latest call, if it was alive with another
+        self.options = True      # its measuring call measured the stages' options (``remat.chain(options=...)``)
+        self.measured_at = None  # the budget its measuring call ran under
 
     def add(self, record, ident):
         """Append the next stage's ``record``, of the stage object ``ident``, held
@@ -173,7 +178,7 @@ class ChainRecord:
             new.add(s.again(StageCosts.of(self.costs, i, s.costs.policies if s.costs else ())), s.ident())
         new.input_bytes = self.input_bytes
         new.tail = self.tail   # (what the tail needed on the recorded path, until this call's shows)
-        new.before = self.before
+        new.before, new.options = self.before, self.options
         return new
 
     def hint(self, budget, input_bytes=None):
@@ -315,9 +320,19 @@ class ChainRecord:
             RuntimeWarning, stacklevel=4)
         self.save()
 
-    def output_kept(self):
-        """A call found a^L alive at the end of its backward, where the calls before had
-        let it go and its plan counted it so (Note [The chain's output]): say so."""
+    def output_kept(self, first=False):
+        """A call found a^L alive at the end of its backward, where its plan counted it let go
+        (Note [The chain's output]), or (``first``) the measuring call did, where no plan holding it
+        fits that call's budget (the next call raises): say so."""
+        if first:
+            if (least := least_budget(self.planning_costs(), self.costs, self)) > (self.measured_at or least):
+                warnings.warn(
+                    f"remat: the code around the chain kept the chain's output through the first call's backward "
+                    f"(y = net(x); loss(y).backward()); with it, this chain needs at least {format_bytes(least)} "
+                    f"({least} bytes), above this budget of {format_bytes(self.measured_at)}: the first call may "
+                    f"have gone over it, and the next call raises BudgetError. Raise the budget, or let the output "
+                    f"go before the backward", RuntimeWarning, stacklevel=2)
+            return
         warnings.warn(
             f"remat: the code around the chain kept the chain's output through its backward (a variable "
             f"holding it, or a tensor made from it), where the calls before had let it go and this call's "
@@ -339,14 +354,20 @@ class ChainRecord:
             what = ("the chain's output, which the code around the chain keeps through the backward"
                     if self.output_held else "the chain's output, until a backward shows it let go")
             parts[what] = self.costs.out_bytes[-1]
+        parts["gradients of the stages' parameters, held between two calls' backwards (overlap.py)"] = self.overlapping
         if self.tail is not None and self.tail.kept:   # (Costs.tail_kept: remat/measure/tail.py)
             parts["the tail's, which the code after the last stage keeps through the chain's backward"] = self.tail.kept
         return {k: v for k, v in parts.items() if v}
 
-    def times_said(self):
-        """Where the stages' times come from, in words (what ``explain()`` says of them)."""
+    def times_said(self, shown=None):
+        """Where the stages' times come from, in words (what ``explain()`` says of them),
+        for the costs ``shown`` (those a call planned on; a call that refined them after
+        shows those before)."""
         if self.view:   # (a view of a record, for a call that skipped stages: its times are that record's)
             return self.view[0].times_said()
+        if self.refined and shown is not None and shown is not self.costs:
+            return (f"times: first-call estimates in these costs; the means of {self.refined} calls' own, as "
+                    f"training steps ran them, replace them from the next call")
         if self.refined:
             return f"times: the means of {self.refined} calls' own, as training steps ran them"
         if self.from_file:

@@ -92,7 +92,7 @@ class Measurer:
         self.run = run if run is not None else Run(None, autocast)
         self.diverged = len(self.new.stages) + 1 if chain_record is not None else 0
         self.given = None        # costs read from a file
-        self.options = True      # measure option 1 of each stage (``remat.chain(options=...)``)
+        self.options = self.new.options   # measure the stages' options (``remat.chain(options=...)``; ``first``)
         self.costs_path = None   # the costs file this call reads or writes
         self.rng_start = None    # the RNG state as the call began (put back if it fails)
         self.originals = {}      # storage -> (tensor, value before the call) of the state stages wrote
@@ -372,7 +372,7 @@ class Measurer:
                         self.run4.started[i + 1] = started   # (kept if run 4 comes later)
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given, self.options)
-            new.from_file = self.given is not None
+            new.from_file, new.options, new.measured_at = self.given is not None, self.options, self.budget
             # a frozen stage is checked as it is called (Note [Stages recorded whole], remat/runtime/runner.py)
             new.suspects |= {i + 1 for i, s in enumerate(new.stages)
                              if (flags := [g[1] for g in s.grads if g is not None]) and not any(flags)}

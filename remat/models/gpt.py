@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UsageError
 from ..stage import stage
 from ._common import open_chain
 
@@ -27,7 +28,7 @@ class _CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, dropout):
         super().__init__()
         if n_embd % n_head:
-            raise ValueError(f"remat: n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
+            raise UsageError(f"remat: n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
         self.n_head = n_head
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
@@ -146,7 +147,7 @@ class GPT(nn.Module):
         """
         b, t = idx.shape
         if t > self.block_size:
-            raise ValueError(f"remat: sequence of length {t} is longer than block_size {self.block_size}")
+            raise UsageError(f"remat: sequence of length {t} is longer than block_size {self.block_size}")
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         mask = None if attention_mask is None else _attention_mask(attention_mask, t)

@@ -18,6 +18,7 @@ import re
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..stage import stage
 from ._common import open_chain
 
@@ -77,7 +78,7 @@ class VGG(nn.Module):
     def __init__(self, depth, batch_norm=False, num_classes=1000, dropout=0.5, budget=None):
         super().__init__()
         if depth not in _CONFIGS:
-            raise ValueError(f"remat: VGG depth must be one of {sorted(_CONFIGS)}, got {depth!r}")
+            raise UsageError(f"remat: VGG depth must be one of {sorted(_CONFIGS)}, got {depth!r}")
         self.budget = budget
         self.algorithm = "optimal"
         cfg = _CONFIGS[depth]

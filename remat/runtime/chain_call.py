@@ -17,6 +17,7 @@ from ..dynamo import in_compiled_frame
 from ..errors import BudgetError, RematError, StageError, not_handed_on
 from ..measure.chain_record import NO_HINT, write_costs
 from ..measure.measuring import Measurer
+from ..measure.overlap import overlap_bytes
 from ..measure.refine import StageTimes, refine
 from ..measure.linger import LINGERING, Before, ends, settle
 from ..measure.tail import TAIL_TRIES, TailMeter, abandoned, backward_seen, output_held_later
@@ -70,17 +71,14 @@ def _transformed(x):
 def _dual(x, args, kwargs):
     """True if a forward-mode AD level is open and the chain's input or a tensor side
     input of its first stage carries a tangent."""
-    if forward_ad._current_level < 0:
-        return False
-    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
-               for t in [x, *tree_leaves((args, kwargs))])
+    return forward_ad._current_level >= 0 and any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent
+                                                  is not None for t in [x, *tree_leaves((args, kwargs))])
 
 
 class ChainCall:
-    """One open chain on one thread (one call of the user's forward): the stage
-    calls checked as they come and handed to its part, a ``Measurer`` or a
-    ``Runner``; a call that leaves its recorded path hands the runner's record
-    so far to a new measurer (``Runner.diverge``)."""
+    """One open chain on one thread (one call of the user's forward): the stage calls checked as they
+    come and handed to its part, a ``Measurer`` or a ``Runner``; a call that leaves its recorded path
+    hands the runner's record so far to a new measurer (``Runner.diverge``)."""
 
     def __init__(self, spec, site):
         # (a meter left after the last block on this thread goes: remat/measure/linger.py)
@@ -165,10 +163,7 @@ class ChainCall:
         act = check_output(call, out, x, version)
         call.seal()
         self.part.returned(k, act)
-        self.prev = act
-        self.prev_version = act._version
-        self.prev_name = name
-        self.prev_ident = ident
+        self.prev, self.prev_version, self.prev_name, self.prev_ident = act, act._version, name, ident
         if self.measuring or self.tail_due is not None:   # (what runs until the next stage, or the block's end)
             if self.tail is None:
                 self.tail, self.compiled = TailMeter(), in_compiled_frame()
@@ -229,6 +224,8 @@ class ChainCall:
                     _cache.move_to_end(self.key)
         for meter in self.cut_short:   # (its measuring call's backward did not come: a new step)
             abandoned(meter, entry, x)
+        if entry is not None and self.spec.options is True and not entry.options:
+            entry = None   # (measured without options, which this call asks for: measured again)
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None or entry.remeasure:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
@@ -243,8 +240,9 @@ class ChainCall:
         if entry.unsaved:
             entry.unsaved = False
             write_costs(entry.costs, entry.costs_file)
+        entry.overlapping = overlap_bytes(entry) if (f := entry.in_flight and entry.in_flight()) and not f.ended else 0
         try:
-            plan = plan_for(entry, self.budget, self.spec)
+            plan = plan_for(entry, self.budget, self.spec, entry.overlapping)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
             self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs, entry)
             raise
@@ -316,8 +314,9 @@ class ChainCall:
         entry = self.tail_due
         if entry is not None and self.tail is not None and runner.entry is entry:   # (Note [The chain's tail] 6)
             spec, budget, published = self.spec, self.budget, [self.spec.last]
+            read = output_held_later(entry.stages, entry.costs.has_options)
             entry.tail = self.tail.seen(self.prev, [self.prev], lambda seen: backward_seen(
-                entry, spec, budget, published, plan_for, seen), output_held_later(entry.stages, entry.costs.has_options))
+                entry, spec, budget, published, plan_for, seen), read)
             self.tail.linger()
 
 
@@ -346,15 +345,16 @@ def _remember(key, chain_record):
             _cache.popitem(last=False)
 
 
-def plan_for(entry, budget, spec):
+def plan_for(entry, budget, spec, overlap=0):
     """The plan for ``budget`` (bytes) and the settings of ``spec`` (a ``remat.chain``),
     solved from the chain record ``entry``'s planning costs and kept (``entry.plans``); a
-    ``BudgetError`` where none fits, naming the least (Note [The chain's output], chain_record.py)."""
+    ``BudgetError`` where none fits, naming the least (Note [The chain's output], chain_record.py).
+    ``overlap``: bytes held for a call alive with another (remat/measure/overlap.py)."""
     algorithm, slots, options = spec.algorithm, spec.slots, spec.options
-    key = (budget, algorithm, slots, options, *map(id, entry.others))
+    key = (budget, algorithm, slots, options, *map(id, entry.others)) + ((("overlap", overlap),) if overlap else ())
     plan = entry.plans.get(key)
     if plan is None:
-        costs = entry.planning_costs(options=options)
+        costs = entry.planning_costs(options=options).with_held(overlap)
         end = entry.step_end(costs)
         if end > budget:   # (Note [The code before the chain], remat/measure/linger.py)
             raise BudgetError(
@@ -378,7 +378,7 @@ def plan_for(entry, budget, spec):
             # no backward has told yet whether the code around the chain lets a^L go: as the
             # measuring call does, plan on the costs as measured and let this call's backward
             # tell (the minimum a first call's error names must run: retrying with it is what it asks)
-            costs = entry.planning_costs(output=False, options=options)
+            costs = entry.planning_costs(output=False, options=options).with_held(overlap)
             failed = None
             try:
                 schedule = solve(costs, budget, algorithm, slots)
@@ -386,7 +386,8 @@ def plan_for(entry, budget, spec):
                 failed, least = str(exc), exc.minimum
             if failed is not None:   # (raised here: no "during handling" chain)
                 # (the optimal algorithm's least budget, a long chain's on groups; the others' errors say their own)
-                held = least_planned(entry.planning_costs(), slots) if algorithm == "optimal" else None
+                held = least_planned(entry.planning_costs().with_held(overlap), slots) if algorithm == "optimal" \
+                    else None
                 note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                         f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
                 raise BudgetError(failed + note, least)

@@ -130,6 +130,20 @@ def _unchanged(anchor, x):
     return x
 
 
+class InFlight:
+    """A call of a chain whose backward has not reached its last stage yet (Note
+    [Calls alive together], remat/measure/overlap.py): ``end`` is a hook on a^L's
+    gradient, which its node holds with the graph."""
+
+    __slots__ = ("ended", "__weakref__")
+
+    def __init__(self):
+        self.ended = False
+
+    def end(self, _grads):
+        self.ended = True
+
+
 class Run:
     """One execution of a chain: the stage calls and the backward cursor."""
 

@@ -48,7 +48,7 @@ import torch
 
 from ..dynamo import DYNAMO_SKIPS
 from ..solver.schedule import Fall, Fn
-from .executor import Run, _releasing, distributed
+from .executor import InFlight, Run, _releasing, distributed
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
 from .option_modes import keep_only, option_contexts
@@ -352,7 +352,11 @@ def watch_output(entry, act, inner=(), first=None):
     """Have ``act``, a^L of a call of the chain recorded as ``entry``, tell at the end
     of its backward whether it is still held, and ``inner``, (i, weak reference to
     the storage of a^i), which of them are, if that backward went through every
-    stage (it ran ``first``, the node that made a^1) and let go of its graph."""
+    stage (it ran ``first``, the node that made a^1) and let go of its graph; the
+    call is in flight until then (``InFlight``)."""
+    if getattr(act, "grad_fn", None) is not None:
+        entry.in_flight = weakref.ref(flight := InFlight())
+        act.register_hook(flight.end)   # (before the node's pre-hooks: a backward that raises there ends it too)
     if not isinstance(act, torch.Tensor) or act.grad_fn is None or distributed():
         return
     storage = None if entry.output_held else weakref.ref(act.untyped_storage())
@@ -373,8 +377,8 @@ def watch_output(entry, act, inner=(), first=None):
             if not was and was is not held:
                 e.output_held = held
                 e.plans = {}   # (plans made before either knew nothing of it)
-                if was is False:   # (this call's plan counted it let go)
-                    e.output_kept()
+                if held:   # (this call's plan counted it let go, or it measured, not knowing)
+                    e.output_kept(was is None)
         alive = [i for i, ref in inner if ref() is not None]
         if alive and reached[0] and _releasing():
             e.caller_kept(alive, "through its backward")

@@ -209,6 +209,10 @@ class Costs:
         data["tail_kept"] = 0
         return Costs.from_dict(data), tail
 
+    def with_held(self, extra):
+        """These costs with ``extra`` bytes more held through the step (``held_bytes``)."""
+        return self if not extra else Costs.from_dict({**self.to_dict(), "held_bytes": self.held_bytes + extra})
+
     @property
     def has_options(self):
         """Some stage has options (``Costs.options``)."""

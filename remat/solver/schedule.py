@@ -60,7 +60,7 @@ option it does not have.
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..errors import InvalidScheduleError
+from ..errors import InvalidScheduleError, UsageError
 from ..units import format_bytes
 
 __all__ = ["Fn", "Fck", "Fall", "B", "Loss", "Schedule", "Simulation", "simulate"]
@@ -228,7 +228,7 @@ def simulate(costs, schedule, trace=None):
     """
     ops = schedule.ops if isinstance(schedule, Schedule) else tuple(schedule)
     if trace is not None and not isinstance(trace, list):
-        raise TypeError(f"remat: simulate's trace must be a list (each op's is appended), got {type(trace).__name__}")
+        raise UsageError(f"remat: simulate's trace must be a list (each op's is appended), got {type(trace).__name__}")
     run = _Run(costs)
     n, tail = run.n, (run.n if costs.tail else None)
     for pos, op in enumerate(ops):

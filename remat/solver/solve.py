@@ -56,7 +56,7 @@ from .costs import MAX_BYTES, Costs
 from .group import EXACT_WORK, exact_work, group_count, solve_on_groups
 from .option import Option
 from .progress import solving
-from ..errors import BudgetError, RematError, SolverError
+from ..errors import BudgetError, RematError, SolverError, UsageError
 from .schedule import B, Fall, Fck, Fn, Loss, Schedule, simulate
 from ..units import format_bytes
 
@@ -148,19 +148,19 @@ def min_memory(n):
 def check_slots(slots):
     """Raise ValueError unless ``slots`` is an int the solver takes (1..10^7)."""
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 10**7:
-        raise ValueError(f"remat: slots must be an int in 1..10^7, got {slots!r}")
+        raise UsageError(f"remat: slots must be an int in 1..10^7, got {slots!r}")
 
 
 def _parse_algorithm(algorithm, n):
     if not isinstance(algorithm, str):
-        raise ValueError(f"remat: algorithm must be a string such as 'optimal', got {algorithm!r}")
+        raise UsageError(f"remat: algorithm must be a string such as 'optimal', got {algorithm!r}")
     name = algorithm.strip().lower()
     if name in ("optimal", "store_all", "min_memory", "sqrt"):
         return name, None
     match = re.fullmatch(r"periodic\((\d+)\)", name.replace(" ", ""))
     if match and int(match.group(1)) >= 1:
         return "periodic", int(match.group(1))
-    raise ValueError(
+    raise UsageError(
         f"remat: unknown algorithm {algorithm!r}; choose one of "
         f"'optimal', 'store_all', 'min_memory', 'sqrt' or 'periodic(k)' with k >= 1"
     )
@@ -210,14 +210,14 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS, groups=None):
         0
     """
     if not isinstance(costs, Costs):
-        raise TypeError(f"remat: solve needs a remat.Costs, got {type(costs).__name__}")
+        raise UsageError(f"remat: solve needs a remat.Costs, got {type(costs).__name__}")
     budget = _check_budget(budget)
     check_slots(slots)
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
-        raise ValueError(f"remat: groups must be None or an int >= 1 (the most groups of stages), got {groups!r}")
+        raise UsageError(f"remat: groups must be None or an int >= 1 (the most groups of stages), got {groups!r}")
     n = costs.length
     if n == 0:
-        raise ValueError("remat: the chain has no stages; call at least one @remat.stage inside the chain")
+        raise UsageError("remat: the chain has no stages; call at least one @remat.stage inside the chain")
     name, k = _parse_algorithm(algorithm, n)
     if name != "optimal":
         return _solve_fixed(costs, budget, algorithm, name, k)

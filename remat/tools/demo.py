@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..chain import explain, parse_budget, resolve_budget
-from ..errors import BudgetError
+from ..errors import BudgetError, UsageError
 from ..solver.schedule import simulate
 from ..solver.solve import minimum_budget, store_all
 from .trials import Clock, gpt_spec, measure_all, measure_costs, run_step
@@ -86,7 +86,10 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     torch.manual_seed(0)
     base = spec[0]().to(device)
     n = kw["n_layer"]
-    timed = max(steps - 2, 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
+        raise UsageError(f"remat demo: steps must be an int of at least 3 (a warm-up, a timed step and a metered "
+                         f"one), got {steps!r}")
+    timed = steps - 2
 
     # remat's costs give the budget in bytes (a measuring call on a copy)
     costs = measure_costs(base, spec, 0, device)
@@ -113,8 +116,9 @@ def run_demo(model="gpt", budget="40%", device="cpu", steps=12, out=print, progr
     lines = [
         f"remat demo: GPT ({n} blocks, width {kw['n_embd']}), batch {kw['batch']} x {kw['length']} tokens, "
         f"{timed + 2} steps on {device.type}",
-        f"budget: {format_bytes(budget_bytes)} ({budget} of storing everything, "
-        f"{format_bytes(simulate(costs, store_all(costs.length)).peak)}; chain minimum {format_bytes(minimum_budget(costs))})",
+        f"budget: {format_bytes(budget_bytes)} ({f'{budget} of ' if str(budget).strip().endswith('%') else ''}"
+        f"storing everything: {format_bytes(simulate(costs, store_all(costs.length)).peak)}; "
+        f"chain minimum {format_bytes(minimum_budget(costs))})",
         "",
         f"{'method':<44} {'peak step memory':>18} {'step time':>16} {'final loss':>11}",
         f"{'':<44} {'(measured)':>18} {f'(median of {timed})':>16}",

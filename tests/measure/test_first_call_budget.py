@@ -382,3 +382,4 @@ def test_a_side_input_needing_grad_leaves_the_first_call_under_the_least_budget(
 
     least, calls = calls_at_least(step)
     assert max(e.measured_peak for e in calls) <= least, least
+

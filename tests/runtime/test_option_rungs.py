@@ -212,6 +212,25 @@ def test_a_tail_letting_the_output_go_beside_an_option_keeping_it(after, monkeyp
             peak, got = step(net, seed)
             e = remat.explain()
             assert peak <= net.budget and (seed == 0 or peak <= e.predicted_peak), (fraction, seed, peak, e)
-            print(fraction, seed, net.budget, peak, e.predicted_peak, str(e.schedule).splitlines()[0]); last.update(op.option for op in e.schedule.ops if type(op) is Fall and op.stage == 3)
+            last.update(op.option for op in e.schedule.ops if type(op) is Fall and op.stage == 3)
             assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert 1 in last   # (the case: the last stage recorded with the option)
+
+
+def test_options_asked_for_after_a_call_without_them_are_measured():
+    """A chain measured without options, then called with ``options=True``: that
+    call measures them (they were left out silently, until ``clear_cache()``); then
+    ``options=False`` plans without them on the same record."""
+    torch.manual_seed(0)
+    blocks = [_EndsInMatmul() for _ in range(3)]
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    remat.clear_cache()
+    said = []
+    for options in (False, True, True, False):
+        with remat.chain(budget=2**30, options=options):
+            h = x
+            for b in blocks:
+                h = b(h)
+        h.sum().backward()
+        said.append((remat.explain().measured.has_options, remat.explain().costs.has_options))
+    assert said == [(False, False), (True, True), (True, True), (True, False)], said

@@ -1,6 +1,5 @@
 """The runtime against plain PyTorch: random chains, every algorithm, every budget."""
 
-import contextlib
 import copy
 
 import pytest
@@ -319,62 +318,6 @@ def test_one_module_as_every_stage_stays_under_budget():
         assert peak(budget) <= budget
 
 
-def test_a_gate_every_stage_takes_as_a_side_input_stays_under_budget():
-    """A Parameter every stage takes as an argument (a gate of shape (12, 1)
-    broadcast over the activation): each B(i) makes its share of the gate's
-    gradient through activation-sized products (the gradient times tanh's output,
-    summed to (12, 1)), which the stages' measured backwards left out while the gate
-    was used behind them: every call, the first too, 14% over the least budget and
-    10% over one 30% of the way up. Exact now, and the gate's gradient plain's."""
-    from remat.measure.meter import Instrument
-
-    class Blk(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(16, 16)
-
-        @remat.stage
-        def forward(self, x, gate):
-            return x + torch.tanh(self.fc(x)) * gate * 2.0
-
-    torch.manual_seed(0)
-    blocks, gate = [Blk() for _ in range(5)], nn.Parameter(torch.ones(12, 1))
-    params = [p for b in blocks for p in b.parameters()] + [gate]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-
-    def step(budget, seed):
-        x = torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
-        with Instrument(writes=False) as meter:
-            with remat.chain(budget=budget):
-                h = x
-                for b in blocks:
-                    h = b(h, gate)
-            h.sum().backward()
-            del h
-        return meter.peak + x.untyped_storage().nbytes()
-
-    step(2**40, 0)
-    step(2**40, 1)
-    costs = remat.explain().costs
-    low, high = minimum_budget(costs), remat.explain().schedule.peak
-    for budget in (low, low + (high - low) * 3 // 10, high):
-        remat.clear_cache()
-        for call in range(3):
-            assert step(budget, call) <= budget, (budget, call)
-    grads = []
-    for budget in (low, None):   # (None: no chain, plain PyTorch)
-        for p in params:
-            p.grad.zero_()
-        h = torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(9))
-        with remat.chain(budget=budget) if budget else contextlib.nullcontext():
-            for b in blocks:
-                h = b(h, gate)
-        h.sum().backward()
-        grads.append([p.grad.clone() for p in params])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
 def test_explain_says_where_the_times_come_from_and_what_is_held():
     """explain() says whether the times are first-call estimates or how many calls
     refined them, and what the held bytes are (here autocast's cached casts of the
@@ -393,7 +336,9 @@ def test_explain_says_where_the_times_come_from_and_what_is_held():
         out.sum().backward()
         said.append(str(remat.explain()))
     assert "times: first-call estimates" in said[0] and "calls after it refine them" in said[0]
-    assert "times: the means of 2 calls' own" in said[-1]
+    # (the third call's backward refined the times its plan had not: said so, not claimed for its costs)
+    assert "first-call estimates in these costs; the means of 2 calls' own" in said[2]
+    assert "times: the means of 2 calls' own, as training steps ran them" in said[-1]
     held = remat.explain().held
     assert held["caches' copies of the weights (autocast's casts, parametrize.cached)"] > 0
     assert any("keeps through the backward" in what for what in held)

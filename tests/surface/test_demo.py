@@ -24,6 +24,7 @@ def test_demo_keeps_remat_under_budget_with_plain_losses():
     assert result["losses_equal"]
     assert "remat (optimal)" in lines[0] and "checkpoint_sequential" in lines[0]
     assert "per-block checkpointing" in lines[0] and "the fastest other method within the budget" in lines[0]
+    assert "(50% of storing everything: " in lines[0]   # (a size's header names no share: "6MiB of storing" before)
 
 
 def test_gain_line_states_the_measured_comparison():
@@ -47,7 +48,7 @@ def test_gain_line_states_the_measured_comparison():
 
 def test_demo_command_line():
     """``python -m remat demo`` runs from the command line."""
-    out = subprocess.run([sys.executable, "-m", "remat", "demo", "--model", "gpt-tiny", "--steps", "2",
+    out = subprocess.run([sys.executable, "-m", "remat", "demo", "--model", "gpt-tiny", "--steps", "3",
                           "--no-progress"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "identical at every step" in out.stdout
@@ -84,6 +85,7 @@ def test_command_line_bad_flags_are_one_line(tmp_path):
         (["bench", "--model", "tiny", "--steps", "0"], "--steps must be at least 1"),
         (["bench", "--model", "tiny", "--out", str(blocked)], "--out"),   # (a file: said before the benchmark runs)
         (["demo", "--budget", "1e300%"], "100% already stores everything"),
+        (["demo", "--steps", "2"], "--steps must be at least 3"),   # (2 ran 3 steps, its header said so)
         (["explain", "--budget", "0.5"], "'0.5' is a fraction of a byte; give a unit"),   # (as remat.chain says it)
     ]
     for argv, says in cases:

@@ -313,3 +313,31 @@ def test_an_activation_passed_after_a_side_input_is_named(by_keyword):
             h = x
             for b in blocks:
                 h = b(mask=mask, hidden=h) if by_keyword else b(mask, h)
+
+
+def test_bare_chain_decorator_says_to_call_it():
+    """``@remat.chain`` without its parentheses hands it the function as the budget:
+    the error says to write ``@remat.chain(...)``."""
+    with pytest.raises(remat.BudgetError, match=r"@remat.chain\(budget='2GiB'\)"):
+        @remat.chain
+        def body(x):
+            return x
+
+
+def test_every_argument_error_is_a_remat_error():
+    """The API's errors for arguments of the wrong type or value are ``remat.UsageError``:
+    a ``RematError`` (every error remat raises is one), and the ``TypeError`` or
+    ``ValueError`` they were before."""
+    costs = remat.Costs(fwd_time=[1.0], fwd_nograd_time=[1.0], bwd_time=[1.0], out_bytes=[4], saved_bytes=[4],
+                        fwd_tmp=[0], bwd_tmp=[0], input_bytes=4)
+    for make, was in ((lambda: remat.stage(42), TypeError), (lambda: remat.chain(costs=123), TypeError),
+                      (lambda: remat.chain(options="yes"), TypeError), (lambda: remat.chain(slots=0), ValueError),
+                      (lambda: remat.chain(algorithm="fastest"), ValueError), (lambda: remat.wrap(42, []), TypeError),
+                      (lambda: remat.wrap(nn.Linear(2, 2), []), ValueError), (lambda: remat.solve({}, 100), TypeError),
+                      (lambda: remat.solve(costs, 100, groups=0), ValueError),
+                      (lambda: remat.unwrap(nn.Linear(2, 2)), ValueError),
+                      (lambda: remat.Sequential.from_module(nn.Linear(2, 2)), TypeError),
+                      (lambda: remat.simulate(costs, [], trace=5), TypeError)):
+        with pytest.raises(remat.UsageError) as caught:
+            make()
+        assert isinstance(caught.value, remat.RematError) and isinstance(caught.value, was)

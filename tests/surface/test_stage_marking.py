@@ -161,5 +161,5 @@ def test_forward_taken_from_a_marked_module_that_is_gone_says_so():
 
     forward = remat.stage(torch.nn.Linear(4, 4)).forward
     gc.collect()
-    with pytest.raises(ReferenceError, match="the module whose forward this was is gone"):
+    with pytest.raises(remat.StageError, match="the module whose forward this was is gone"):
         forward(torch.randn(2, 4))

@@ -1,0 +1,61 @@
+"""Calls of one chain alive together (Note [Calls alive together]).
+
+Note [Calls alive together]
+---------------------------
+The same chain opened again before the backward has reached the last stage of
+an earlier call (a siamese encoder's two views, a GAN discriminator on real and
+fake data, two micro-batches summed into one loss) shares its stages'
+parameters with it, and a parameter has one AccumulateGrad node, which runs once
+both calls' shares of its gradient are in. The later call's backward runs
+first: the engine holds its shares of each stage's parameter gradients until
+the earlier call's backward reaches that stage, then adds the two out of place
+(a siamese step of a 4-block MLP chain peaked at 1.9 times the two calls'
+budgets, plain PyTorch's peak nearly). The budget is per call, calls alive
+together holding the sum of theirs: the later call's plan counts those
+gradients as held through its step (all of them, and the largest stage's again
+for the sum), where they are made, and the earlier call's plan, made before,
+runs as it would alone (its backward's share of the memory is within its
+budget, the gradients within the later call's). A call is in flight from the
+end of its forward until the backward reaches its last stage (``InFlight``,
+remat/runtime/executor.py), or its graph goes. A parameter several stages
+share is held already (``Upstream.held_grads``) and not counted again. A call
+whose graph is kept with no backward (outputs stored with their graphs) counts
+as in flight: the next call counts the gradients for nothing.
+"""
+
+import warnings
+
+import torch
+
+from ..units import format_bytes
+
+__all__ = ["overlap_bytes"]
+
+
+def overlap_bytes(record):
+    """The bytes a call of ``record``'s chain opened while another is in flight holds
+    for the stages' parameter gradients (Note [Calls alive together]); the first
+    time, it warns."""
+    if record.overlap is not None:
+        return record.overlap
+    seen = {key for s in record.stages for key in s.held if not isinstance(key, tuple)}
+    sizes = [0]
+    for stage in record.stages:
+        params = getattr(stage.ident(), "parameters", None)
+        mine = 0
+        for p in (params() if callable(params) else ()):
+            if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                mine += p.numel() * p.element_size()
+        sizes.append(mine)
+    record.overlap = sum(sizes) + max(sizes)
+    if record.overlap:
+        warnings.warn(
+            f"remat: the chain of {record.names[0]}... opened again before the backward reached its earlier "
+            f"call (two calls alive together: a siamese pair, a GAN's real and fake): the engine holds the "
+            f"later call's gradients of the stages' parameters until the earlier call's backward reaches each "
+            f"stage, {format_bytes(record.overlap)} at most, which the later call's plan counts. Give its budget "
+            f"room for them, or, where the loss allows, run each call's backward before the next call's forward",
+            RuntimeWarning, stacklevel=6)
+    return record.overlap
+
