@@ -296,7 +296,7 @@ class Measurer:
         record = StageRecord(None, call.name, input_signature(x, call, dicts), dicts, module_structure(ident),
                              call.slots, call.flags, call.autocast, call.meta,
                              state_plan(call.state, call.tensors or ()), probe.reads_state, probe.uses_rng,
-                             [g for g, _ in rng0.extra], call.grad_replay, probe.costs, held)
+                             [g for g, _ in rng0.extra], call.grad_replay, probe.costs, held, leaves=probe.leaves)
         self.new.add(record, ident)
 
     def _measure_nograd(self, call, x, probe, rng0, cuda):
@@ -369,6 +369,7 @@ class Measurer:
                     costs = new.stages[i].costs
                     if started[0] and i + 1 >= self.diverged and costs is not None and costs.backward_measured:
                         costs.bwd_tmp = with_sums(costs.bwd_tmp, costs.bwd_tmp_sums, started)
+                        costs.bwd_rebuilt_less = min(costs.bwd_rebuilt_less, costs.bwd_tmp + costs.out_bytes)
                         self.run4.started[i + 1] = started   # (kept if run 4 comes later)
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given, self.options)

@@ -16,11 +16,15 @@ gradients as held through its step (all of them, and the largest stage's again
 for the sum), where they are made, and the earlier call's plan, made before,
 runs as it would alone (its backward's share of the memory is within its
 budget, the gradients within the later call's). A call is in flight from the
-end of its forward until the backward reaches its last stage (``InFlight``,
-remat/runtime/executor.py), or its graph goes. A parameter several stages
-share is held already (``Upstream.held_grads``) and not counted again. A call
-whose graph is kept with no backward (outputs stored with their graphs) counts
-as in flight: the next call counts the gradients for nothing.
+end of its forward until the backward reaches its last stage, or its graph
+goes (``flying``, remat/runtime/executor.py), whatever its chain key (a global
+and a local crop of other shapes, a GAN critic on data needing grad or not).
+Only one backward reaching both calls holds the gradients (a graph kept for a
+log, never backwarded, holds none): a chain counts them once a backward has
+reached a call of it and then one in flight before it (``_InFlight.end``), from
+the next call opened while another is in flight; the step that showed it ran
+without them. A parameter several stages share is held already
+(``Upstream.held_grads``) and not counted again.
 """
 
 import warnings
@@ -40,14 +44,14 @@ def overlap_bytes(record):
         return record.overlap
     seen = {key for s in record.stages for key in s.held if not isinstance(key, tuple)}
     sizes = [0]
-    for stage in record.stages:
-        params = getattr(stage.ident(), "parameters", None)
-        mine = 0
-        for p in (params() if callable(params) else ()):
-            if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                mine += p.numel() * p.element_size()
-        sizes.append(mine)
+    for stage in record.stages:   # (the leaves its backward reaches, as measured; else its module's parameters)
+        leaves = stage.leaves
+        if leaves is None:
+            params = getattr(stage.ident(), "parameters", None)
+            leaves = {id(p): p.numel() * p.element_size() for p in (params() if callable(params) else ())
+                      if isinstance(p, torch.Tensor) and p.requires_grad}
+        sizes.append(sum(n for key, n in leaves.items() if key not in seen))
+        seen.update(leaves)
     record.overlap = sum(sizes) + max(sizes)
     if record.overlap:
         warnings.warn(

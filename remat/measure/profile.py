@@ -145,6 +145,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     params = [p for p in stage_leaves(act, stop) if p is not x and not any(p is s for s in side)] \
         if act.requires_grad else []
     probe.held_grads = upstream.held_grads(params)
+    probe.leaves = {id(p): p.numel() * p.element_size() for p in params}
     return probe, StageGraph(stop, side, [p for p in params if id(p) not in upstream.leaves], saved, keys,
                              [p for p in params if id(p) in upstream.leaves])
 

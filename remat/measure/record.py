@@ -86,6 +86,7 @@ class Probe:
     uses_rng: bool
     reads_state: bool             # what it computes may depend on that state's values
     held_grads: dict = field(default_factory=dict)   # Upstream.held_grads of its parameters
+    leaves: dict = None           # {id: gradient bytes} of the leaves its backward reaches
     held_outside: int = 0         # bytes it still holds outside autograd (Note [Saved tensors held elsewhere])
     saved_elsewhere: int = 0      # saved bytes something else keeps too
     saved_cached: int = 0         # saved bytes a cache keeps (autocast's casts of the weights)
@@ -132,6 +133,7 @@ class StageRecord:
     costs: StageCosts        # None if its activation is not a tensor
     held: dict               # {key: bytes} held through the step because of it (Upstream.held_grads, ...)
     quiet: tuple = None      # ``ChainRecord.quiet``'s answer, once asked
+    leaves: dict = None      # {id: gradient bytes} of the leaves its backward reaches (remat/measure/overlap.py)
 
     def forget_module(self):
         """The stage's object is gone: let go of its module's dicts (``ChainRecord.add``)."""

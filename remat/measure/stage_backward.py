@@ -94,12 +94,9 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
     # input's for the one B(i) adds (x[i-1]); what is left is bwd_tmp (and where the
     # stage starts the sums of shared leaves' gradients, held_bytes counts those)
     in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
-    held = held_peak - base - _bytes(graph.shared) if graph.shared else None
+    held = held_peak - base - shares.acc if graph.shared else None   # (the shares it made: not one behind a cast)
     return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt, held
 
-
-def _bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _Releases:
@@ -390,5 +387,5 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             hook.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
         in_grad = (x.untyped_storage().nbytes() if call.input_requires_grad else 0) + out_bytes
-        held = max(0, held_peak - start - in_grad - _bytes(shared)) - out_freed if shared else None
+        held = max(0, held_peak - start - in_grad - shares.acc) - out_freed if shared else None
         return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None, held

@@ -28,7 +28,7 @@ from ..units import format_bytes
 from .recompute import replaying, take_slots
 from .replay import capture_autocast
 from .paths import keep_path, path_room, shorter_path, switch_path
-from .executor import distributed
+from .executor import distributed, in_flight
 from .runner import Runner, site_text, watch_output
 from .stage_call import (StageCall, check_hooks_enabled, check_output, find_activation, handed_on, hooks_between,
                          packed_hint, signature)
@@ -240,7 +240,7 @@ class ChainCall:
         if entry.unsaved:
             entry.unsaved = False
             write_costs(entry.costs, entry.costs_file)
-        entry.overlapping = overlap_bytes(entry) if (f := entry.in_flight and entry.in_flight()) and not f.ended else 0
+        entry.overlapping = overlap_bytes(entry) if entry.overlap_seen and in_flight(ident) else 0   # (overlap.py)
         try:
             plan = plan_for(entry, self.budget, self.spec, entry.overlapping)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's

@@ -2,32 +2,27 @@
 
 Note [The life of a saved tensor]
 ---------------------------------
-1. In the forward phase a stage whose op is ``Fall`` runs with no hooks at
-   all: autograd keeps what it saves, exactly as in plain PyTorch. A stage
-   run as ``Fn`` or ``Fck`` runs under a pack hook that hands autograd a small
-   ``_Saved`` handle (stage anchor, index) instead of the tensor, so nothing
-   it saves outlives the stage.
-2. Each such stage has an ``_Anchor``: the stage's input a^(i-1) when it is
-   held (``Fck`` keeps it), and, once recomputed, the list of its saved
-   tensors. Only the handles hold the anchor strongly; the ``Run`` holds it
-   weakly. When the engine has run the last node of stage i it releases the
-   handles, the anchor goes, and with it a^(i-1) and a-bar^i: exactly the
-   moment ``B(i)`` frees them in ``simulate``. With ``retain_graph=True`` the
-   handles stay, and so does what a second backward needs. Without it, each
-   recomputed tensor is let go as soon as the engine has unpacked it, so it
-   lives until the node that uses it has run, as what autograd saves itself
-   does (``_unpack``; the measuring call meters a stage's backward so,
-   remat/measure/stage_backward.py).
-3. When the engine is about to run the last node of stage i (the first of its
-   backward: a pre-hook, ``Run.watch``), or else the first time it unpacks a
-   handle of stage i whose anchor holds no saved tensors,
-   ``Run.materialize(i)`` executes the schedule's ops from
-   its cursor up to the ``Fall(i)`` that makes a-bar^i: ``Fn``/``Fck`` under
-   ``no_grad``, ``Fall`` with grad enabled under a collecting pack hook. ``B``
-   ops are the engine's own and are skipped. A recomputed a^k goes to the
-   anchor of stage k+1, ``Fn(k+1)`` drops it again. Rebuilding before the
-   stage's first node, not at its first unpack, keeps what the nodes ahead of
-   that unpack allocate (a gradient copied to another layout, say) after the
+1. In the forward phase a stage whose op is ``Fall`` runs with no hooks at all: autograd
+   keeps what it saves, exactly as in plain PyTorch. A stage run as ``Fn`` or ``Fck`` runs
+   under a pack hook that hands autograd a small ``_Saved`` handle (stage anchor, index)
+   instead of the tensor, so nothing it saves outlives the stage.
+2. Each such stage has an ``_Anchor``: the stage's input a^(i-1) when it is held (``Fck``
+   keeps it), and, once recomputed, the list of its saved tensors. Only the handles hold the
+   anchor strongly; the ``Run`` holds it weakly. When the engine has run the last node of
+   stage i it releases the handles, the anchor goes, and with it a^(i-1) and a-bar^i:
+   exactly the moment ``B(i)`` frees them in ``simulate``. With ``retain_graph=True`` the
+   handles stay, and so does what a second backward needs. Without it, each recomputed
+   tensor is let go as soon as the engine has unpacked it, so it lives until the node that
+   uses it has run, as what autograd saves itself does (``_unpack``; the measuring call
+   meters a stage's backward so, remat/measure/stage_backward.py).
+3. When the engine is about to run the last node of stage i (the first of its backward: a
+   pre-hook, ``Run.watch``), or else the first time it unpacks a handle of stage i whose
+   anchor holds no saved tensors, ``Run.materialize(i)`` executes the schedule's ops from
+   its cursor up to the ``Fall(i)`` that makes a-bar^i: ``Fn``/``Fck`` under ``no_grad``,
+   ``Fall`` with grad enabled under a collecting pack hook. ``B`` ops are the engine's own
+   and are skipped. A recomputed a^k goes to the anchor of stage k+1, ``Fn(k+1)`` drops it
+   again. Rebuilding before the stage's first node, not at its first unpack, keeps what the
+   nodes ahead of that unpack allocate (a gradient copied to another layout, say) after the
    recomputation, where ``simulate`` counts it (in bwd_tmp).
 4. If the cursor has already passed that ``Fall(i)`` (the engine visited
    stages out of chain order) or the run has no ops (a measuring call),
@@ -59,9 +54,7 @@ class _Anchor:
     __slots__ = ("run", "stage", "input", "version", "saved", "versions", "observe", "live", "cache", "__weakref__")
 
     def __init__(self, run, stage):
-        self.run = run
-        self.stage = stage
-        self.input = None
+        self.run, self.stage, self.input = run, stage, None
         self.version = 0      # the input's version counter when it was taken
         self.saved = None
         self.versions = None  # version counters of ``saved`` as packed, where they were not recomputed
@@ -74,8 +67,7 @@ class _Saved:
     __slots__ = ("anchor", "index")
 
     def __init__(self, anchor, index):
-        self.anchor = anchor
-        self.index = index
+        self.anchor, self.index = anchor, index
 
 
 def distributed():
@@ -130,18 +122,38 @@ def _unchanged(anchor, x):
     return x
 
 
-class InFlight:
-    """A call of a chain whose backward has not reached its last stage yet (Note
-    [Calls alive together], remat/measure/overlap.py): ``end`` is a hook on a^L's
-    gradient, which its node holds with the graph."""
+_FLIGHTS = weakref.WeakKeyDictionary()   # a first stage's object -> its calls in flight (``flying``)
 
-    __slots__ = ("ended", "__weakref__")
 
-    def __init__(self):
-        self.ended = False
+class _InFlight:
+    """The backward reaching a^L ends it (``end``); a call opened while it was in flight whose a^L the
+    same backward reached first (``later``) holds its parameters' gradients until this one's stages'."""
+    __slots__ = ("ended", "task", "record", "later", "__weakref__")
 
-    def end(self, _grads):
-        self.ended = True
+    def __init__(self, record):
+        self.ended, self.task, self.record, self.later = False, None, weakref.ref(record), []
+
+    def end(self, _grad):
+        self.ended, self.task = True, torch._C._current_graph_task_id()
+        for f in (r() for r in self.later):
+            if f is not None and f.ended and f.task == self.task and (record := f.record()) is not None:
+                record.overlap_seen, record.plans = True, {}
+
+
+def flying(ident, act, record):
+    """A call of ``record`` whose first stage is ``ident`` ended its forward with ``act`` (a^L): in flight
+    until the backward reaches a^L (a hook on its gradient, run before its node's pre-hooks, which may
+    raise) or its graph goes (Note [Calls alive together], remat/measure/overlap.py)."""
+    flight, alive = _InFlight(record), in_flight(ident)
+    act.register_hook(flight.end)
+    _FLIGHTS[ident] = [*alive, weakref.ref(flight)]
+    for r in alive:
+        r().later.append(_FLIGHTS[ident][-1])
+
+
+def in_flight(ident):
+    """Weak references to the calls in flight whose first stage is ``ident`` (any chain key)."""
+    return [r for r in _FLIGHTS.get(ident, ()) if (f := r()) is not None and not f.ended]
 
 
 class Run:
@@ -158,8 +170,7 @@ class Run:
         self.passed = set()       # such stages the engine has backwarded (``settle``)
         self.whole = [False]      # stage was recorded in the forward phase (Fall)
         self.option = [0]         # the option of such a stage's record (Note [Running an option])
-        self.autocast = autocast
-        self.clock = None         # StageTimes of a call that refines the times (remat/measure/refine.py)
+        self.autocast, self.clock = autocast, None   # (clock: StageTimes of a call that refines the times, refine.py)
         self.pinned = []          # anchors kept by the run itself (``pin``)
         self.holds = None         # a measuring call's: (run, j, k) -> the stages a rebuild of k from j holds the input of
 
@@ -171,12 +182,8 @@ class Run:
         it, a one-item list counting them)."""
         anchor = _Anchor(self, call.index)
         if keep_input:
-            anchor.input = x.detach()
-            anchor.version = x._version
-        self.calls.append(call)
-        self.anchors.append(weakref.ref(anchor))
-        self.whole.append(False)
-        self.option.append(option)
+            anchor.input, anchor.version = x.detach(), x._version
+        self._register(call, weakref.ref(anchor), False, option)
         count = [0]
 
         def pack(tensor):
@@ -191,10 +198,13 @@ class Run:
 
     def add_whole(self, call):
         """Register a stage run with no hooks (Fall in the forward phase)."""
+        self._register(call, None, True, 0)
+
+    def _register(self, call, anchor, whole, option):
         self.calls.append(call)
-        self.anchors.append(None)
-        self.whole.append(True)
-        self.option.append(0)
+        self.anchors.append(anchor)
+        self.whole.append(whole)
+        self.option.append(option)
 
     def keeps_output(self, k):
         """Stage k's forward-phase record holds its output (recorded whole, or with an option)."""
@@ -241,10 +251,9 @@ class Run:
         """Rebuild stage ``anchor.stage`` as its backward starts, before any of its
         nodes runs (Note [The life of a saved tensor], 3): the weak reference lets
         the anchor go with the stage's handles, though the node and its hook stay."""
-        node = act.grad_fn if isinstance(act, torch.Tensor) else None
+        node, ref = act.grad_fn if isinstance(act, torch.Tensor) else None, weakref.ref(anchor)
         if node is None:
             return
-        ref = weakref.ref(anchor)
 
         def begin(_grads):
             a = ref()

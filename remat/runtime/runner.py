@@ -48,7 +48,7 @@ import torch
 
 from ..dynamo import DYNAMO_SKIPS
 from ..solver.schedule import Fall, Fn
-from .executor import InFlight, Run, _releasing, distributed
+from .executor import Run, _releasing, distributed, flying, in_flight
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
 from .option_modes import keep_only, option_contexts
@@ -353,10 +353,9 @@ def watch_output(entry, act, inner=(), first=None):
     of its backward whether it is still held, and ``inner``, (i, weak reference to
     the storage of a^i), which of them are, if that backward went through every
     stage (it ran ``first``, the node that made a^1) and let go of its graph; the
-    call is in flight until then (``InFlight``)."""
-    if getattr(act, "grad_fn", None) is not None:
-        entry.in_flight = weakref.ref(flight := InFlight())
-        act.register_hook(flight.end)   # (before the node's pre-hooks: a backward that raises there ends it too)
+    call is in flight until then (``flying``, remat/runtime/executor.py)."""
+    if getattr(act, "grad_fn", None) is not None and entry.stages and (stage1 := entry.stages[0].ident()) is not None:
+        flying(stage1, act, entry)
     if not isinstance(act, torch.Tensor) or act.grad_fn is None or distributed():
         return
     storage = None if entry.output_held else weakref.ref(act.untyped_storage())
@@ -395,4 +394,4 @@ def watch_output(entry, act, inner=(), first=None):
 
 
 # weak references Dynamo would trace into their referents (remat/dynamo.py)
-DYNAMO_SKIPS.append(watch_caller)
+DYNAMO_SKIPS.extend([watch_caller, watch_output, flying, in_flight])

@@ -3,6 +3,8 @@ remat/measure/overlap.py): the same chain opened again before the backward has
 reached the earlier call (a siamese pair), its stages' parameter gradients held
 by the engine between the two calls' backwards."""
 
+import contextlib
+import copy
 import gc
 
 import pytest
@@ -21,14 +23,24 @@ class _Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
-def _siamese(budget, steps, seed=0):
-    """Steps of a wrapped 4-block chain called on two views before one backward: each
-    step's peak, and the gradients."""
+def _siamese(budget, steps, seed=0, functions=False):
+    """Steps of a wrapped 4-block chain (or one of function stages calling the blocks)
+    called on two views before one backward: each step's peak, and the gradients."""
     torch.manual_seed(seed)
     net = nn.Sequential(*(_Block(32) for _ in range(4)))
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    if budget is not None:
+    if functions:
+        stages = [remat.stage(lambda x, b=b: b(x)) for b in net]
+        run = net
+
+        def net(x):
+            with remat.chain(budget=budget) if budget is not None else contextlib.nullcontext():
+                for s in stages:
+                    x = s(x)
+            return x
+        net.parameters = run.parameters
+    elif budget is not None:
         remat.wrap(net, list(net), budget=budget)
     x1, x2 = torch.randn(4, 8, 32), torch.randn(4, 8, 32)
     peaks = []
@@ -40,27 +52,30 @@ def _siamese(budget, steps, seed=0):
     return peaks, [p.grad.clone() for p in net.parameters()]
 
 
-def test_a_chain_called_twice_before_one_backward_counts_the_parameter_gradients():
+@pytest.mark.parametrize("functions", [False, True])
+def test_a_chain_called_twice_before_one_backward_counts_the_parameter_gradients(functions):
     """The later call's backward runs first, and the engine holds its shares of every
     stage's parameter gradients until the earlier call's backward reaches the stage:
     steps went 1.9 times over the two calls' budgets, near plain PyTorch's peak. The
     second call warns and counts them; a budget under them is refused with the
     least that holds them, and at it every step from the second is under twice the
-    budget (each call's), its gradients plain PyTorch's."""
+    budget (each call's), its gradients plain PyTorch's. Stages that are functions
+    calling the blocks (no parameters of their own) count the leaves their backwards
+    reach."""
     remat.clear_cache()
     with pytest.warns(RuntimeWarning, match="opened again before the backward reached its earlier call"):
-        _siamese(2**30, 2)
+        _siamese(2**30, 2, functions=functions)
     least = remat.explain().least_budget
     params = sum(p.numel() * 4 for p in nn.Sequential(*(_Block(32) for _ in range(4))).parameters())
     assert least > params
     remat.clear_cache()
     with pytest.warns(RuntimeWarning, match="opened again"):
         with pytest.raises(remat.BudgetError) as caught:
-            _siamese(least - params // 2, 2)
+            _siamese(least - params // 2, 2, functions=functions)
     assert caught.value.minimum > params   # (it counts them)
     remat.clear_cache()
     with pytest.warns(RuntimeWarning, match="opened again"):
-        peaks, grads = _siamese(least, 4)
+        peaks, grads = _siamese(least, 4, functions=functions)
     assert all(peak <= 2 * least for peak in peaks[1:]), (peaks, least)
     _, want = _siamese(None, 4)
     assert all(torch.equal(a, b) for a, b in zip(want, grads))
@@ -81,3 +96,43 @@ def test_a_backward_between_the_calls_counts_nothing():
         for _ in range(4):
             net(torch.randn(4, 8, 32)).square().mean().backward()
     assert not any("two calls" in k for k in remat.explain().held)
+
+
+def test_calls_of_the_same_stages_under_two_chain_keys_count_them():
+    """A global and a local crop (inputs of two shapes: two chain keys, two records)
+    through the same blocks before one backward: the engine holds the gradients all
+    the same. The later call counts them (steps went 1.37 times over the two budgets),
+    its gradients plain PyTorch's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*(_Block(32) for _ in range(4)))
+    ref = copy.deepcopy(net)
+    remat.clear_cache()
+    remat.wrap(net, list(net), budget=2**30)
+    big, small = torch.randn(4, 8, 32), torch.randn(4, 4, 32)
+    said = []
+    with pytest.warns(RuntimeWarning, match="opened again"):
+        for _ in range(2):
+            (net(big).mean() * net(small).mean()).backward()
+            said.append(remat.explain().held)
+    (ref(big).mean() * ref(small).mean()).backward()
+    (ref(big).mean() * ref(small).mean()).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), net.parameters()))
+    assert any("held between two calls' backwards" in k for k in said[-1]), said
+
+
+def test_a_graph_kept_with_no_backward_counts_nothing():
+    """A loss computed for a log and kept with its graph (no backward) is in flight
+    for good, but no backward reaches it with the next calls: their parameters'
+    gradients are not held, and nothing is counted (the next steps were refused
+    their budget)."""
+    import warnings
+    torch.manual_seed(0)
+    net = nn.Sequential(*(_Block(32) for _ in range(4)))
+    remat.clear_cache()
+    remat.wrap(net, list(net), budget=2**30)
+    logged = [net(torch.randn(4, 8, 32)).mean()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(3):
+            net(torch.randn(4, 8, 32)).square().mean().backward()
+    assert logged and not any("two calls" in k for k in remat.explain().held)
