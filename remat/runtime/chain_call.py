@@ -71,8 +71,9 @@ def _transformed(x):
 def _dual(x, args, kwargs):
     """True if a forward-mode AD level is open and the chain's input or a tensor side
     input of its first stage carries a tangent."""
-    return forward_ad._current_level >= 0 and any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent
-                                                  is not None for t in [x, *tree_leaves((args, kwargs))])
+    dual = forward_ad.unpack_dual   # (no level open: no tangent anywhere, nothing walked)
+    return forward_ad._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and dual(t).tangent is not None for t in [x, *tree_leaves((args, kwargs))])
 
 
 class ChainCall:
@@ -386,8 +387,7 @@ def plan_for(entry, budget, spec, overlap=0):
                 failed, least = str(exc), exc.minimum
             if failed is not None:   # (raised here: no "during handling" chain)
                 # (the optimal algorithm's least budget, a long chain's on groups; the others' errors say their own)
-                held = least_planned(entry.planning_costs().with_held(overlap), slots) if algorithm == "optimal" \
-                    else None
+                held = algorithm == "optimal" and least_planned(entry.planning_costs().with_held(overlap), slots)
                 note = (f"; {format_bytes(held)} ({held} bytes) where the code around the chain keeps "
                         f"its output through the backward (y = net(x); loss(y).backward())") if held else ""
                 raise BudgetError(failed + note, least)
