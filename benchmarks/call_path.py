@@ -13,7 +13,13 @@ training step") names the modules this prints.
 
 The line counts bound how few modules any layout could have: the functions a
 call runs must live somewhere, so with no module over 400 lines a path
-passes through at least (lines of those functions) / 400 modules.
+passes through at least (lines of those functions) / 400 modules. A layout
+that keeps the code readable needs more room than that: at least one blank
+line between two functions (PEP 8 asks two between top-level ones), and the
+Notes that say why those functions do what they do (the modules' Notes,
+which stay with the code: docs/how-it-works.md holds the measurements
+behind them). ``floor`` counts those too, and ``at_least_with_notes`` the
+modules they need.
 """
 
 import argparse
@@ -45,6 +51,30 @@ def _spans(path, cache={}):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
                 cache[path][node.lineno] = (first, node.end_lineno)
+    return cache[path]
+
+
+def _outermost(path, run):
+    """How many of the functions of ``path`` that ran (their lines in ``run``) lie in no other
+    function: each needs a blank line apart from the code before it."""
+    spans = [s for s in _spans(path).values() if s[0] in run]
+    return sum(1 for a, b in spans if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in spans))
+
+
+def _note_lines(path, cache={}):
+    """Lines of the Notes (``Note [Name]`` over a dashed line, to the next Note or
+    the end of their docstring) in the docstrings of a source file."""
+    if path not in cache:
+        tree, count = ast.parse(open(path).read()), 0
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node, clean=False) or ""
+                lines = text.splitlines()
+                starts = [i for i in range(len(lines) - 1)
+                          if lines[i].strip().startswith("Note [") and set(lines[i + 1].strip()) == {"-"}]
+                for a, b in zip(starts, starts[1:] + [len(lines)]):
+                    count += b - a
+        cache[path] = count
     return cache[path]
 
 
@@ -103,22 +133,32 @@ def paths():
     return out
 
 
+def summary(order, lines):
+    """What ``main`` prints of one call's trace (``order``, ``lines``): its modules, the lines of
+    the functions it runs, and the fewest modules of at most 400 lines that could hold them,
+    alone and with a blank line after each and their modules' Notes (``floor``)."""
+    code = sum(len(v) for v in lines.values())
+    functions = sum(_outermost(p, lines[p]) for p in order)
+    notes = sum(_note_lines(p) for p in order)
+    floor = code + functions + notes
+    return {"modules": [os.path.relpath(p, ROOT) for p in order], "function_lines": code,
+            "functions": functions, "note_lines": notes, "floor": floor,
+            "at_least": math.ceil(code / MAX_LINES), "at_least_with_notes": math.ceil(floor / MAX_LINES)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
-    found = paths()
-    out = {}
-    for name, (order, lines) in found.items():
-        modules = [os.path.relpath(p, ROOT) for p in order]
-        code = sum(len(v) for v in lines.values())
-        out[name] = {"modules": modules, "function_lines": code, "at_least": math.ceil(code / MAX_LINES)}
+    out = {name: summary(order, lines) for name, (order, lines) in paths().items()}
     if args.json:
         print(json.dumps(out, indent=1))
         return
     for name, row in out.items():
         print(f"{name}: {len(row['modules'])} modules; the functions it runs span {row['function_lines']} lines "
-              f"(at least {row['at_least']} modules of at most {MAX_LINES} lines)")
+              f"(at least {row['at_least']} modules of at most {MAX_LINES} lines); with a blank line after each "
+              f"of its {row['functions']} functions and the {row['note_lines']} lines of its modules' Notes, "
+              f"{row['floor']} lines: at least {row['at_least_with_notes']} modules")
         for m in row["modules"]:
             print(f"  {m}")
 
