@@ -135,3 +135,14 @@ _BACKWARD_FAILED = (
     "(raised by the backward that remat's first call runs on each stage to measure it, inside "
     "the chain's forward: hooks that expect a backward only after the forward may reject it. "
     "Measure the costs once without them and pass the file: remat.chain(..., costs=\"costs.json\"))")
+
+
+def tail_unseen(exc, seen):
+    """``exc``, raised by a measuring call's plan, the tail as ``seen``; a ``BudgetError`` made
+    before the tail's backward ran says that its minimum may be short of the chain's (3 of
+    Note [The chain's tail], remat/measure/tail.py)."""
+    if not isinstance(exc, BudgetError) or seen is None or seen.backward_peak is not None:
+        return exc
+    return BudgetError(f"{exc}. That minimum counts the head and loss after the chain as their forward showed "
+                       f"them; their backward has not run yet and may need more, which the next call, at that "
+                       f"budget, would find (and raise with its own minimum)", exc.minimum)

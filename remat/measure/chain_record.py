@@ -140,9 +140,9 @@ class ChainRecord:
         self.skipped = False     # a call ran on such a view
         self.before = None       # what the code before the chain's backward needed (remat/measure/linger.py)
         self.tail_tries = 0      # running calls' tails cut short (Note [The chain's tail] 6, remat/measure/tail.py)
-        self.overlap = None      # what a call alive with another holds for the parameters' gradients (overlap.py)
-        self.overlapping = 0     # that, for the latest call, if it was alive with another
-        self.overlap_seen = False   # a backward reached a call of it and one alive before it (overlap.py)
+        self.overlap, self.overlapping = None, 0   # held for calls alive together; by the latest call (overlap.py)
+        self.overlap_seen = None    # a backward reached a call of it and one alive before it (True), or passed
+        self.overlap_probe = None   # such a one by (False): (its latest such call, those before it; overlap.py)
         self.options = True      # its measuring call measured the stages' options (``remat.chain(options=...)``)
         self.measured_at = None  # the budget its measuring call ran under
 

@@ -101,11 +101,12 @@ def least_budget(costs, measured, record=None):
     """The least budget every call of a chain runs under, the one that measures it
     included: the least any plan of its ``costs`` needs (``minimum_budget``); that
     of the measuring call's own plan (its ``record``'s costs with a^L held, as no
-    backward has shown it gone yet: Note [The chain's output]) with the copies of
-    written state it held through its tail (to undo itself, and for run 4); and
-    what measuring its most demanding stage held beside the chain's input
-    (``measuring_least`` of the costs it ``measured``)."""
-    first = minimum_budget(record.planning_costs(output=True)) + record.state_copies \
+    backward has shown it gone yet: Note [The chain's output]; once one has, the
+    measuring call's plan where none holding it fits did not hold it, and ran so)
+    with the copies of written state it held through its tail (to undo itself, and
+    for run 4); and what measuring its most demanding stage held beside the chain's
+    input (``measuring_least`` of the costs it ``measured``)."""
+    first = minimum_budget(record.planning_costs()) + record.state_copies \
         if record is not None and record.costs is not None else 0
     return max(minimum_budget(costs), first, measuring_least(measured, record))
 

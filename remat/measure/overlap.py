@@ -21,9 +21,12 @@ goes (``flying``, remat/runtime/executor.py), whatever its chain key (a global
 and a local crop of other shapes, a GAN critic on data needing grad or not).
 Only one backward reaching both calls holds the gradients (a graph kept for a
 log, never backwarded, holds none): a chain counts them once a backward has
-reached a call of it and then one in flight before it (``_InFlight.end``), from
-the next call opened while another is in flight; the step that showed it ran
-without them. A parameter several stages share is held already
+reached a call of it and then one in flight before it (``_InFlight.end``).
+Until a backward has told, a call opened while another is in flight counts
+them where its budget has room for them, so that a siamese pair's first step
+stays under it too (``overlapping_plan``); once a backward has reached such a
+call and passed the one in flight before it by (that one's graph kept for a
+log), the chain's calls count nothing (``record.overlap_seen``). A parameter several stages share is held already
 (``Upstream.held_grads``) and not counted again.
 """
 
@@ -33,7 +36,47 @@ import torch
 
 from ..units import format_bytes
 
-__all__ = ["overlap_bytes"]
+from ..errors import BudgetError
+
+__all__ = ["other_chains", "overlap_bytes", "overlapping_plan"]
+
+_WARNED = set()   # the chain sites ``other_chains`` has warned of
+
+
+def other_chains(flights, site):
+    """A chain (opened at ``site``) opened while calls of other chains are in flight (``flights``, weak
+    references to their ``_InFlight``): each budget bounds its own call, the step holds them all; say so
+    once (docs/limitations.md)."""
+    names = sorted({rec.names[0] for r in flights if (f := r()) is not None and (rec := f.record()) is not None})
+    if not names or site in _WARNED:
+        return
+    _WARNED.add(site)
+    warnings.warn(
+        f"remat: a chain opened while a call of the chain of {', '.join(names)}... is in flight (its backward "
+        f"comes after this one's: an encoder chain, then a decoder chain): each chain's budget bounds its own "
+        f"call from its opening, and the step holds both, up to the sum of their budgets. Give each chain its "
+        f"share of the step's memory", RuntimeWarning, stacklevel=5)
+
+
+def overlapping_plan(record, alive, plan):
+    """``plan(held)``, the plan of a call of ``record``'s chain with ``held`` bytes held beside it,
+    for one opened while the calls ``alive`` (weak references to their ``_InFlight``) are in
+    flight: with them counted (``record.overlapping``), unless a backward has passed such a
+    call by (a graph kept for a log); until a backward has shown them held, where no plan fits
+    with them, without (Note [Calls alive together])."""
+    probe = record.overlap_probe
+    if alive and record.overlap_seen is None and probe is not None:
+        later = probe[0]
+        if later.ended and any((f := r()) is not None and not f.ended for r in probe[1]):
+            record.overlap_seen = False   # (its backward reached the later call, not the one before)
+    record.overlapping = overlap_bytes(record) if alive and record.overlap_seen is not False else 0
+    if not record.overlapping or record.overlap_seen:
+        return plan(record.overlapping)
+    try:
+        return plan(record.overlapping)
+    except BudgetError:
+        record.overlapping = 0
+        return plan(0)
 
 
 def overlap_bytes(record):
@@ -58,8 +101,9 @@ def overlap_bytes(record):
             f"remat: the chain of {record.names[0]}... opened again before the backward reached its earlier "
             f"call (two calls alive together: a siamese pair, a GAN's real and fake): the engine holds the "
             f"later call's gradients of the stages' parameters until the earlier call's backward reaches each "
-            f"stage, {format_bytes(record.overlap)} at most, which the later call's plan counts. Give its budget "
-            f"room for them, or, where the loss allows, run each call's backward before the next call's forward",
-            RuntimeWarning, stacklevel=6)
+            f"stage, {format_bytes(record.overlap)} at most, which the later call's plan counts where its budget "
+            f"has room for them. Give it that room, or, where the loss allows, run each call's backward before "
+            f"the next call's forward (a graph kept with no backward, a loss kept for a log, holds its call's "
+            f"memory as long as it is kept: log loss.item())", RuntimeWarning, stacklevel=7)
     return record.overlap
 

@@ -1,8 +1,7 @@
 """One call of a chain (the user's forward, from the ``with remat.chain`` to its
 end): its stage calls checked and handed to its measuring part (``Measurer``,
 remat/measure/measuring.py) or its running part (``Runner``, remat/runtime/runner.py),
-and the records of the chains, per key (Note [Chain keys], remat/chain.py), in a bounded cache.
-"""
+and the records of the chains, per key (Note [Chain keys], remat/chain.py), in a bounded cache."""
 
 import collections
 import threading
@@ -14,10 +13,10 @@ import torch.autograd.forward_ad as forward_ad
 from torch.utils._pytree import tree_leaves
 
 from ..dynamo import in_compiled_frame
-from ..errors import BudgetError, RematError, StageError, not_handed_on
+from ..errors import BudgetError, RematError, StageError, not_handed_on, tail_unseen
 from ..measure.chain_record import NO_HINT, write_costs
 from ..measure.measuring import Measurer
-from ..measure.overlap import overlap_bytes
+from ..measure.overlap import other_chains, overlapping_plan
 from ..measure.refine import StageTimes, refine
 from ..measure.linger import LINGERING, Before, ends, settle
 from ..measure.tail import TAIL_TRIES, TailMeter, abandoned, backward_seen, output_held_later
@@ -200,11 +199,9 @@ class ChainCall:
                                 hooks_between(self.prev_ident, ident) + (self.spec.hints.split or ""), x, self.prev,
                                 given)
         if x._version != self.prev_version:
-            raise StageError(
-                f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "
-                f"stage {k} ({name}); move the in-place code into one of the stages"
-                f"{hooks_between(self.prev_ident, ident)}"
-            )
+            raise StageError(f"remat: the output of stage {k - 1} ({self.prev_name}) was modified in place before "
+                             f"stage {k} ({name}); move the in-place code into one of the stages"
+                             f"{hooks_between(self.prev_ident, ident)}")
 
     def _begin(self, ident, args, kwargs, x):
         """Stage 1: the chain's key, and its part: a runner if the key is recorded."""
@@ -227,6 +224,8 @@ class ChainCall:
             abandoned(meter, entry, x)
         if entry is not None and self.spec.options is True and not entry.options:
             entry = None   # (measured without options, which this call asks for: measured again)
+        if others := set(in_flight()) - set(in_flight(ident)):   # (another chain's call: remat/measure/overlap.py)
+            other_chains(others, self.site)
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None or entry.remeasure:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
@@ -241,9 +240,10 @@ class ChainCall:
         if entry.unsaved:
             entry.unsaved = False
             write_costs(entry.costs, entry.costs_file)
-        entry.overlapping = overlap_bytes(entry) if entry.overlap_seen and in_flight(ident) else 0   # (overlap.py)
-        try:
-            plan = plan_for(entry, self.budget, self.spec, entry.overlapping)
+        try:   # (a call opened while another of the chain is in flight: remat/measure/overlap.py)
+            entry.overlapping = 0
+            plan = overlapping_plan(entry, alive, lambda held: plan_for(entry, self.budget, self.spec, held)) \
+                if (alive := in_flight(ident)) else plan_for(entry, self.budget, self.spec)
         except RematError:   # explain() shows this call's budget, with no schedule, as a first call's
             self.spec.explained(entry.costs, None, self.budget, entry.names, entry.costs, entry)
             raise
@@ -291,7 +291,7 @@ class ChainCall:
             measurer.undo()
             if isinstance(exc, RematError):
                 self.spec.explained(new.costs, None, self.budget, new.names, new.costs, new)
-            raise
+            raise tail_unseen(exc, tail)
         measurer.originals.clear()   # (nothing to undo now: the copies of written state go)
         self.spec.explained(plan.costs, plan.schedule, self.budget, new.names, new.costs, new)
         published[0] = self.spec.last

@@ -115,10 +115,9 @@ def _unchanged(anchor, x):
     if x._version != anchor.version:
         k = anchor.stage
         what = "the chain's input" if k == 1 else f"the input of stage {k}"
-        raise StageError(
-            f"remat: {what} was modified in place between the forward and the backward; remat keeps "
-            f"it to recompute stage {k} in the backward, from the values its forward used. Change a "
-            f"copy (.clone()), or change it after the backward")
+        raise StageError(f"remat: {what} was modified in place between the forward and the backward; remat keeps it "
+                         f"to recompute stage {k} in the backward, from the values its forward used. Change a copy "
+                         f"(.clone()), or change it after the backward")
     return x
 
 
@@ -126,8 +125,7 @@ _FLIGHTS = weakref.WeakKeyDictionary()   # a first stage's object -> its calls i
 
 
 class _InFlight:
-    """The backward reaching a^L ends it (``end``); a call opened while it was in flight whose a^L the
-    same backward reached first (``later``) holds its parameters' gradients until this one's stages'."""
+    """A call in flight, until the backward reaches a^L (``end``); ``later``: the calls opened meanwhile."""
     __slots__ = ("ended", "task", "record", "later", "__weakref__")
 
     def __init__(self, record):
@@ -149,11 +147,13 @@ def flying(ident, act, record):
     _FLIGHTS[ident] = [*alive, weakref.ref(flight)]
     for r in alive:
         r().later.append(_FLIGHTS[ident][-1])
+        record.overlap_probe = (flight, alive)
 
 
-def in_flight(ident):
-    """Weak references to the calls in flight whose first stage is ``ident`` (any chain key)."""
-    return [r for r in _FLIGHTS.get(ident, ()) if (f := r()) is not None and not f.ended]
+def in_flight(ident=None):
+    """Weak references to the calls in flight whose first stage is ``ident`` (any chain key), or (None) any's."""
+    return [r for key in ((ident,) if ident is not None else list(_FLIGHTS)) for r in _FLIGHTS.get(key, ())
+            if (f := r()) is not None and not f.ended]
 
 
 class Run:

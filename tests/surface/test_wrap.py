@@ -317,3 +317,35 @@ def test_unwrapping_one_of_two_models_sharing_blocks_leaves_the_other_wrapped():
     assert [s.name for s in remat.explain()._record.stages] == ["Sequential"] * 4
     remat.unwrap(heads[1])
     assert [is_stage(b) for b in backbone] == [True, False, False, False]
+
+
+@needs_transformers
+def test_a_llama_at_its_minimum_runs_every_call_under_the_least_budget_explain_names():
+    """A small Llama wrapped at the minimum its BudgetErrors name runs every call under
+    it, and ``explain().least_budget`` names that budget, not one more output: its final
+    norm reads a^L, which is let go before B(L), and the measuring call's plan, which
+    counts a^L held where that fits, ran without it where it did not."""
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1,
+                                   max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    budget, peaks = 1024, None
+    for _ in range(6):
+        remat.clear_cache()
+        model = copy.deepcopy(base)
+        for p in model.parameters():   # (resident, as the budget counts them: not the first step's to make)
+            p.grad = torch.zeros_like(p)
+        remat.wrap(model, model.model.layers, budget=budget)
+        try:
+            peaks = []
+            for _ in range(3):
+                with remat.measure_peak():   # (each chain's peak from its opening: explain().measured_peak)
+                    model(input_ids=ids, labels=ids).loss.backward()
+                peaks.append(remat.explain().measured_peak)
+            break
+        except remat.BudgetError as exc:
+            budget, peaks = exc.minimum, None
+    assert peaks is not None and max(peaks) <= budget, (peaks, budget)
+    assert remat.explain().least_budget <= budget
