@@ -81,8 +81,8 @@ class ChainCall:
     hands the runner's record so far to a new measurer (``Runner.diverge``)."""
 
     def __init__(self, spec, site):
-        # (a meter left after the last block on this thread goes: remat/measure/linger.py)
-        self.cut_short = (settle(cut=True) or ()) if LINGERING else ()
+        # (a meter left after the last block goes; a chain run plainly, under no_grad, is the tail's: linger.py)
+        self.cut_short = (settle(cut=True) or ()) if LINGERING and torch.is_grad_enabled() else ()
         self.spec, self.site, self.k = spec, site, 0
         self.called = False     # a stage was called inside the chain (recorded or not)
         self.prev = None        # the activation the last stage returned

@@ -410,3 +410,59 @@ def test_a_first_calls_minimum_made_before_the_heads_backward_says_it_may_be_mor
     assert True in said, [str(e) for e in errors]
     k = said.index(True)
     assert len(errors) > k + 1 and errors[k + 1].minimum > errors[k].minimum and not said[k + 1]
+
+
+def test_a_no_grad_chain_between_the_forward_and_the_backward_is_part_of_the_tail():
+    """An EMA teacher's forward under no_grad (a chain run plainly) after the student's
+    chain and before its backward: the student's tail goes on being metered through it
+    (it cut the tail short, and every step from the second went to the store-all peak,
+    25% over the budget)."""
+    from remat.measure.meter import Instrument
+    from remat.solver.schedule import simulate
+    from remat.solver.solve import store_all
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(32, 128), nn.Linear(128, 32)
+
+        @remat.stage
+        def forward(self, x):
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    class Net(nn.Module):
+        def __init__(self, budget):
+            super().__init__()
+            self.blocks, self.head, self.budget = nn.ModuleList(Block() for _ in range(6)), nn.Linear(32, 2000), budget
+
+        def forward(self, x):
+            with remat.chain(budget=self.budget):
+                for b in self.blocks:
+                    x = b(x)
+            return self.head(x)
+
+    def run(budget, steps):
+        remat.clear_cache()
+        torch.manual_seed(0)
+        net = Net(budget)
+        teacher = copy.deepcopy(net).requires_grad_(False)
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+        peaks = []
+        for s in range(steps):
+            g = torch.Generator().manual_seed(s)
+            x, y = torch.randn(8, 16, 32, generator=g), torch.randint(0, 2000, (8 * 16,), generator=g)
+            with Instrument(writes=False) as inst:
+                logits = net(x)
+                with torch.no_grad():
+                    teacher(torch.randn(1, 2, 32, generator=g))
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), y).backward()
+            peaks.append(inst.peak + x.untyped_storage().nbytes())
+        return peaks, remat.explain()
+
+    _, probe = run(2**40, 2)
+    low, high = probe.least_budget, simulate(probe.costs, store_all(probe.costs.length)).peak
+    budget = int(low + 0.2 * (high - low))
+    peaks, explanation = run(budget, 4)
+    assert max(peaks) <= budget, (peaks, budget)
+    assert "cut short" not in str(explanation.tail)
