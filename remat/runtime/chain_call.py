@@ -229,7 +229,7 @@ class ChainCall:
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None or entry.remeasure:
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
-                                       _hint(self.site, ident, self.budget, x.untyped_storage().nbytes()))
+                                       _hint(self.key, ident, self.budget, x.untyped_storage().nbytes()))
             if x.grad_fn is not None and not x.is_cuda and not distributed():   # (remat/measure/linger.py)
                 Before(self.part.new, x, self.budget)
             if entry is not None:   # (Note [Paths of a chain], remat/runtime/paths.py)
@@ -321,14 +321,14 @@ class ChainCall:
             self.tail.linger()
 
 
-def _hint(site, ident, budget, input_bytes):
-    """What a measuring call of the chain at ``site`` whose first stage is ``ident`` can
-    take from its latest record (its ``hint``): one of this model's, whose stages
-    include ``ident`` (every ``remat.Sequential`` opens its chain at one site: another
-    model's record put a first call up to 118% over its budget)."""
+def _hint(this, ident, budget, input_bytes):
+    """What a measuring call of the chain key ``this`` whose first stage is ``ident`` can take from its
+    latest record (its ``hint``): one of this model's, whose stages include ``ident`` (every
+    ``remat.Sequential`` opens its chain at one site: another model's record put a first call up to 118%
+    over its budget), at its site, training mode and autocast state (a bf16 record's: 19% over)."""
     with _cache_lock:
         for key, record in reversed(_cache.items()):
-            if key[0] == site and any(s.ident() is ident for s in record.stages):
+            if key[0] == this[0] and key[3:] == this[3:] and any(s.ident() is ident for s in record.stages):
                 return record.hint(budget, input_bytes)
     return NO_HINT
 

@@ -1,0 +1,109 @@
+"""A measuring call at a new shape takes what it may hold from the chain's latest
+record (``ChainRecord.hint``, Note [Measuring within the budget] in
+remat/measure/holding.py): scaled to the new input, and only from a record of the
+same autocast state. Each first call here stays under the budget."""
+
+import copy
+import gc
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remat
+from remat.measure.meter import Instrument
+from remat.solver.schedule import simulate
+from remat.solver.solve import store_all
+
+D = 32
+
+
+class _Attention(nn.Module):
+    """Causal self-attention and an MLP: its saved tensors grow with the square of the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.ln2, self.fc1, self.fc2, self.drop = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D), nn.Dropout(0.1)
+
+    @remat.stage
+    def forward(self, x, mask):
+        b, t, c = x.shape
+        q, k, v = (u.view(b, t, 4, c // 4).transpose(1, 2) for u in self.qkv(self.ln1(x)).split(c, -1))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // 4) + mask[:t, :t]
+        x = x + self.drop(self.proj((self.drop(att.softmax(-1)) @ v).transpose(1, 2).reshape(b, t, c)))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks, self.head, self.budget = nn.ModuleList(blocks), nn.Linear(D, 10), 2**40
+        self.mask = torch.full((64, 64), float("-inf")).triu(1)
+
+    def forward(self, x):
+        with remat.chain(budget=self.budget):
+            for b in self.blocks:
+                x = b(x, self.mask)
+        return self.head(x)
+
+
+def _step(net, b, t, seed, bf16=False):
+    """A training step's peak from the chain's opening (its input counted)."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(b, t, D, generator=g), torch.randint(0, 10, (b * t,), generator=g)
+    gc.collect()
+    with Instrument(writes=False) as inst:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(net(x).flatten(0, 1).float(), y)
+        loss.backward()
+    return inst.peak + x.untyped_storage().nbytes()
+
+
+def _budgeted(base, b, t, fraction):
+    """A copy of ``base`` (its gradients resident) at ``fraction`` of the way from the least
+    budget to the store-all peak of its chain at (b, t)."""
+    probe = copy.deepcopy(base)
+    remat.clear_cache()
+    _step(probe, b, t, 0)
+    _step(probe, b, t, 1)
+    e = remat.explain()
+    low, high = e.least_budget, simulate(e.costs, store_all(e.costs.length)).peak
+    remat.clear_cache()
+    net = copy.deepcopy(base)
+    net.budget = int(low + fraction * (high - low))
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    return net
+
+
+def test_a_first_call_four_times_as_long_stays_under_the_budget():
+    """After calls at 16 tokens, the first call at 64: attention's saved tensors grow 16
+    times, the input 4. The hint scaled linearly said storing everything fits, the
+    call kept every stage's saved tensors and went to the store-all peak (37% over)."""
+    torch.manual_seed(0)
+    net = _budgeted(_Net([_Attention() for _ in range(4)]), 8, 64, 0.6)
+    peaks = [_step(net, 8, t, s) for s, t in enumerate((16, 16, 64, 64))]
+    assert max(peaks) <= net.budget, (peaks, net.budget)
+
+
+def test_a_float32_first_call_after_bf16_calls_stays_under_the_budget():
+    """After a call under bf16 autocast, the first float32 call at a new batch size:
+    the bf16 record's sizes, half a float32 call's, are not its hint (it went 19%
+    over, keeping every saved tensor)."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc1, self.fc2, self.drop = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D), \
+                nn.Dropout(0.2)
+
+        @remat.stage
+        def forward(self, x, _mask):
+            return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln(x)))))
+
+    torch.manual_seed(0)
+    net = _budgeted(_Net([Block() for _ in range(6)]), 8, 16, 0.1)
+    peaks = [_step(net, 8, 16, 0, bf16=True), _step(net, 4, 12, 1)]
+    assert max(peaks) <= net.budget, (peaks, net.budget)
