@@ -25,7 +25,8 @@ class _Attention(nn.Module):
     def __init__(self):
         super().__init__()
         self.ln1, self.qkv, self.proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.ln2, self.fc1, self.fc2, self.drop = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D), nn.Dropout(0.1)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.drop = nn.Dropout(0.1)
 
     @remat.stage
     def forward(self, x, mask):
