@@ -15,7 +15,10 @@ model's logits) saved tensors kept up to the budget put the step at about
 twice it. So stages keep them only where a record of this chain (at
 another shape, scaled, or the path it left) stores everything within the
 budget with a stage's record to spare (a kept stage's measured backward holds
-its saved tensors to its end: ``keep_all``, ``keep_saved``); else the backward rebuilds every stage
+its saved tensors to its end: ``keep_all``), and while they fit beside what
+the call holds, room to measure the next stage and the tail (``keep_saved``:
+the record of a path left for dropout switched on tells sizes this call's
+stages exceed); else the backward rebuilds every stage
 from its input, the last one too: one more forward, once. A stage whose own forward and backward cannot fit the budget
 (the least any schedule needs, ``fits``) stops the call with a
 ``BudgetError`` naming it, the call undone, before the stages after it run.
@@ -134,22 +137,27 @@ class Holding:
         self.largest = hinted    # the most measuring a stage needed beyond its input so far (or, hinted, will)
         # (widest: the largest stage input so far, or, hinted, to come: alive as that stage is measured)
 
-    def keep_saved(self, i, costs, given):
+    def keep_saved(self, i, costs, given, input_bytes=0):
         """Whether measured stage i (its ``costs`` as measured, None if they come
         from a file) keeps its saved tensors for this call's backward (Note
         [Measuring within the budget]).
 
         Yes where a record of the chain (at another shape, scaled; or the path
         this call left) stores everything within the budget (``keep_all``), so
-        that such a budget makes the first backward rebuild nothing. A stage run
-        by a schedule before the chain diverged is left to it.
+        that such a budget makes the first backward rebuild nothing, and while they
+        fit beside what the call holds (the chain's input, ``input_bytes``), room
+        to measure a stage like the largest and the tail: a record whose stages
+        save less than this call's (its dropout off, this call's on) said everything
+        fits, and the call went 18% over keeping them all. A stage run by a
+        schedule before the chain diverged is left to it.
         """
         if i < self.diverged:
             return False
         saved = costs.saved_bytes if costs is not None else None
         if saved is None and given is not None and i <= given.length:
             saved = given.saved_bytes[i - 1]
-        if saved is None or not self.keep_all:
+        if saved is None or not self.keep_all or input_bytes + self.held_bytes + saved + self.inputs_bytes \
+                + self.largest + self.widest + (self.tail_hint or 0) > self.budget:
             return False
         self.held_bytes += saved
         return True

@@ -180,7 +180,7 @@ class Measurer:
         except BudgetError:
             self.undo()
             raise
-        if not holding.keep_saved(k, probe.costs, self.given):   # (before run 3)
+        if not holding.keep_saved(k, probe.costs, self.given, self.new.input_bytes):   # (before run 3)
             anchor.saved = None
             kept.clear()
         holding.thin_inputs(k, anchor, x, self.new.input_bytes)

@@ -235,14 +235,23 @@ def module_dicts(ident):
     return tuple(m.__dict__ for m in ident.modules())
 
 
+def _settings(dicts):
+    """The settings in the ``__dict__`` of each of a stage's modules (``dicts``) that change what
+    a forward saves: its training flag and dropout rate (nn.Dropout's p; the floats Hugging
+    Face attention and MLP modules hand F.dropout)."""
+    return tuple([(d.get("training"), d.get("p"), d.get("dropout"), d.get("attention_dropout"),
+                   d.get("activation_dropout")) for d in dicts])
+
+
 def input_signature(x, call, dicts):
     """What each stage of a chain's record is checked against on later calls: input
-    shape and dtype, the training flags of its module and submodules (a stage, or
-    a BatchNorm inside it, switched to eval or back is measured again), its side
-    inputs by ``signature`` (an encoder output of another length, another model's
-    weights passed to a function stage) and its input's ``layout``."""
-    return (tuple(x.shape), x.dtype, tuple([d.get("training") for d in dicts]),
-            signature((call.args, call.kwargs)), layout(x))
+    shape and dtype, the training flags and dropout rates of its module and
+    submodules (a stage, or a BatchNorm inside it, switched to eval or back, or a
+    dropout switched on, is measured again: dropout warm-up from p=0 went 14% over
+    the budget), its side inputs by ``signature`` (an encoder output of another
+    length, another model's weights passed to a function stage) and its input's
+    ``layout``."""
+    return (tuple(x.shape), x.dtype, _settings(dicts), signature((call.args, call.kwargs)), layout(x))
 
 
 _NO_SIDE = signature(((None,), {}))   # a stage given its activation alone
@@ -263,9 +272,12 @@ def signature_matches(sig, x, call, dicts=None):
 
 
 def trained_as(sig, dicts):
-    """The training flags of a stage's module and submodules (``dicts``, their
-    ``__dict__``) are those of ``input_signature``'s ``sig``."""
-    return tuple([d.get("training") for d in dicts]) == sig[2]
+    """The training flags and dropout rates of a stage's module and submodules (``dicts``,
+    their ``__dict__``) are those of ``input_signature``'s ``sig``."""
+    try:
+        return _settings(dicts) == sig[2]
+    except RuntimeError:   # (a tensor by one of those names, of several elements: no truth value)
+        return False
 
 
 def find_activation(args, kwargs, start, fn=None):
