@@ -37,6 +37,19 @@ class _Attention(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class _Mlp(nn.Module):
+    """An MLP block with dropout (its rate ``p``)."""
+
+    def __init__(self, p=0.2):
+        super().__init__()
+        self.ln, self.fc1, self.fc2, self.drop = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D), \
+            nn.Dropout(p)
+
+    @remat.stage
+    def forward(self, x, _mask):
+        return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln(x)))))
+
+
 class _Net(nn.Module):
     def __init__(self, blocks):
         super().__init__()
@@ -94,18 +107,8 @@ def test_a_float32_first_call_after_bf16_calls_stays_under_the_budget():
     the bf16 record's sizes, half a float32 call's, are not its hint (it went 19%
     over, keeping every saved tensor)."""
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln, self.fc1, self.fc2, self.drop = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D), \
-                nn.Dropout(0.2)
-
-        @remat.stage
-        def forward(self, x, _mask):
-            return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln(x)))))
-
     torch.manual_seed(0)
-    net = _budgeted(_Net([Block() for _ in range(6)]), 8, 16, 0.1)
+    net = _budgeted(_Net([_Mlp() for _ in range(6)]), 8, 16, 0.1)
     peaks = [_step(net, 8, 16, 0, bf16=True), _step(net, 4, 12, 1)]
     assert max(peaks) <= net.budget, (peaks, net.budget)
 
@@ -118,19 +121,9 @@ def test_a_dropout_switched_on_is_measured_and_the_call_stays_under_the_budget()
     stores every stage whole, the change is found at the call's end, and that call
     runs on the old costs: docs/limitations.md. The calls after it stay under.)"""
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln, self.fc1, self.fc2, self.drop = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D), \
-                nn.Dropout(0.0)
-
-        @remat.stage
-        def forward(self, x, _mask):
-            return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln(x)))))
-
     for fraction in (0.0, 0.15):
         torch.manual_seed(0)
-        base = _Net([Block() for _ in range(6)])
+        base = _Net([_Mlp(0.0) for _ in range(6)])
         for b in base.blocks:
             b.drop.p = 0.3
         net = _budgeted(base, 8, 16, fraction)
