@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-__all__ = ["STANCES", "DYNAMO_SKIPS", "in_compiled_frame", "in_dynamo_callback"]
+__all__ = ["STANCES", "DYNAMO_SKIPS", "eager_under_meter", "in_compiled_frame", "in_dynamo_callback"]
 
 STANCES = hasattr(torch.compiler, "set_stance")   # (torch >= 2.6)
 DYNAMO_SKIPS = []
@@ -77,3 +77,34 @@ def in_compiled_frame():
 
 
 _EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+_held = []   # (the stance before, meters on) while remat's meters over the caller's code are on the stack
+
+
+def eager_under_meter(on):
+    """A meter of remat's goes on (``on``) or off the dispatch-mode stack over the caller's
+    code: the tail's after a chain's block (remat/measure/linger.py), ``remat.measure_peak``'s
+    on CPU. While one is on, compiled code runs eagerly (Dynamo's stance ``force_eager``):
+    Dynamo met a compiled loss there under the meter, a dispatch mode it does not support,
+    and gave up on its code for good, in the process, in a chain or out (and on every
+    compiled ``nn.Linear`` with a compiled head). Returns whether it counted this meter."""
+    if on:
+        if not STANCES or "torch._dynamo" not in sys.modules or in_dynamo_callback():
+            return False
+        from torch._dynamo import eval_frame
+
+        if not _held:
+            _held[:] = [eval_frame._stance, 0]
+            torch.compiler.set_stance("force_eager")
+        _held[1] += 1
+        return True
+    if _held:
+        _held[1] -= 1
+        if _held[1] == 0:   # (set back as it was, in a torch.compile region too, where set_stance refuses)
+            from torch._dynamo import eval_frame
+
+            eval_frame._stance = _held.pop(0)
+            _held.clear()
+    return False
+

@@ -90,8 +90,10 @@ def _hand_over_eagerly(current, ident, name, fn, args, kwargs):
         warnings.warn(
             f"remat: stage {name} is reached by torch.compile (a compiled stage, torch.compile("
             f"remat.stage(block)) or block.compile(), or a model compiled around its chain) but runs "
-            f"eagerly inside a chain, where remat's own code is kept from Dynamo; outside a chain, "
-            f"and around it, code runs compiled. Gradients are exact either way",
+            f"eagerly inside a chain, where remat's own code is kept from Dynamo; outside a chain code "
+            f"runs compiled, but for the code after the chain in the function that opens it, which "
+            f"Dynamo does not resume (a compiled model's head and loss run eagerly: compile them apart). "
+            f"Gradients are exact either way",
             stacklevel=2,
         )
     return current.call(ident, name, fn, args, kwargs)

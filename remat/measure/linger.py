@@ -53,6 +53,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
+from ..dynamo import eager_under_meter
 from ..units import format_bytes
 
 __all__ = ["LINGERING", "Before", "alone", "downstream", "ends", "linger", "release", "settle"]
@@ -78,6 +79,7 @@ def linger(meter):
         _hooked.append(register_optimizer_step_pre_hook(_settle_before_step))
     _until_backward_returns()
     meter.__enter__()
+    meter.eager = eager_under_meter(True)   # (compiled code after the block runs eagerly: remat/dynamo.py)
     LINGERING.append((threading.get_ident(), meter))
 
 
@@ -167,6 +169,8 @@ def _turn_off(meter, cut):
 
 def _take_off(mode):
     """Pop ``mode`` from wherever it is on the stack, the modes above it put back in order."""
+    if getattr(mode, "eager", False):
+        mode.eager = eager_under_meter(False)
     if not any(m is mode for m in _get_current_dispatch_mode_stack()):
         return
     above = []

@@ -29,6 +29,7 @@ compare with the budget a step whose gradients were there before it
 
 import torch
 
+from ..dynamo import eager_under_meter
 from ..runtime.chain_call import measuring_peaks
 from .linger import settle
 from .meter import Instrument
@@ -73,8 +74,9 @@ class measure_peak:
         self._base = self._segment()
         self._most = self._base
         self._chains = []
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":   # (compiled code inside runs eagerly: remat/dynamo.py)
             self._meter = Instrument(writes=False).__enter__()
+            self._meter.eager = eager_under_meter(True)
             self._base = self._most = 0
         measuring_peaks.append(self)
         return self
@@ -88,6 +90,7 @@ class measure_peak:
         finally:
             if self._meter is not None:
                 self._meter.__exit__(*exc)
+                self._meter.eager = self._meter.eager and eager_under_meter(False)
                 self._meter = None
         self.peak = max(0, self._most - self._base)
         for base, most, explanations in self._chains:

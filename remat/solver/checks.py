@@ -5,10 +5,11 @@ binding.py."""
 import collections.abc
 import math
 import numbers
+import os
 
 from ..errors import CostsError
 
-__all__ = ["MAX_SECONDS", "MAX_BYTES", "where", "least_bytes", "entries", "check_time", "check_size"]
+__all__ = ["MAX_SECONDS", "MAX_BYTES", "where", "least_bytes", "entries", "check_time", "check_size", "file_path"]
 
 # The C solver's bounds (src_c/solver.c), which Costs enforces on creation and
 # binding.py checks again: below them its sums of times stay finite and its
@@ -89,3 +90,10 @@ def check_size(name, i, v, least=0, option=None):
     if v >= MAX_BYTES:
         raise CostsError(f"remat: {at} is {v} bytes, beyond any real device; check the unit")
     return int(v)
+
+def file_path(path):
+    """``path`` if it is a file's path (open() takes an int for a file descriptor: 1, stdout, closed)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise CostsError(f"remat: a costs file is given by its path (a str or os.PathLike), not {type(path).__name__} "
+                         f"{path!r}")
+    return path

@@ -10,7 +10,8 @@ from dataclasses import MISSING, dataclass, fields
 
 from ..errors import CostsError
 from ..units import format_bytes
-from .checks import MAX_BYTES, MAX_SECONDS, check_size, check_time, entries, least_bytes, where  # noqa: F401  (MAX_*: as before)
+from .checks import (MAX_BYTES, MAX_SECONDS, check_size, check_time, entries, file_path,  # noqa: F401  (MAX_*: as before)
+                     least_bytes, where)
 from .option import check_options
 
 __all__ = ["Costs"]
@@ -305,6 +306,7 @@ class Costs:
         """Write the costs to ``path`` as JSON, whole: a regular file through one beside it
         renamed over it, so that a process reading it meanwhile (another job's first
         call) finds the old record or the new one, never the start of one."""
+        file_path(path)
         text = json.dumps({"format": FORMAT_OPTIONS if self.has_options else FORMAT, **self.to_dict()}, indent=1)
         where = f"{path}.{os.getpid()}.tmp" if not os.path.exists(path) or os.path.isfile(path) else path
         try:
@@ -319,6 +321,7 @@ class Costs:
     @classmethod
     def load(cls, path):
         """Read costs written by ``save``; raises ``CostsError`` if the file is not such a record."""
+        file_path(path)
         try:
             with open(path, "rb") as fh:
                 raw = fh.read(MAX_FILE_BYTES + 1)   # (a device such as /dev/zero never ends)
@@ -390,3 +393,4 @@ def _drops(name, raw, length, bound):
                 f"remat: {where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
                 f"the last stage (no stage after it lets a^L go)")
     return checked
+

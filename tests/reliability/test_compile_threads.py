@@ -16,6 +16,7 @@ Findings (see docs/hostile-input.md):
   a stage] in remat/dynamo.py).
 """
 
+import contextlib
 import copy
 import sys
 import threading
@@ -140,6 +141,43 @@ def test_a_compiled_block_in_a_chain_runs_eagerly_and_stays_compilable_outside()
     graphs.clear()
     torch.compile(_blocks(0.0, n=1)[0], backend=backend)(torch.randn(2, 7, 3, D))
     assert any("tanh" in g for g in graphs)
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch 2.5 has no compiler stances")
+def test_a_compiled_loss_after_a_first_call_stays_compiled():
+    """A compiled loss after a chain's block runs under the tail's meter on the first call
+    (and a compiled step under ``remat.measure_peak`` on CPU): there it runs eagerly, and
+    from the next call on compiled (Dynamo met it under the meter, a dispatch mode it does
+    not support, and ran it eagerly for good, in the process, silently), as does the
+    same compiled function outside any chain; the stance is back as it was after."""
+    from torch._dynamo import eval_frame
+    torch._dynamo.reset()
+    runs = [0]
+
+    def backend(gm, _inputs):
+        def run(*args):
+            runs[0] += 1
+            return gm.forward(*args)
+        return run
+
+    loss = torch.compile(lambda y: torch.sin(y).square().mean(), backend=backend)
+    loss(torch.randn(4, D))
+    stance = eval_frame._stance
+    stages, x = [remat.stage(b) for b in _blocks(0.0, n=3)], torch.randn(4, D, requires_grad=True)
+    counted = []
+    for step in range(3):
+        with remat.measure_peak() if step == 2 else contextlib.nullcontext():
+            with remat.chain(budget="1MiB"):
+                h = x
+                for s in stages:
+                    h = s(h)
+            before = runs[0]
+            loss(h).backward()
+        counted.append(runs[0] - before)
+    before = runs[0]
+    loss(torch.randn(4, D))
+    assert counted == [0, 1, 0] and runs[0] - before == 1, (counted, runs)
+    assert eval_frame._stance == stance
 
 
 def test_compiling_around_the_stage_keeps_remat_from_dynamo_and_says_so():

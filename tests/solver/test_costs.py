@@ -251,3 +251,15 @@ def test_a_costs_file_is_never_read_half_written(tmp_path):
         writer.join()
     assert failed == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["costs.json"]   # (no file left beside it)
+
+
+@pytest.mark.parametrize("bad", [0, 1, None, 2.5])
+def test_a_costs_file_given_as_anything_but_a_path_is_refused(bad, capsys):
+    """``Costs.load(1)`` opened file descriptor 1 and closed the process's stdout (every
+    print after it raised), ``Costs.load(0)`` waited on stdin: a path is asked for."""
+    with pytest.raises(CostsError, match="given by its path"):
+        Costs.load(bad)
+    with pytest.raises(CostsError, match="given by its path"):
+        Costs.uniform(3).save(bad)
+    print("stdout is open")
+    assert "stdout is open" in capsys.readouterr().out
