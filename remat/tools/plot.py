@@ -9,6 +9,7 @@ import sys
 
 from ..solver.schedule import B, Fall, Fck, Fn, Loss, simulate
 from ..solver.solve import minimum_budget, periodic, solve, store_all
+from ..errors import BudgetError, UsageError
 from ..units import format_bytes
 
 __all__ = ["timeline", "tradeoff", "missing"]
@@ -79,14 +80,19 @@ def timeline(costs, schedule, path, budget=None, title=None):
 def tradeoff(costs, path, points=40, title=None):
     """Save predicted step time against peak memory: optimal for budgets from the
     minimum to storing everything, and periodic checkpointing for every period."""
+    if not isinstance(points, int) or isinstance(points, bool) or points < 1:
+        raise UsageError(f"remat: tradeoff samples a whole number of points, at least 1, not {points!r}")
     plt = _pyplot()
     n = costs.length
     low = minimum_budget(costs)
     high = simulate(costs, store_all(n)).peak
     opt = []
     for i in range(points + 1):
-        budget = int(low + (high - low) * i / points)
-        s = solve(costs, max(budget, low))
+        budget = max(int(low + (high - low) * i / points), low, 1)
+        try:
+            s = solve(costs, budget)
+        except BudgetError as exc:   # (a long chain is solved on groups, whose least is above the exact one)
+            s = solve(costs, max(budget, exc.minimum))
         opt.append((_mib(s.peak), s.time * 1e3))
     per = []
     for k in range(1, costs.stages + 1):

@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 import io
+import os
 import subprocess
 import sys
 
@@ -160,3 +161,16 @@ def test_demo_says_what_it_counts_and_what_is_measured(capsys):
     out = subprocess.run([sys.executable, "-m", "remat", "demo", "--help"], capture_output=True, text=True,
                          timeout=120).stdout
     assert "--device DEVICE  cpu (default) or cuda" in out and "--steps STEPS    training steps" in out
+
+
+def test_the_tradeoff_plot_of_a_long_chain_and_its_points(tmp_path):
+    """``remat.tools.plot.tradeoff`` of a 1,200-stage chain (solved on groups, whose least
+    is above the exact minimum it started at: it raised BudgetError) draws; a number of
+    points under 1 is refused by name (it raised ZeroDivisionError)."""
+    pytest.importorskip("matplotlib")
+    from remat.tools import plot
+
+    costs = remat.Costs.uniform(1200)
+    assert os.path.exists(plot.tradeoff(costs, str(tmp_path / "t.png"), points=1))
+    with pytest.raises(remat.UsageError, match="at least 1"):
+        plot.tradeoff(costs, str(tmp_path / "u.png"), points=0)
