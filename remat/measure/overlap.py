@@ -26,17 +26,17 @@ Until a backward has told, a call opened while another is in flight counts
 them where its budget has room for them, so that a siamese pair's first step
 stays under it too (``overlapping_plan``); once a backward has reached such a
 call and passed the one in flight before it by (that one's graph kept for a
-log), the chain's calls count nothing (``record.overlap_seen``). A parameter several stages share is held already
-(``Upstream.held_grads``) and not counted again.
+log), the chain's calls count nothing (``record.overlap_seen``). A parameter
+several stages share is held already (``Upstream.held_grads``) and not counted
+again.
 """
 
 import warnings
 
 import torch
 
-from ..units import format_bytes
-
 from ..errors import BudgetError
+from ..units import format_bytes
 
 __all__ = ["other_chains", "overlap_bytes", "overlapping_plan"]
 

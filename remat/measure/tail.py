@@ -396,4 +396,3 @@ def backward_seen(new, spec, budget, published, plan_for, seen):
                       f"and the next one raises this error", RuntimeWarning)
         return
     spec.explained(plan.costs, plan.schedule, budget, new.names, new.costs, new)
-

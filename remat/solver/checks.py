@@ -91,6 +91,7 @@ def check_size(name, i, v, least=0, option=None):
         raise CostsError(f"remat: {at} is {v} bytes, beyond any real device; check the unit")
     return int(v)
 
+
 def file_path(path):
     """``path`` if it is a file's path (open() takes an int for a file descriptor: 1, stdout, closed)."""
     if not isinstance(path, (str, bytes, os.PathLike)):
