@@ -12,8 +12,7 @@ from hypothesis import example, given, strategies as st
 
 import remat
 from remat.measure.meter import Instrument
-from remat.solver.solve import minimum_budget
-from chains import SEQ_KINDS, Net, budget_for, make_input, remember_least
+from chains import SEQ_KINDS, Net, budget_for, make_input, minimum_budget, remember_least
 
 
 class HeadNet(Net):
@@ -335,13 +334,12 @@ def test_the_output_gone_is_not_mistaken_for_a_storage_made_where_it_was():
 # whose gradient the call's end adds to its bwd_tmp: it stays when run 4 comes later)
 @pytest.mark.parametrize("kinds", [["dropout", "ln", "gelu", "bn", "tied"], ["tied", "tied", "bn", "tied"]])
 def test_run_4_that_does_not_fit_waits_for_the_backward(kinds):
-    """A BatchNorm stage hands the stage before it a transposed gradient, so that stage's
-    backward is measured again (run 4). At the chain's least budget a fresh forward and
-    backward of it beside the whole chain does not fit at the call's end: it runs in
-    the call's own backward instead, as the gradient arrives. The costs are those of a
-    call measured without a bound, and the first call stays within a stage's output of
-    the budget (that of run 2, docs/limitations.md); run 4 at the call's end put it 41%
-    over."""
+    """A BatchNorm stage hands the stage before it a transposed gradient, so that stage's backward
+    is measured again (run 4). At the chain's least budget with a^L held a fresh forward and backward
+    of it beside the whole chain does not fit at the call's end: it runs in the call's own backward
+    instead, as the gradient arrives. The costs are those of a call measured without a bound, and the
+    first call stays within a stage's output of the budget (that of run 2, docs/limitations.md);
+    run 4 at the call's end put it 41% over."""
     torch.manual_seed(0)
     base = HeadNet(kinds, 8, False)
     ref = copy.deepcopy(base)
@@ -350,9 +348,7 @@ def test_run_4_that_does_not_fit_waits_for_the_backward(kinds):
     step(ref, 1)
     costs = remat.explain().costs
     remember_least(costs)
-    # (the least budget with a^L held, as the measuring call plans where that fits; one output
-    # below, at the chain's least, run 4 fits not even in the backward, and run 2's figures stand)
-    held = minimum_budget(remat.explain()._record.planning_costs(output=True))
+    held = minimum_budget(remat.explain()._record.planning_costs(output=True))   # (a^L held: below, run 4 never fits)
     remat.clear_cache()
     net = copy.deepcopy(base)
     net.budget = max(budget_for(costs, "optimal", 0.0), held)
