@@ -15,8 +15,8 @@ seen before runs its schedule; a new budget re-solves from the cached costs; a
 new key measures. While running, each stage is checked against the chain's
 record (same stage object, input shape and layout, side inputs by signature,
 training flags of its module and submodules, autocast state, parameters' dtypes
-and requires_grad; the module of a stage the plan records whole at the call's
-end, Note [Stages recorded whole] in remat/runtime/runner.py): if the chain
+and requires_grad; the module of a stage the plan records whole as the call
+opens, Note [Stages recorded whole] in remat/runtime/runner.py): if the chain
 takes another path, the rest of it is measured again and the record replaced,
 unless a record of that path is kept or the call skipped stages (a path changing
 to new ones on every call is warned of: remat/runtime/paths.py, and

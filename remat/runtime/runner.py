@@ -18,20 +18,23 @@ still the one recorded (training flags, submodules, parameters) only keep the
 costs true. Made one by one between the stages' forwards, each reads a
 module's dicts and tensors that the stage before has pushed out of the CPU's
 caches, and they were most of remat's own time in a forward that stores
-everything. They run at the call's end instead, for all those stages in one
-pass (``_suspect_changed``), where they cost about half as much, with nothing
-to replay set up (figures: docs/how-it-works.md, "Measured while building
-remat"). A stage that fails there is a suspect: from the next call on it is
-checked as it is called, as other stages are, and measured again if it has
-changed. It may not have: a wrapper may hold its module otherwise between its
-calls than during them (FSDP frees the unsharded parameters after a forward).
-A frozen stage (none of its parameters needing grad as measured) is a suspect
-from the start: unfrozen, its call would otherwise run on costs without its
-backward (linear probing, then fine-tuning: 3.2 times the budget).
-This call, run as recorded, is exact all the same, its peak off by the change,
-and the record learns nothing from it of what the forward phase let go and
-kept (``watch_caller``): a stage unfrozen since keeps its input, which
-would read as the code around the chain keeping it. Checked as it is called
+everything. They run as the call opens instead (``Runner.__init__``), for all
+those stages in one pass, where they cost about half as much, with nothing to
+replay set up (figures: docs/how-it-works.md, "Measured while building
+remat"). A stage that fails there is a suspect, checked as it is called, as
+other stages are, and measured again in this very call if it has changed
+(with the pass at the call's end, until 2026-11-29, the call that switched
+dropout on ran on the old costs: 36% over a budget storing every stage). It
+may not have: a wrapper may hold its module otherwise between its calls than
+during them (FSDP frees the unsharded parameters after a forward). A frozen
+stage (no parameter needing grad as measured) is a suspect from the start:
+unfrozen, its call would run on costs without its backward (linear probing,
+then fine-tuning: 3.2 times the budget). The stages recorded whole of another
+path's record that a call adopts (Note [Paths of a chain],
+remat/runtime/paths.py) are checked at the call's end (``_suspect_changed``);
+a stage changed for good inside the chain's block, before its call, as the
+next call opens. The call that ran such a stage as recorded is exact all the
+same, its peak off by the change. Checked as it is called
 still: the stage's identity and its input's signature, which decide what stage
 this is, and the version counters of the buffers it did not write when
 measured (few, if any): a stage that starts writing one (an observer switched
@@ -80,6 +83,9 @@ class Runner:
         self.acts = []        # (i, weak reference to a^i's storage, a^1's node for stage 1), each stage
         self.stale = False    # a stage saved other tensors than the record says
         self.unchecked = []   # stages whose module is checked at the end (Note [Stages recorded whole])
+        self.opened = entry   # (its stages recorded whole are checked now, as the call opens)
+        entry.suspects |= {k for k, record in enumerate(entry.stages, 1) if plan.modes[k] is Fall and
+                           not plan.options[k] and k not in entry.suspects and _same_module(record) is False}
 
     def matches(self, k, ident, x, call):
         """Stage k is the one recorded, on a like input, made of the same submodules,
@@ -87,8 +93,7 @@ class Runner:
         dtypes and shapes (a stage frozen or unfrozen since saves other tensors; one
         cast to another dtype, behind a first stage taking integer ids, keeps the key
         but not the costs; a pruned one saves smaller tensors). The module of a stage
-        the plan records whole is checked at the call's end (Note [Stages recorded
-        whole])."""
+        the plan records whole is checked as the call opens (Note [Stages recorded whole])."""
         entry = self.entry
         if k > len(entry.stages):
             return False
@@ -98,7 +103,8 @@ class Runner:
         if record.autocast != call.autocast:
             return False
         if self.plan.modes[k] is Fall and not self.plan.options[k] and k not in entry.suspects:
-            self.unchecked.append(k)
+            if entry is not self.opened:   # (another path's record, adopted in this call)
+                self.unchecked.append(k)
             return True
         tensors = _same_module(record)
         if tensors is False:
@@ -359,13 +365,10 @@ def watch_output(entry, act, inner=(), first=None):
     if not isinstance(act, torch.Tensor) or act.grad_fn is None or distributed():
         return
     storage = None if entry.output_held else weakref.ref(act.untyped_storage())
-    if first is None:
-        inner = ()
+    inner = inner if first is not None else ()
     if storage is None and not inner:
         return
-    entry = weakref.ref(entry)
-    queued = [False]
-    reached = [False]
+    entry, queued, reached = weakref.ref(entry), [False], [False]
 
     def seen():
         e = entry()

@@ -193,12 +193,12 @@ WHOLE_CHANGES = {
 
 
 @pytest.mark.parametrize("change", WHOLE_CHANGES)
-def test_a_stage_recorded_whole_changed_is_measured_again_on_the_next_call(change, measured):
+def test_a_stage_recorded_whole_changed_is_measured_again_by_the_call_that_meets_it(change, measured):
     """At a budget that stores everything each stage is recorded whole, and its
-    module is checked at the end of the call (Note [Stages recorded whole] in
-    remat/runtime/runner.py): the call after a change runs as recorded, exact; the one
-    after it measures that stage again (and the stages after it), and no call
-    after that does."""
+    module is checked as the call opens (Note [Stages recorded whole] in
+    remat/runtime/runner.py): the call after a change measures that stage again
+    (and the stages after it), exact, and no call after it does. (Until 2026-11-29
+    the check ran at the call's end: that call ran on the old costs.)"""
     plain, blocks = _pair(Block, 4)
     x = torch.randn(8, D)
     for step in range(6):
@@ -214,7 +214,7 @@ def test_a_stage_recorded_whole_changed_is_measured_again_on_the_next_call(chang
         assert all(a is b or torch.equal(a, b) for a, b in zip(got, want)), step
         for a, b in zip(plain.buffers(), blocks.buffers()):
             assert torch.equal(a, b), step
-        assert measured == ([1, 2, 3, 4] if step == 0 else [2, 3, 4] if step == 3 else []), step
+        assert measured == ([1, 2, 3, 4] if step == 0 else [2, 3, 4] if step == 2 else []), step
 
 
 class _Resharding(nn.Module):
