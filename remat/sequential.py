@@ -264,10 +264,10 @@ class Sequential(nn.Sequential):
         no trace: parameter ``.grad``, buffers (BatchNorm statistics) and the
         RNG streams are as before. Later calls with inputs like ``sample``
         (same shape, dtype, device and ``requires_grad``, same train/eval
-        mode) then run the schedule at once. The code after the Sequential (its
-        loss) is not run here: the first call meters it, on a plan that cannot
-        count it yet (it may go over the budget by what that code needs), and
-        the calls after it count it.
+        mode) then run on these costs. The code after the Sequential (its loss)
+        is not run here: the first call meters it, running as a measuring call
+        on these costs (no layer's backward in its forward), under the budget,
+        and the calls after it run the schedule that counts it.
 
         Args:
             sample: an input like the real ones.
@@ -304,6 +304,12 @@ class Sequential(nn.Sequential):
             raise RematError(
                 "remat: this Sequential has no stage to measure: it is empty or all its layers work in "
                 "place (each joins the stage before it); give it a layer that computes a new tensor")
+        record = self._explanation._record
+        if record is not None and record.tail is not None and record.tail.kept is None:
+            # the next call runs as a measuring call on these costs: its plan could not count the code after
+            # the Sequential, which it meters, and went over the budget by what that needs (14%, a 1,024-class
+            # head); so it holds no layer's input while that code runs, as a first call does
+            record.remeasure = "given"
         return self._explanation.costs
 
     def solve(self, budget=None):

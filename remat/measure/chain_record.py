@@ -132,7 +132,7 @@ class ChainRecord:
         self.suspects = set()    # stages checked as they are called (Note [Stages recorded whole])
         self.state_copies = 0    # bytes of written state the measuring call held copies of to its end
         self.others = []         # records of other paths of the chain (Note [Paths of a chain], remat/runtime/paths.py)
-        self.remeasure = False   # the next call measures again (a shorter path taken, a stage changed)
+        self.remeasure = False   # the next call measures (a shorter path, a stage changed; "given": on these costs)
         self.abandoned = False   # measured again as its measuring call's backward never came (remat/measure/tail.py)
         self.quiet = 0           # calls in a row that took its path to its end (``Runner.finish``)
         self.view = None         # (record, its stage of each of these): a view of it, stages skipped

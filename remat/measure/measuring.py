@@ -91,7 +91,8 @@ class Measurer:
         self.new = chain_record if chain_record is not None else ChainRecord()
         self.run = run if run is not None else Run(None, autocast)
         self.diverged = len(self.new.stages) + 1 if chain_record is not None else 0
-        self.given = None        # costs read from a file
+        self.given = None        # costs read from a file (or ``from_record``: ``first``)
+        self.from_record = False
         self.options = self.new.options   # measure the stages' options (``remat.chain(options=...)``; ``first``)
         self.costs_path = None   # the costs file this call reads or writes
         self.rng_start = None    # the RNG state as the call began (put back if it fails)
@@ -108,13 +109,15 @@ class Measurer:
         self.run.holds = self.holding.rebuild_holds   # (the backward's rebuilds hold inputs again where they fit)
 
     @classmethod
-    def first(cls, spec, budget, autocast, x, hint=NO_HINT):
+    def first(cls, spec, budget, autocast, x, hint=NO_HINT, given=None):
         """The measuring part of a chain's first call on input ``x``, with the
-        costs of ``spec.costs_path`` if that file exists (and fits the input);
+        costs of ``spec.costs_path`` if that file exists (and fits the input), or
+        ``given`` (``Sequential.measure``'s, which ran no tail: measured as with a
+        file, the tail metered, the times refined as a first call's would be);
         ``hint``: what a record of the chain at another shape showed (``ChainRecord.hint``)."""
         self = cls(budget, autocast, hint=hint)
         self.rng_start = capture_rng(cuda_devices([x]))
-        self.given = read_costs(spec.costs_path)
+        self.given, self.from_record = read_costs(spec.costs_path) if given is None else given, given is not None
         # ("auto": on CUDA, or as a costs file lists them; on CPU the recomputed ops cost
         # about what whole stages do per byte, and option 1's first-call time came out
         # low: docs/limitations.md)
@@ -133,7 +136,7 @@ class Measurer:
                     f"measured, and the file keeps the costs it has", RuntimeWarning, stacklevel=5)
             self.given = None
             self.costs_path = None
-        if self.given is None and not x.is_cuda and not distributed():
+        if (self.given is None or self.from_record) and not x.is_cuda and not distributed():
             # the next two calls time the stages again (Note [Timing the second call])
             self.new.attempts = ATTEMPTS
             self.new.costs_file = self.costs_path
@@ -373,7 +376,8 @@ class Measurer:
                         self.run4.started[i + 1] = started   # (kept if run 4 comes later)
             new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(),
                                     self.costs_path, self.given, self.options)
-            new.from_file, new.options, new.measured_at = self.given is not None, self.options, self.budget
+            new.from_file, new.options, new.measured_at = self.given is not None and not self.from_record, \
+                self.options, self.budget
             # a frozen stage is checked as it is called (Note [Stages recorded whole], remat/runtime/runner.py)
             new.suspects |= {i + 1 for i, s in enumerate(new.stages)
                              if (flags := [g[1] for g in s.grads if g is not None]) and not any(flags)}

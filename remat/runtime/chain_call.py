@@ -86,8 +86,7 @@ class ChainCall:
         self.spec, self.site, self.k = spec, site, 0
         self.called = False     # a stage was called inside the chain (recorded or not)
         self.prev = None        # the activation the last stage returned
-        self.prev_version, self.prev_name, self.prev_ident = 0, None, None
-        self.in_stage = False
+        self.prev_version, self.prev_name, self.prev_ident, self.in_stage = 0, None, None, False
         self.key = self.budget = self.autocast = None
         self.part = None        # a Measurer or a Runner, from stage 1 on
         self.source = None      # a^0's storage
@@ -228,11 +227,12 @@ class ChainCall:
             other_chains(others, self.site)
         self.budget = self.spec.bytes_on(x.device)
         if entry is None or entry.costs is None or entry.remeasure:
+            given = entry.costs if entry is not None and entry.remeasure == "given" else None   # (measure()'s)
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
-                                       _hint(self.key, ident, self.budget, x.untyped_storage().nbytes()))
+                                       _hint(self.key, ident, self.budget, x.untyped_storage().nbytes()), given)
             if x.grad_fn is not None and not x.is_cuda and not distributed():   # (remat/measure/linger.py)
                 Before(self.part.new, x, self.budget)
-            if entry is not None:   # (Note [Paths of a chain], remat/runtime/paths.py)
+            if entry is not None and given is None:   # (Note [Paths of a chain], remat/runtime/paths.py)
                 keep_path(self.part.new, entry)
             return
         if entry.samples and entry.attempts == 0:

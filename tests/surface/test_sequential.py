@@ -352,7 +352,10 @@ def test_measure_says_nothing_of_its_own_probe_budget():
 def test_the_code_after_a_measured_sequential_is_metered_by_its_first_call():
     """``measure`` runs no loss and no backward: the first call meters the code after the
     Sequential (its head, its loss), and the calls after it count that code. Before, no
-    call metered it and every step ran 30% over the budget (a 1,024-class head)."""
+    call metered it and every step ran 30% over the budget (a 1,024-class head); then the
+    first call went 14% over, on a plan that could not count that code: it now runs as a
+    measuring call on the costs ``measure`` gave, holding no layer's input while that
+    code runs."""
     from remat.measure.meter import Instrument
 
     torch.manual_seed(0)
@@ -373,4 +376,4 @@ def test_the_code_after_a_measured_sequential_is_metered_by_its_first_call():
             nn.functional.cross_entropy(seq(x), t).backward()
         assert remat.explain().tail.kept is not None
         peak = meter.peak + x.untyped_storage().nbytes()
-        assert call == 0 or peak <= seq.budget, (call, peak, seq.budget)
+        assert peak <= seq.budget, (call, peak, seq.budget)
