@@ -16,11 +16,17 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 
 def parse_bytes(text):
-    """Parse "900MB", "1.5GiB", "2e9" or "4096" into an int number of bytes.
+    """Parse "900MB", "1.5GiB", "2e9" or "4096" into an int number of bytes (a
+    budget's text: ``parse_budget`` in remat/chain.py reads "auto" first).
 
     Raises:
-        ValueError: the text is not a number with a known unit.
+        ValueError: the text is not a number with a known unit (a percentage said as such).
     """
+    if text.strip().endswith("%"):   # (the demo reads a share of storing everything: remat/tools/demo.py)
+        raise ValueError(
+            "a percentage is not a budget here; give the activation memory to allow: an int of bytes, a size such "
+            "as '2GiB' or '900MB', or 'auto' (the device's free memory less a margin). A share of storing "
+            "everything ('40%') is read only by remat's demo (python -m remat demo --budget 40%)")
     match = _PATTERN.match(text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(

@@ -74,12 +74,19 @@ time to 2%.) The larger of the two bounds holds.
 
 import math
 
+from .checks import check_bound_budget, check_costs
+
 __all__ = ["time_bound"]
 
 
 def time_bound(costs, budget):
     """A lower bound on the time of any schedule of ``costs`` within ``budget``,
-    persistent or not (Note [A bound on any schedule]); inf if none fits.
+    persistent or not (Note [A bound on any schedule]); inf if none fits (a
+    budget below the chain's input, negative ones among them).
+
+    Raises:
+        TypeError: ``costs`` is not a Costs.
+        BudgetError: ``budget`` is not a finite number of bytes (None, a str, NaN, inf).
 
     Example:
         >>> from remat import Costs
@@ -89,7 +96,8 @@ def time_bound(costs, budget):
         >>> time_bound(c, 24)   # room for two a-bar: the other two run twice (the best schedule's)
         14.0
     """
-    n = costs.length
+    n = check_costs(costs, "time_bound").length
+    budget = check_bound_budget(budget)
     x = costs.sizes()
     tf, tn = costs.fwd_time, costs.fwd_nograd_time
     # each stage's ways to record it: (saved, bwd_tmp, fwd_time, bwd_time), the base record first

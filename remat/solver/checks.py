@@ -1,15 +1,19 @@
 """How ``Costs`` checks its numbers, and how its errors name an entry (a stage's,
 or one of a stage's options'): shared by remat/solver/costs.py, option.py and
-binding.py."""
+binding.py. And the checks of the solver's other arguments (costs, schedules,
+budgets, Costs.uniform's and with_*'s), which say what was given and what to give."""
 
 import collections.abc
 import math
 import numbers
 import os
+import reprlib
 
-from ..errors import CostsError
+from ..errors import BudgetError, CostsError, InvalidScheduleError, UsageError
 
-__all__ = ["MAX_SECONDS", "MAX_BYTES", "where", "least_bytes", "entries", "check_time", "check_size", "file_path"]
+__all__ = ["MAX_SECONDS", "MAX_BYTES", "where", "least_bytes", "entries", "check_time", "check_size", "file_path",
+           "check_costs", "schedule_ops", "check_schedule", "check_bound_budget", "check_uniform", "check_number",
+           "check_numbers", "stage_options"]
 
 # The C solver's bounds (src_c/solver.c), which Costs enforces on creation and
 # binding.py checks again: below them its sums of times stay finite and its
@@ -98,3 +102,102 @@ def file_path(path):
         raise CostsError(f"remat: a costs file is given by its path (a str or os.PathLike), not {type(path).__name__} "
                          f"{path!r}")
     return path
+
+
+def _shown(value):
+    """``value`` for a message: its type and a short repr."""
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def check_costs(costs, who):
+    """``costs`` if it is a ``remat.Costs``; else a ``UsageError`` naming ``who`` (the
+    function, "solve"), what was given and how to get costs."""
+    from .costs import Costs   # (costs.py imports this module)
+    if not isinstance(costs, Costs):
+        made = "Costs.from_dict(d) for a dict of its fields, " if isinstance(costs, collections.abc.Mapping) else ""
+        raise UsageError(f"remat: {who} needs a remat.Costs, got {_shown(costs)}; get one from remat.explain().costs "
+                         f"after a chain's call, Costs.load(path), {made}or Costs.uniform(n) to try things")
+    return costs
+
+
+def schedule_ops(schedule, who, what="a Schedule or a list of ops"):
+    """The ops of ``schedule`` (a ``Schedule``, or a list or other iterable of ops) as a
+    tuple. Not a sequence (None, a string, a mapping, a set): a ``UsageError`` naming
+    ``who`` (the argument) and ``what`` it must be; an entry that is not an op: an
+    ``InvalidScheduleError``."""
+    from .schedule import Schedule, _LossOp, _StageOp   # (schedule.py imports this module)
+    if isinstance(schedule, Schedule):
+        return schedule.ops
+    if isinstance(schedule, (str, bytes, collections.abc.Mapping, collections.abc.Set)) or not isinstance(
+            schedule, collections.abc.Iterable):
+        names = " (ops are objects such as Fall(1), not their names)" if isinstance(schedule, (str, bytes)) else ""
+        raise UsageError(f"remat: {who} must be {what}, got {_shown(schedule)}{names}; get a "
+                         f"Schedule from remat.solve(costs, budget) or remat.explain().schedule, or list ops in "
+                         f"order, e.g. [Fall(1), Loss, B(1)]")
+    ops = tuple(schedule)
+    for pos, op in enumerate(ops):
+        if not isinstance(op, (_StageOp, _LossOp)):
+            shown, fix = (op.__name__, f": write {op.__name__}(stage)") if isinstance(op, type) else (op, "")
+            raise InvalidScheduleError(f"remat: op {pos} ({shown}) of the schedule is invalid: not an op (use Fn, Fck, "
+                                       f"Fall, B or Loss){fix}")
+    return ops
+
+
+# Schedule's fields but its ops: (name, what it must be an instance of, what to give)
+_SCHEDULE_FIELDS = (("time", numbers.Real, "a number of seconds"), ("peak", numbers.Integral, "an int of bytes"),
+                    ("algorithm", str, "a str"), ("budget", (numbers.Integral, type(None)), "None or an int of bytes"),
+                    ("slot_bytes", (numbers.Integral, type(None)), "None or an int of bytes"),
+                    ("tail", bool, "True or False"))
+
+
+def check_schedule(schedule):
+    """A ``Schedule``'s ops as a tuple (``schedule_ops``), its other fields checked
+    (a ``UsageError`` naming the field)."""
+    for name, kinds, what in _SCHEDULE_FIELDS:
+        value = getattr(schedule, name)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and name != "tail"):
+            raise UsageError(f"remat: Schedule's {name} must be {what}, got {_shown(value)}")
+    return schedule_ops(schedule.ops, "Schedule's ops", "a list of ops (Fn, Fck, Fall, B, Loss)")
+
+
+def check_bound_budget(budget):
+    """``time_bound``'s budget: a number of bytes (below what anything needs: inf),
+    not NaN, inf, a string or None."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(budget):
+        raise BudgetError(f"remat: time_bound's budget must be a finite number of bytes (an int), got {_shown(budget)}")
+    return budget
+
+
+def check_number(value, name, what="a number of seconds", kinds=numbers.Real):
+    """``value`` if it is a number (of ``kinds``, not a bool), else a ``CostsError`` naming
+    ``name`` (the argument) and ``what`` to give; its range is for ``Costs`` to check."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise CostsError(f"remat: {name} must be {what}, got {_shown(value)}")
+    return value
+
+
+def check_uniform(length, time, nograd_time):
+    """``Costs.uniform``'s number of stages and times (the times' range is for
+    ``Costs`` to check, stage by stage)."""
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 0:
+        raise CostsError(f"remat: Costs.uniform needs a number of stages (an int >= 0), got {length!r}")
+    check_number(time, "Costs.uniform's time", "a number of seconds (each stage's forward)")
+    if nograd_time is not None:
+        check_number(nograd_time, "Costs.uniform's nograd_time", "None or a number of seconds")
+
+
+def check_numbers(who, what, **values):
+    """Each of ``values`` (an argument of ``who``, by name) checked by ``check_number``."""
+    for name, value in values.items():
+        check_number(value, f"{who}'s {name}", what)
+
+
+def stage_options(options):
+    """``Costs.with_options``'s argument as a dict (stage number -> its list of ``Option``)."""
+    try:
+        if isinstance(options, (str, bytes)):
+            raise TypeError
+        return dict(options)
+    except (TypeError, ValueError):
+        raise CostsError(f"remat: with_options takes a dict of stage numbers (1-based) to lists of remat.Option, "
+                         f"e.g. {{2: [Option(...)]}}, got {_shown(options)}") from None

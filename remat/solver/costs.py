@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, fields
 from ..errors import CostsError
 from ..units import format_bytes
 from .checks import (MAX_BYTES, MAX_SECONDS, check_size, check_time, entries, file_path,  # noqa: F401  (MAX_*: as before)
-                     least_bytes, where)
+                     check_numbers, check_uniform, least_bytes, stage_options, where)
 from .option import check_options
 
 __all__ = ["Costs"]
@@ -172,6 +172,7 @@ class Costs:
         a training loop keeps), added to ``held_bytes``."""
         if self.tail:
             raise CostsError("remat: these costs have a tail already")
+        check_numbers("with_tail", "an int of bytes", out_bytes=out_bytes, saved_bytes=saved_bytes, kept=kept)
         data = self.to_dict()
         for name, value in (("fwd_time", fwd_time), ("fwd_nograd_time", fwd_time), ("bwd_time", bwd_time),
                             ("out_bytes", out_bytes), ("saved_bytes", max(saved_bytes, out_bytes)),
@@ -212,6 +213,7 @@ class Costs:
 
     def with_held(self, extra):
         """These costs with ``extra`` bytes more held through the step (``held_bytes``)."""
+        check_numbers("with_held", "an int of bytes", extra=extra)
         return self if not extra else Costs.from_dict({**self.to_dict(), "held_bytes": self.held_bytes + extra})
 
     @property
@@ -224,10 +226,10 @@ class Costs:
         stage k (1-based, as in ``Fall(k, option=...)``) in place of its own; the
         other stages keep theirs."""
         listed = list(self.options)
-        for k, stage_options in dict(options).items():
+        for k, given in stage_options(options).items():
             if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= self.length:
                 raise CostsError(f"remat: with_options takes stage numbers 1..{self.length}, got {k!r}")
-            listed[k - 1] = stage_options
+            listed[k - 1] = given
         return Costs.from_dict({**self.to_dict(), "options": listed})
 
     def without_options(self):
@@ -255,8 +257,7 @@ class Costs:
     @classmethod
     def uniform(cls, length, time=1.0, size=1, saved=None, nograd_time=None):
         """A chain of ``length`` identical stages (handy in examples and tests)."""
-        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 0:
-            raise CostsError(f"remat: Costs.uniform needs a number of stages (an int >= 0), got {length!r}")
+        check_uniform(length, time, nograd_time)
         saved = size if saved is None else saved
         nograd_time = time if nograd_time is None else nograd_time
         return cls(

@@ -62,6 +62,7 @@ from typing import NamedTuple
 
 from ..errors import InvalidScheduleError, UsageError
 from ..units import format_bytes
+from .checks import check_costs, check_schedule, schedule_ops
 
 __all__ = ["Fn", "Fck", "Fall", "B", "Loss", "Schedule", "Simulation", "simulate"]
 
@@ -166,6 +167,9 @@ class Schedule:
     tail: bool = False
     grouping: object = None
 
+    def __post_init__(self):   # (ops as a tuple; a field of the wrong kind: a UsageError naming it)
+        object.__setattr__(self, "ops", check_schedule(self))
+
     @property
     def length(self):
         """Number of stages, the tail included (as in ``Costs.length``)."""
@@ -217,8 +221,8 @@ def simulate(costs, schedule, trace=None):
         Simulation(time, peak).
 
     Raises:
-        InvalidScheduleError: the schedule breaks a rule; the message names the op.
-        TypeError: ``trace`` is not a list.
+        InvalidScheduleError: the schedule breaks a rule or holds what is not an op; the message names the op.
+        TypeError: ``costs`` is not a Costs, ``schedule`` not a Schedule or ops (None, a str), ``trace`` not a list.
 
     Example:
         >>> from remat import Costs
@@ -226,16 +230,13 @@ def simulate(costs, schedule, trace=None):
         >>> simulate(c, [Fall(1), Fall(2), Loss, B(2), B(1)])
         Simulation(time=6.0, peak=50)
     """
-    ops = schedule.ops if isinstance(schedule, Schedule) else tuple(schedule)
+    ops = schedule_ops(schedule, "simulate's schedule")
     if trace is not None and not isinstance(trace, list):
         raise UsageError(f"remat: simulate's trace must be a list (each op's is appended), got {type(trace).__name__}")
-    run = _Run(costs)
+    run = _Run(check_costs(costs, "simulate"))
     n, tail = run.n, (run.n if costs.tail else None)
     for pos, op in enumerate(ops):
-        code = getattr(op, "code", None)
-        if code is None:
-            _bad(pos, op, "not an op (use Fn, Fck, Fall, B or Loss)")
-        i = op.stage
+        code, i = op.code, op.stage   # (ops: checks.schedule_ops)
         if code == 4:
             run.loss(pos, op)
         else:

@@ -52,6 +52,7 @@ import re
 import warnings
 
 from .bound import time_bound
+from .checks import check_costs
 from .costs import MAX_BYTES, Costs
 from .group import EXACT_WORK, exact_work, group_count, solve_on_groups
 from .option import Option
@@ -70,6 +71,9 @@ REFINE = (1, 4, 16)   # the factors of slots the table is tried with, in turn (_
 def discretise(costs, slot):
     """``costs`` with every size rounded up to whole slots of ``slot`` bytes (what the
     forward phase drops, down)."""
+    check_costs(costs, "discretise")
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 1:
+        raise UsageError(f"remat: discretise's slot must be an int of bytes >= 1, got {slot!r}")
     up = lambda v: -(-v // slot)
     return Costs(
         fwd_time=costs.fwd_time, fwd_nograd_time=costs.fwd_nograd_time, bwd_time=costs.bwd_time,
@@ -100,7 +104,7 @@ def fastest(costs):
     """Record every stage with its fastest way (least fwd_time + bwd_time, the base
     record among equals; remat/solver/option.py Note [Options]), recompute nothing:
     no schedule is faster. ``store_all`` where no option is faster."""
-    ops = list(store_all(costs.length))
+    ops = list(store_all(check_costs(costs, "fastest").length))
     for i, listed in enumerate(costs.options):
         times = [costs.fwd_time[i] + costs.bwd_time[i]] + [o.fwd_time + o.bwd_time for o in listed]
         best = times.index(min(times))
@@ -168,7 +172,9 @@ def _parse_algorithm(algorithm, n):
 
 def _check_budget(budget):
     if isinstance(budget, bool) or not isinstance(budget, int):
-        raise BudgetError(f"remat: budget must be an int of bytes here, got {budget!r}")
+        text = ("; remat.chain reads sizes ('2GiB') and 'auto', solve takes bytes (2 * 2**30)"
+                if isinstance(budget, str) else "")
+        raise BudgetError(f"remat: budget must be an int of bytes here, got {budget!r}{text}")
     if budget <= 0:
         raise BudgetError(f"remat: budget must be positive, got {budget} bytes")
     if budget >= MAX_BYTES:
@@ -209,8 +215,7 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS, groups=None):
         >>> s.recomputations()
         0
     """
-    if not isinstance(costs, Costs):
-        raise UsageError(f"remat: solve needs a remat.Costs, got {type(costs).__name__}")
+    check_costs(costs, "solve")
     budget = _check_budget(budget)
     check_slots(slots)
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
@@ -381,7 +386,7 @@ def minimum_budget(costs):
     """The least budget in bytes any persistent schedule of ``costs`` fits in."""
     from . import binding as _c_solver
 
-    return _c_solver.least_memory(costs)[1] + costs.held_bytes
+    return _c_solver.least_memory(check_costs(costs, "minimum_budget"))[1] + costs.held_bytes
 
 
 def _check_fits(sim, budget):

@@ -14,6 +14,7 @@ import torch.nn as nn
 import remat
 from remat import Costs
 from remat.solver.schedule import B, Fall, Loss
+from remat.solver.solve import minimum_budget, time_bound
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hostile-input.md"
 _L0 = dict(fwd_time=[], fwd_nograd_time=[], bwd_time=[], out_bytes=[], saved_bytes=[], fwd_tmp=[],
@@ -201,10 +202,13 @@ CASES = {
     "budget-nan": lambda t: remat.chain(budget="nan GiB"),
     "budget-1e400": lambda t: remat.chain(budget="1e400"),
     "budget-empty": lambda t: remat.chain(budget=""),
+    "budget-percent": lambda t: remat.chain(budget="90%"),
     "budget-below-minimum": _below_minimum,
     "solve-budget-0": lambda t: remat.solve(Costs.uniform(3), 0),
     "solve-budget-negative": lambda t: remat.solve(Costs.uniform(3), -5),
     "solve-budget-2**62": lambda t: remat.solve(Costs.uniform(3), 2**62),
+    "solve-budget-str": lambda t: remat.solve(Costs.uniform(3), "2GiB"),
+    "time-bound-nan-budget": lambda t: time_bound(Costs.uniform(3), float("nan")),
     "costs-nan-time": lambda t: _costs(fwd_time=[float("nan"), 1, 1]),
     "costs-negative-time": lambda t: _costs(fwd_nograd_time=[1, -1.0, 1]),
     "costs-inf-time": lambda t: _costs(bwd_time=[1, 1, float("inf")]),
@@ -240,6 +244,17 @@ CASES = {
     "solve-not-costs": lambda t: remat.solve({"fwd_time": []}, 100),
     "simulate-bool-stage": lambda t: remat.simulate(_costs(), [Fall(True), Fall(2), Fall(3), Loss, B(3), B(2), B(1)]),
     "simulate-trace-not-list": lambda t: remat.simulate(_costs(), remat.solve(_costs(), 2**20), trace=5),
+    "simulate-not-costs": lambda t: remat.simulate({}, [Fall(1), Loss, B(1)]),
+    "simulate-schedule-none": lambda t: remat.simulate(_costs(), None),
+    "simulate-schedule-str": lambda t: remat.simulate(_costs(), "Fall"),
+    "simulate-op-class": lambda t: remat.simulate(_costs(), [Fall, Fall(2), Fall(3), Loss, B(3), B(2), B(1)]),
+    "schedule-none": lambda t: remat.Schedule(None),
+    "schedule-str": lambda t: remat.Schedule("abc"),
+    "minimum-budget-not-costs": lambda t: minimum_budget(None),
+    "costs-uniform-time-none": lambda t: Costs.uniform(3, time=None),
+    "costs-with-tail-none": lambda t: _costs().with_tail(0.0, 0.0, None, 0, 0, 0),
+    "costs-with-held-str": lambda t: _costs().with_held("1GiB"),
+    "costs-with-options-none": lambda t: _costs().with_options(None),
     "algorithm-unknown": lambda t: remat.chain(budget=100, algorithm="fastest"),
     "algorithm-periodic-0": lambda t: remat.chain(budget=100, algorithm="periodic(0)"),
     "algorithm-none": lambda t: remat.chain(budget=100, algorithm=None),
