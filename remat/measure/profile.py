@@ -46,7 +46,17 @@ this order:
    stage's saved tensors have gone or been kept, at the start of the stage
    after it or at the chain's end, and cascades: where this backward hands
    its own input yet another layout (an elementwise stage passes on the one
-   it got), the stage before runs it too.
+   it got), the stage before runs it too. Its output, where its backward
+   reads it, is held to that backward's end, as run 2 holds it (whose
+   window leaves it out: a-bar^i counts it through B(i)), so that run 4
+   differs from run 2 by the layout alone, whichever of them the budget
+   lets run. A step may let it go once the node reading it has run, but
+   not where the loop keeps a^L or the caller a stage's output
+   (``caller_holds``). Let go in run 4 alone, it put a tied linear stage
+   before a BatchNorm 288 bytes under run 2 (its weight's gradient came
+   once the output had gone), and a call at a budget with no room for run
+   4, on run 2's figures, needed 88 bytes more than the least budget a
+   roomy call had named: its next call raised ``BudgetError``.
 
 Run 1 is the one that counts, so RNG streams and BatchNorm statistics end
 where one plain forward leaves them. The times of runs 1 and 2 are those of

@@ -359,8 +359,10 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         handed = []
         hook = xin.register_hook(lambda g: handed.append(g.stride())) if xin.requires_grad else None
         # the output goes where its backward does not read it, as in a step's B(i) (held, run 4 in the call's
-        # backward went one output over the budget): from its edge; the start below is taken without it
+        # backward went one output over the budget): from its edge; the start below is taken without it.
+        # Where it reads it, it stays to the backward's end, as in run 2 (Note [Measuring a stage] 4)
         shares = Shares(act, stop, shared, inst, cuda, window=False)
+        out_kept = act if not out_freed else None
         if not torch.overrides.has_torch_function((act,)) and edge_roots():
             act = torch.autograd.graph.get_gradient_edge(act)
         # each parameter's gradient is added into the pool's buffer standing in for its resident ``.grad``,
@@ -388,4 +390,5 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
         in_grad = (x.untyped_storage().nbytes() if call.input_requires_grad else 0) + out_bytes
         held = max(0, held_peak - start - in_grad - shares.acc) - out_freed if shared else None
+        del out_kept
         return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None, held

@@ -14,6 +14,9 @@ from chains import (ALGORITHMS, Net, assert_same, budget_for, fresh_net, make_in
 
 
 @given(random_chains(), st.sampled_from(ALGORITHMS), st.floats(0, 1), st.sampled_from(["sgd", "adam"]))
+# (the deep profile's: the tied stage measured again for BatchNorm's transposed gradient (run 4) freed its
+# output there, not in run 2; the call at this budget, with no room for run 4, needed 88 bytes more)
+@example((["tied", "bn"], False), "store_all", 0.0, "sgd")
 def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
     """Losses, input and parameter gradients, BatchNorm statistics and parameters after
     three optimizer steps are bitwise those of plain PyTorch (all ops here are
