@@ -162,22 +162,25 @@ class Holding:
         self.held_bytes += saved
         return True
 
-    def thin_inputs(self, k, anchor, x, input_bytes):
+    def thin_inputs(self, k, anchor, x, input_bytes, run=None):
         """Hold stage k's input (its anchor's) while the inputs held fit the budget
         beside the saved tensors kept, room to measure a stage like the largest so
         far and the tail, as far as it is known; past that, hold only every
         ``spacing``-th stage's, the spacing doubling as often as needed (the
         backward rebuilds a stage from the nearest input held below it: Note
-        [Measuring within the budget])."""
+        [Measuring within the budget]). ``run``: the call's ``Run``."""
         if k < 2 or k <= self.diverged or anchor.input is None:
             # (the chain's input is the caller's; a stage run by a schedule, the schedule's; the first
             # stage measured after them rebuilds from its own input: the schedule may have recorded
             # the stage before it whole, which no rebuild runs again)
             return
         nbytes = x.untyped_storage().nbytes()
-        # the tail unknown, or off the spacing: let go (but an input needing no grad, where a
-        # stage cut the graph: rebuilds start there)
-        unknown = self.tail_hint is None and not _sharded() and x.requires_grad
+        # the tail unknown, or off the spacing: let go (but an input needing no grad, where a stage cut the
+        # graph: rebuilds start there, unless every stage below saved nothing, whose anchors the run keeps
+        # (``Run.settle``) down to the chain's input: held through the tail, a leading ``x * 2`` on an input
+        # needing no grad put a first call 14% over)
+        below = not self.diverged and run is not None and all(j in run.orphans for j in range(1, k))
+        unknown = self.tail_hint is None and not _sharded() and (x.requires_grad or below)
         if unknown or (k - 1) % self.spacing:
             anchor.input = None
             return

@@ -186,7 +186,7 @@ class Measurer:
         if not holding.keep_saved(k, probe.costs, self.given, self.new.input_bytes):   # (before run 3)
             anchor.saved = None
             kept.clear()
-        holding.thin_inputs(k, anchor, x, self.new.input_bytes)
+        holding.thin_inputs(k, anchor, x, self.new.input_bytes, self.run)
         if twin is not None and twin.of is not None:
             # Note [Twin stages]: runs 2 and 3 are the twin's
             theirs = self.new.stages[twin.of - 1]

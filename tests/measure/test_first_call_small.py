@@ -21,13 +21,13 @@ def _params(stages, head=None):
     return [p for m in mods for p in m.parameters()]
 
 
-def _step(stages, budget, batch, head=None):
+def _step(stages, budget, batch, head=None, grad=True):
     """One step (the loss after the chain's block, the output held by the caller); its whole-step peak,
     the chain's input counted, and its gradients."""
     params = _params(stages, head)
     for p in params:
         p.grad = torch.zeros_like(p)   # (resident gradients)
-    x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch)).requires_grad_()
+    x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch)).requires_grad_(grad)
     with Instrument(writes=False) as meter:
         with remat.chain(budget=budget):
             h = x
@@ -38,12 +38,12 @@ def _step(stages, budget, batch, head=None):
     return meter.peak + x.untyped_storage().nbytes(), [x.grad] + [p.grad for p in params]
 
 
-def _plain(stages, batch, head=None):
+def _plain(stages, batch, head=None, grad=True):
     """The gradients of plain PyTorch's step."""
     params = _params(stages, head)
     for p in params:
         p.grad = torch.zeros_like(p)
-    x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch)).requires_grad_()
+    x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch)).requires_grad_(grad)
     h = x
     for s in stages:
         h = s(h)
@@ -51,11 +51,11 @@ def _plain(stages, batch, head=None):
     return [x.grad] + [p.grad for p in params]
 
 
-def _probe(stages, batch, head=None):
+def _probe(stages, batch, head=None, grad=True):
     """(least_budget, the store-all peak) of the chain, from two calls at no limit."""
     remat.clear_cache()
-    _step(stages, remat.chain.NO_LIMIT, batch, head)
-    _step(stages, remat.chain.NO_LIMIT, batch, head)
+    _step(stages, remat.chain.NO_LIMIT, batch, head, grad)
+    _step(stages, remat.chain.NO_LIMIT, batch, head, grad)
     e = remat.explain()
     remat.clear_cache()
     return e.least_budget, e.predicted_peak
@@ -80,5 +80,30 @@ def test_an_identity_stage_hands_its_input_the_gradient_a_step_does():
             peak, grads = _step(stages, budget, 4)
             peaks.append(peak)
             assert all(torch.equal(a, b) for a, b in zip(grads, want))
+        assert max(peaks) <= budget, (fraction, peaks, budget)
+    remat.clear_cache()
+
+
+def test_a_leading_stage_saving_nothing_on_an_input_needing_no_grad_holds_no_input_through_the_tail():
+    """A leading ``x * 2`` on an input that needs no grad, then blocks of 8-wide
+    activations under a head after the block: the first call stays under the budget
+    and its gradients are plain PyTorch's. It held the blocks' input (needing no grad:
+    where a stage cut the graph, rebuilds started there) through the tail, which any
+    plan at the least budget lets go: 14% over it. The leading stage saved nothing,
+    and the run keeps its anchor: the rebuilds start from the chain's input."""
+    torch.manual_seed(0)
+    stages = [remat.stage(lambda x: x * 2)] + [remat.stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+                                               for _ in range(2)]
+    head = nn.Linear(8, 8)
+    least, top = _probe(stages, 64, head, grad=False)
+    want = _plain(stages, 64, head, grad=False)
+    for fraction in (0.0, 0.5):
+        budget = int(least + fraction * (top - least))
+        remat.clear_cache()
+        peaks = []
+        for _ in range(2):
+            peak, grads = _step(stages, budget, 64, head, grad=False)
+            peaks.append(peak)
+            assert all(torch.equal(a, b) for a, b in zip(grads[1:], want[1:]))
         assert max(peaks) <= budget, (fraction, peaks, budget)
     remat.clear_cache()
