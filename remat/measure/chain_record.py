@@ -322,16 +322,16 @@ class ChainRecord:
 
     def output_kept(self, first=False):
         """A call found a^L alive at the end of its backward, where its plan counted it let go
-        (Note [The chain's output]), or (``first``) the measuring call did, where no plan holding it
-        fits that call's budget (the next call raises): say so."""
+        (Note [The chain's output]), or (``first``) the measuring call did, under the least budget
+        holding it (no plan may fit: the next call raises; or the first call's own): say so."""
         if first:
             if (least := least_budget(self.planning_costs(), self.costs, self)) > (self.measured_at or least):
                 warnings.warn(
                     f"remat: the code around the chain kept the chain's output through the first call's backward "
                     f"(y = net(x); loss(y).backward()); with it, this chain needs at least {format_bytes(least)} "
-                    f"({least} bytes), above this budget of {format_bytes(self.measured_at)}: the first call may "
-                    f"have gone over it, and the next call raises BudgetError. Raise the budget, or let the output "
-                    f"go before the backward", RuntimeWarning, stacklevel=2)
+                    f"({least} bytes), above this budget of {format_bytes(self.measured_at)}: the first call may have "
+                    f"gone over it, and the next call raises BudgetError if no plan fits it. Raise the budget, or let "
+                    f"the output go before the backward", RuntimeWarning, stacklevel=2)
             return
         warnings.warn(
             f"remat: the code around the chain kept the chain's output through its backward (a variable "

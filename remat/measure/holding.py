@@ -26,12 +26,23 @@ Where the tail is not known (a chain's first call), the call holds no stage
 input at all: the tail runs on what any schedule holds at least, the chain's
 input and output, so that a large head (a language model's logits and their
 gradient) cannot put the step over the budget on top of inputs held for the
-chain's backward (at a GPT's minimum it did, by about 30%). That backward's
+chain's backward (at a GPT's minimum it did, by about 30%). (But an input
+needing no grad, where a stage cut the graph: rebuilds start there, unless
+every stage below it saved nothing, whose anchors the run keeps down to the
+chain's input.) That backward's
 first rebuild, of the last stage from the chain's input, holds the inputs
 of the stages it runs again, evenly spaced, as many as the budget has room
 for beside what the backward needs now (``rebuild_holds``; the rebuilds
 below do the same within their stretch): one more forward of the chain,
-once. (Not under torch.distributed: FSDP may have sharded a stage's
+once. The last stage's forward then runs beside the chain's output, which
+the code after the block may keep, and its gradient: its output made again
+beside the caller's, which no plan storing that stage holds: ``least_budget``
+counts it (``rebuild_least``; on a chain of two small stages under a
+one-output head, 19% above the least any plan needs). Below that, a first
+call whose caller keeps the output goes over, and says so once its backward
+has shown the output kept (``ChainRecord.output_kept``): as the block ends,
+whether the caller keeps it is not known, and a check counting it refused
+budgets that first calls letting it go run under. (Not under torch.distributed: FSDP may have sharded a stage's
 parameters between its forward and its backward, and a stage is run again
 only in its own backward; the call then holds inputs as where the tail is
 known, the tail counted as nothing.) Where the tail is known the stage inputs held must fit beside the
@@ -100,6 +111,26 @@ def measuring_least(costs, record=None):
                    peaks[i] if i < len(peaks) else 0) + (x[0] if i else 0) for i in range(costs.length))
 
 
+def rebuild_least(input_bytes, held, x_in, out, fwd_tmp):
+    """What the measuring call's backward holds as it rebuilds its last stage (of
+    output ``out`` bytes) from that stage's input (``x_in`` bytes, 0 for the chain's):
+    the chain's input and what the step holds (``held``, the chain's output among it
+    where the caller keeps it), the output's gradient, and the stage's forward, its
+    output made again beside the caller's (Note [Measuring within the budget])."""
+    return input_bytes + held + out + x_in + out + fwd_tmp
+
+
+def _last_rebuild(costs, record):
+    """``rebuild_least`` of the planning ``costs`` (the caller's output held where it
+    counts), or 0 where ``record``'s last stage saved nothing (not rebuilt)."""
+    last = record.stages[-1] if record is not None and record.stages else None
+    chain = costs.without_tail()
+    if last is None or not last.meta or not chain.length or chain.fwd_tmp[-1] is None:
+        return 0
+    x_in = chain.sizes()[-2] if chain.length > 1 else 0
+    return rebuild_least(chain.input_bytes, costs.held_bytes, x_in, chain.out_bytes[-1], chain.fwd_tmp[-1])
+
+
 def least_budget(costs, measured, record=None):
     """The least budget every call of a chain runs under, the one that measures it
     included: the least any plan of its ``costs`` needs (``minimum_budget``); that
@@ -107,11 +138,12 @@ def least_budget(costs, measured, record=None):
     backward has shown it gone yet: Note [The chain's output]; once one has, the
     measuring call's plan where none holding it fits did not hold it, and ran so)
     with the copies of written state it held through its tail (to undo itself, and
-    for run 4); and what measuring its most demanding stage held beside the chain's
-    input (``measuring_least`` of the costs it ``measured``)."""
+    for run 4); what measuring its most demanding stage held beside the chain's
+    input (``measuring_least`` of the costs it ``measured``); and its backward's
+    rebuild of the last stage beside the caller's output (``rebuild_least``)."""
     first = minimum_budget(record.planning_costs()) + record.state_copies \
         if record is not None and record.costs is not None else 0
-    return max(minimum_budget(costs), first, measuring_least(measured, record))
+    return max(minimum_budget(costs), first, measuring_least(measured, record), _last_rebuild(costs, record))
 
 
 class Holding:

@@ -3,6 +3,7 @@ budget] in remat/measure/holding.py): stages that save nothing or return their
 input, and a last stage rebuilt in the call's backward beside the caller's
 output, the whole step metered from the chain's opening."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -106,4 +107,45 @@ def test_a_leading_stage_saving_nothing_on_an_input_needing_no_grad_holds_no_inp
             peaks.append(peak)
             assert all(torch.equal(a, b) for a, b in zip(grads[1:], want[1:]))
         assert max(peaks) <= budget, (fraction, peaks, budget)
+    remat.clear_cache()
+
+
+def _last_tanh():
+    torch.manual_seed(0)
+    return [remat.stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh())), remat.stage(lambda x: torch.tanh(x * 2))], \
+        nn.Linear(8, 1)
+
+
+def test_the_rebuild_of_the_last_stage_beside_the_callers_output_is_in_the_least_budget():
+    """A last stage ``tanh(x * 2)`` under a one-output head after the block (the caller
+    holds the chain's output through the backward): at ``least_budget`` the first call
+    stays under it, and its gradients are plain PyTorch's. Its backward rebuilds the
+    last stage beside the caller's output and that output's gradient, its temporary
+    and its output made again at once, which no plan at the least any plan needs (the
+    store-all peak here) does: 19% over it."""
+    stages, head = _last_tanh()
+    least, top = _probe(stages, 128, head)
+    want = _plain(stages, 128, head)
+    peaks = []
+    for _ in range(2):
+        peak, grads = _step(stages, least, 128, head)
+        peaks.append(peak)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want))
+    assert max(peaks) <= least, (peaks, least, top)
+    remat.clear_cache()
+
+
+def test_a_first_call_under_that_least_says_it_may_have_gone_over():
+    """At the store-all peak, below what the first call's rebuild of its last stage
+    needs beside the caller's output: the call's backward, which shows the output
+    kept, warns that the first call may have gone over the budget (it went 19% over,
+    silently); the calls after it run under it, on a plan storing everything."""
+    stages, head = _last_tanh()
+    least, top = _probe(stages, 128, head)
+    assert top < least
+    remat.clear_cache()
+    with pytest.warns(RuntimeWarning, match="the first call may have gone over it"):
+        _step(stages, top, 128, head)
+    peaks = [_step(stages, top, 128, head)[0] for _ in range(2)]
+    assert max(peaks) <= top, (peaks, top)
     remat.clear_cache()
