@@ -42,8 +42,9 @@ one-output head, 19% above the least any plan needs). Below that, a first
 call whose caller keeps the output goes over, and says so once its backward
 has shown the output kept (``ChainRecord.output_kept``): as the block ends,
 whether the caller keeps it is not known, and a check counting it refused
-budgets that first calls letting it go run under. (Not under torch.distributed: FSDP may have sharded a stage's
-parameters between its forward and its backward, and a stage is run again
+budgets that first calls letting it go run under. (Not under
+torch.distributed: FSDP may have sharded a stage's parameters between its
+forward and its backward, and a stage is run again
 only in its own backward; the call then holds inputs as where the tail is
 known, the tail counted as nothing.) Where the tail is known the stage inputs held must fit beside the
 saved tensors kept, room to measure a stage like the largest so far (or, as
