@@ -39,7 +39,8 @@ import sys
 
 import torch
 
-__all__ = ["STANCES", "DYNAMO_SKIPS", "eager_under_meter", "in_compiled_frame", "in_dynamo_callback"]
+__all__ = ["STANCES", "DYNAMO_SKIPS", "eager_under_meter", "enter_eager", "exit_eager", "in_compiled_frame",
+           "in_dynamo_callback"]
 
 STANCES = hasattr(torch.compiler, "set_stance")   # (torch >= 2.6)
 DYNAMO_SKIPS = []
@@ -82,10 +83,25 @@ _EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
 _held = []   # (the stance before, meters on) while remat's meters over the caller's code are on the stack
 
 
+def enter_eager(meter):
+    """Push ``meter``, a storage meter of remat's over the caller's code (a measuring call's
+    window between stages, the head and loss inside the block among them: remat/measure/tail.py),
+    compiled code running eagerly while it is on (``eager_under_meter``)."""
+    meter.__enter__()
+    meter.eager = eager_under_meter(True)
+
+
+def exit_eager(meter):
+    """Pop ``meter``, pushed by ``enter_eager``."""
+    meter.__exit__(None, None, None)
+    if getattr(meter, "eager", False):
+        meter.eager = eager_under_meter(False)
+
+
 def eager_under_meter(on):
     """A meter of remat's goes on (``on``) or off the dispatch-mode stack over the caller's
-    code: the tail's after a chain's block (remat/measure/linger.py), ``remat.measure_peak``'s
-    on CPU. While one is on, compiled code runs eagerly (Dynamo's stance ``force_eager``):
+    code: the tail's after a chain's block (remat/measure/linger.py), a measuring call's
+    windows inside it (``enter_eager``), ``remat.measure_peak``'s on CPU. While one is on, compiled code runs eagerly (Dynamo's stance ``force_eager``):
     Dynamo met a compiled loss there under the meter, a dispatch mode it does not support,
     and gave up on its code for good, in the process, in a chain or out (and on every
     compiled ``nn.Linear`` with a compiled head). Returns whether it counted this meter."""

@@ -97,7 +97,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ..dynamo import in_compiled_frame
+from ..dynamo import enter_eager, exit_eager, in_compiled_frame
 from ..runtime.executor import distributed
 from ..errors import RematError
 from .leaves import stop_nodes, walk
@@ -185,14 +185,14 @@ class TailMeter:
         self.meter = Instrument(writes=False)
         self.meter.made, self.meter.grad_reads, self.meter.leaves = [], {}, {}
         self.meter.count(act)
-        self.meter.__enter__()
+        enter_eager(self.meter)   # (compiled code in the window, a compiled head, runs eagerly: remat/dynamo.py)
 
     def close(self):
         """The window ends (the next stage is called, or the block ended with an
         error); what it metered is let go."""
         meter, self.meter = self.meter, None
         if meter is not None:
-            meter.__exit__(None, None, None)
+            exit_eager(meter)
 
     def seen(self, act, outputs, on_kept, read=False):
         """The block ended after the last stage returned ``act`` (a^L; ``outputs`` are
@@ -204,7 +204,7 @@ class TailMeter:
         if meter is None:
             return TailSeen(why=self.why)
         stayed = any(m is meter for m in _get_current_dispatch_mode_stack())   # (not popped by another's exit)
-        meter.__exit__(None, None, None)
+        exit_eager(meter)
         made, meter.made = meter.made, None
         node = act.grad_fn if isinstance(act, torch.Tensor) else None
         if stayed and node is not None and alone() and not distributed():   # (5 of the Note)

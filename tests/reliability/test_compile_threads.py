@@ -144,12 +144,15 @@ def test_a_compiled_block_in_a_chain_runs_eagerly_and_stays_compilable_outside()
 
 
 @pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch 2.5 has no compiler stances")
-def test_a_compiled_loss_after_a_first_call_stays_compiled():
-    """A compiled loss after a chain's block runs under the tail's meter on the first call
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_compiled_loss_after_a_first_call_stays_compiled(inside):
+    """A compiled loss after a chain's block, or inside it after the last stage (where
+    ``remat.wrap`` puts a model's head), runs under the tail's meter on the first call
     (and a compiled step under ``remat.measure_peak`` on CPU): there it runs eagerly, and
     from the next call on compiled (Dynamo met it under the meter, a dispatch mode it does
-    not support, and ran it eagerly for good, in the process, silently), as does the
-    same compiled function outside any chain; the stance is back as it was after."""
+    not support, and ran it eagerly for good, in the process, silently: inside the block
+    until 2026-11-29), as does the same compiled function outside any chain; the stance is
+    back as it was after."""
     from torch._dynamo import eval_frame
     torch._dynamo.reset()
     runs = [0]
@@ -167,12 +170,13 @@ def test_a_compiled_loss_after_a_first_call_stays_compiled():
     counted = []
     for step in range(3):
         with remat.measure_peak() if step == 2 else contextlib.nullcontext():
+            before = runs[0]
             with remat.chain(budget="1MiB"):
                 h = x
                 for s in stages:
                     h = s(h)
-            before = runs[0]
-            loss(h).backward()
+                value = loss(h) if inside else None
+            (loss(h) if value is None else value).backward()
         counted.append(runs[0] - before)
     before = runs[0]
     loss(torch.randn(4, D))
