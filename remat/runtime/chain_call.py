@@ -26,7 +26,7 @@ from ..solver.solve import minimum_budget, solve
 from ..units import format_bytes
 from .recompute import replaying, take_slots
 from .replay import capture_autocast
-from .paths import keep_path, path_room, shorter_path, switch_path
+from .paths import keep_path, new_shape, path_room, shorter_path, switch_path
 from .executor import distributed, in_flight
 from .runner import Runner, site_text, watch_output
 from .stage_call import (StageCall, check_hooks_enabled, check_output, find_activation, handed_on, hooks_between,
@@ -46,8 +46,7 @@ def clear_cache():
         _cache.clear()
 
 
-_warned_transforms = []
-_warned_empty = set()   # chain sites warned of by ``_no_stage``
+_warned_transforms, _warned_empty = [], set()   # (chain sites warned of by ``_no_stage``)
 
 
 def _no_stage(spec, site):
@@ -55,8 +54,7 @@ def _no_stage(spec, site):
     if site in _warned_empty:
         return
     _warned_empty.add(site)
-    hint = spec.hints.empty or (
-        "mark the blocks with remat.stage and call them inside the `with remat.chain(...)` block")
+    hint = spec.hints.empty or "mark the blocks with remat.stage and call them inside the `with remat.chain(...)` block"
     warnings.warn(f"remat: the chain at {site_text(site)} ran no stage, so nothing in it is under its budget; {hint}",
                   RuntimeWarning, stacklevel=4)
 
@@ -329,6 +327,8 @@ def _hint(this, ident, budget, input_bytes):
     with _cache_lock:
         for key, record in reversed(_cache.items()):
             if key[0] == this[0] and key[3:] == this[3:] and any(s.ident() is ident for s in record.stages):
+                if key != this:   # (a shape it had not measured, not its own path left: paths.py)
+                    new_shape(this[0])
                 return record.hint(budget, input_bytes)
     return NO_HINT
 

@@ -62,6 +62,8 @@ STALE = 50        # calls in a row on one path after which it lets the others go
 PATH_CHANGES = 3  # calls in a row that left the recorded path before a warning (``path_changed``)
 path_changes = {}       # chain key -> such calls so far
 _warned_paths = set()    # chain sites warned of
+SHAPES = 8         # input shapes a chain site measures before ``new_shape`` warns
+shapes = {}        # chain site -> input shapes measured after its first
 _PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "options")
 
 
@@ -90,6 +92,19 @@ def path_changed(key, site):
             f"such call measures the rest of the chain again, slower than a step and near the budget "
             f"rather than under it for sure. remat keeps the budget on a path it has measured and runs "
             f"again, and on one that skips some of its stages (docs/limitations.md)", RuntimeWarning, stacklevel=6)
+
+
+def new_shape(site):
+    """A call of the chain at ``site`` measures an input shape it had not measured (``shapes``
+    of the site so far): after ``SHAPES``, say once what that costs, and what to do."""
+    n = shapes[site] = shapes.get(site, 0) + 1
+    if n == SHAPES:
+        warnings.warn(
+            f"remat: the chain at {site_text(site)} has measured {n} input shapes (batch sizes or sequence "
+            f"lengths it had not seen): the first call of each shape measures its stages, two to three steps' "
+            f"time, and remat keeps the 64 chains used last. Where the shape changes from step to step (each "
+            f"batch padded to its longest sequence), pad to a few lengths (a multiple of 64, or fixed "
+            f"buckets): each is then measured once", RuntimeWarning, stacklevel=7)
 
 
 def keep_path(new, old):

@@ -147,3 +147,32 @@ def test_a_dropout_switched_on_where_every_stage_is_stored_whole_stays_under_the
         b.drop.p = 0.3
     peaks += [_step(net, 8, 16, s) for s in (2, 3, 4)]
     assert max(peaks) <= net.budget, (peaks, net.budget)
+
+
+def test_a_shape_that_changes_every_step_is_warned_of_once():
+    """Sequence lengths that change from step to step (each batch padded to its longest):
+    every new shape's first call measures, two to three steps' time. The eighth new
+    shape at a chain's site warns once, with what to do (pad to a few lengths); a loop
+    that comes back to the shapes it measured does not warn."""
+    import warnings
+
+    from remat.runtime import paths
+
+    torch.manual_seed(0)
+    net = _Net([_Mlp() for _ in range(2)])
+    remat.clear_cache()
+    paths.shapes.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for t in [4, 5, 4, 5, 4] + list(range(6, 6 + paths.SHAPES)) + [20, 21]:
+            net(torch.randn(2, t, D)).square().mean().backward()
+    said = [str(w.message) for w in seen if "input shapes" in str(w.message)]
+    assert len(said) == 1 and f"measured {paths.SHAPES} input shapes" in said[0] and "pad to a few" in said[0], said
+    remat.clear_cache()
+    paths.shapes.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            for t in (4, 5, 6):
+                net(torch.randn(2, t, D)).square().mean().backward()
+    assert not [w for w in seen if "input shapes" in str(w.message)]
