@@ -158,12 +158,13 @@ class Holding:
             (``ChainRecord.hint``); ``NO_HINT`` where none has.
         diverged: the stage the call left its recorded path at (0: a first call);
             the stages before it are the schedule's.
+        held: bytes those stages hold (``held_before``, remat/runtime/paths.py).
     """
 
-    def __init__(self, budget, hint, diverged, record=None):
+    def __init__(self, budget, hint, diverged, record=None, held=0):
         self.budget, self.diverged, self.record = budget, diverged, record
         self.tail_hint, self.keep_all, hinted, self.widest = hint
-        self.held_bytes = 0      # bytes of the saved tensors kept so far
+        self.held_bytes = held   # bytes of the saved tensors kept so far (and the schedule's stages' before them)
         self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
         self.inputs_bytes = 0
         self.spacing = 1         # the stages whose input is held: every spacing-th (``thin_inputs``)

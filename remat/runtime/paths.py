@@ -54,8 +54,8 @@ from ..solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, op_from_code, si
 from ..solver.solve import solve
 from ..units import format_bytes
 
-__all__ = ["OTHER_PATHS", "PATH_CHANGES", "STALE", "keep_path", "path_changed", "path_changes", "path_lines",
-           "path_room", "shorter_path", "site_text", "switch_path"]
+__all__ = ["OTHER_PATHS", "PATH_CHANGES", "STALE", "held_before", "keep_path", "path_changed", "path_changes",
+           "path_lines", "path_room", "shorter_path", "site_text", "switch_path"]
 
 OTHER_PATHS = 3   # records of other paths a chain's record keeps
 STALE = 50        # calls in a row on one path after which it lets the others go
@@ -194,10 +194,7 @@ def switch_path(runner, k, ident, x, call, budget, spec):
             continue
         if other.ident(k) is mine or _same_module(other.stages[k - 1]) is False:
             continue   # (the stage there changed: not another path, measured again)
-        try:
-            plan = _stitched(runner.plan, k, other, budget, spec)
-        except RematError:   # (no plan of the rest fits beside what the stages before hold)
-            continue
+        plan = _leaving(runner.plan, k, other, budget, spec, _room(other, budget))[0]
         if plan is None:
             continue
         before = runner.entry, runner.plan
@@ -210,6 +207,20 @@ def switch_path(runner, k, ident, x, call, budget, spec):
         runner.adopt(*before)
     from .skips import skip_stages   # (skips.py imports this module)
     return skip_stages(runner, k, ident, x, call, budget, spec)
+
+
+def held_before(plan, k):
+    """Bytes ``plan``'s schedule holds after its ops of stages 1..k-1 beyond the
+    chain's input and stage k's: what a call that measures from stage k on holds
+    beside what it measures (Note [Measuring within the budget], remat/measure/holding.py)."""
+    costs, trace = plan.costs, []
+    try:
+        simulate(costs, plan.schedule.ops[:k - 1], trace)
+    except RematError:   # (no Loss: what each op left held is in the trace)
+        pass
+    if k < 2 or len(trace) != k - 1:
+        return 0
+    return max(0, trace[-1][2] - costs.input_bytes - costs.sizes()[k - 1])
 
 
 def path_lines(record, schedule, budget):
@@ -241,10 +252,10 @@ def _alike(a, b):
     return a.ident() is b.ident() and a.ident() is not None and a.in_sig == b.in_sig and a.autocast == b.autocast
 
 
-def _stitched(plan, k, other, budget, spec):
+def _stitched(plan, k, other, budget, spec, solve_at=None):
     """The plan of a call that ran stages 1..k-1 as ``plan`` says and goes on as
-    the record ``other`` (Note [Paths of a chain]), or None where its schedule
-    would not fit ``budget``."""
+    the record ``other`` (Note [Paths of a chain]), the rest solved for ``budget``
+    (or ``solve_at``), or None where its schedule would not fit ``budget``."""
     costs = other.planning_costs(options=spec.options)
     prefix = plan.schedule.ops[:k - 1]   # (the forward phase runs stage 1 on, in order)
     trace = []
@@ -258,10 +269,60 @@ def _stitched(plan, k, other, budget, spec):
     x_in = costs.sizes()[k - 1]
     rest = dataclasses.replace(costs, input_bytes=x_in, held_bytes=held - x_in,
                                **{f: getattr(costs, f)[k - 1:] for f in _PER_STAGE})
-    schedule = solve(rest, budget, spec.algorithm, spec.slots)
+    schedule = solve(rest, budget if solve_at is None else solve_at, spec.algorithm, spec.slots)
     moved = [op_from_code(op.code, op.stage + k - 1, getattr(op, "option", 0)) if op is not Loss else Loss
              for op in schedule.ops]
     return _planned(tuple(prefix) + tuple(moved) + _rebuilds(plan, k), costs, budget, schedule, other.policies())
+
+
+def _leaving(plan, k, other, budget, spec, room, holed=None):
+    """(the plan of a call that left ``plan`` at stage k to go on as ``other``,
+    "stitched" or "holed"): the faster of ``_stitched``'s and ``holed`` (if any)
+    among those that leave ``room`` bytes free as the forward ends
+    (``_held_at_end``), else the stitched one solved for the most budget that
+    does, found by halving, else the faster of the two (Note [Paths of a chain]);
+    (None, "stitched") if neither fits ``budget``."""
+    def stitch(at=None):
+        try:
+            return _stitched(plan, k, other, budget, spec, at)
+        except RematError:   # (no plan of the rest fits beside what the stages before hold)
+            return None
+    found = [(p, how) for p, how in ((stitch(), "stitched"), (holed, "holed")) if p is not None]
+    roomy = [(p, how) for p, how in found if _held_at_end(p) + room <= budget]
+    low, high = 0, budget - 1
+    for _ in range(12 if found and not roomy and room else 0):
+        if low > high:
+            break
+        mid = (low + high) // 2
+        try:
+            tried = _stitched(plan, k, other, budget, spec, mid)
+        except RematError:   # (below what the rest needs)
+            low = mid + 1
+            continue
+        if tried is not None and _held_at_end(tried) + room <= budget:
+            roomy, low = [(tried, "stitched")], mid + 1
+        else:
+            high = mid - 1
+    return min(roomy or found, key=lambda c: c[0].schedule.time, default=(None, "stitched"))
+
+
+def _room(record, budget):
+    """Bytes a call going on past the end of ``record``'s path needs free to
+    measure a stage like its largest, or the tail after one, as far as
+    ``record`` knows them (``ChainRecord.hint``; 0 where it does not)."""
+    tail, _, largest, widest = record.hint(budget)
+    return 0 if tail is None else max(largest, widest + tail)
+
+
+def _held_at_end(plan):
+    """Bytes ``plan``'s schedule holds after its last stage's forward-phase op."""
+    trace, ops = [], plan.schedule.ops
+    try:
+        simulate(plan.costs, ops, trace)
+    except RematError:
+        return float("inf")
+    n = plan.costs.stages
+    return max((held for op, _, held in trace[:ops.index(Loss)] if op.stage == n), default=0)
 
 
 def _planned(ops, costs, budget, like, policies):

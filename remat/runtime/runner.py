@@ -55,7 +55,7 @@ from .executor import Run, _releasing, distributed, flying, in_flight
 from .recompute import resolve_state, take
 from .replay import capture_rng, cuda_devices, param_flags, snapshot
 from .option_modes import keep_only, option_contexts
-from .paths import STALE, keep_path, path_changed, path_changes, site_text
+from .paths import STALE, held_before, keep_path, path_changed, path_changes, site_text
 from .stage_call import first, same_structure, signature_matches, trained_as
 
 __all__ = ["Runner", "watch_output", "site_text"]
@@ -132,7 +132,7 @@ class Runner:
         keep_path(new, self.base)   # (Note [Paths of a chain], remat/runtime/paths.py)
         self._suspect_changed(new)
         path_changed(self.key, self.site)
-        self.run.ops = None
+        self.run.ops, self.run.held_before = None, held_before(self.plan, k)   # (holding.py)
         return new
 
     def adopt(self, entry, plan, base=None):

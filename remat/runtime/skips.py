@@ -39,9 +39,8 @@ shorter path (``Runner.finish``): LayerDrop drops the last layer now and then.
 import dataclasses
 import types
 
-from ..errors import RematError
 from ..solver.schedule import B, Fck, Fn, Loss, op_from_code
-from .paths import _PER_STAGE, _alike, _planned, _stitched, _succeeds
+from .paths import _PER_STAGE, _alike, _leaving, _planned, _room, _succeeds
 
 __all__ = ["SKIPS", "skip_stages", "stopped_short"]
 
@@ -65,14 +64,9 @@ def skip_stages(runner, k, ident, x, call, budget, spec):
         kept = home.skips.get(key)
         if kept is None or kept[0] is not plan:
             view = _without(record, home, index, keep)
-            try:
-                stitched = _stitched(plan, k, view, budget, spec)
-            except RematError:   # (no plan of the rest fits beside what the stages before hold)
-                stitched = None
             holed = _holed(plan, keep, view, budget, spec) if record is entry else None
-            if holed is not None and (stitched is None or holed.schedule.time < stitched.schedule.time):
-                stitched = holed
-            view.view += ("holed" if stitched is holed else "stitched",)   # (what explain() says of it)
+            stitched, how = _leaving(plan, k, view, budget, spec, _room(home, budget), holed)
+            view.view += (how,)   # (what explain() says of it)
             kept = _keep(home, key, (plan, view, stitched))
         view, stitched = kept[1:]
         if stitched is None:
