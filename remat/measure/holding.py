@@ -164,7 +164,7 @@ class Holding:
     def __init__(self, budget, hint, diverged, record=None, held=0):
         self.budget, self.diverged, self.record = budget, diverged, record
         self.tail_hint, self.keep_all, hinted, self.widest = hint
-        self.held_bytes = held   # bytes of the saved tensors kept so far (and the schedule's stages' before them)
+        self.held_bytes = self.before = held   # bytes of the saved tensors kept so far (and what stages before hold)
         self.inputs = []         # (stage, weak reference to its anchor, bytes) of the stage inputs held
         self.inputs_bytes = 0
         self.spacing = 1         # the stages whose input is held: every spacing-th (``thin_inputs``)
@@ -329,7 +329,7 @@ class Holding:
         # what B(k) needs beside the inputs held: measuring a stage like the largest, the
         # gradient flowing down, the output of a stage rebuilt beside its input
         reserve = self.largest + 2 * max(record.costs.out_bytes)
-        room = self.budget - record.input_bytes - record.held_bytes() - kept - reserve - live
+        room = self.budget - record.input_bytes - record.held_bytes() - kept - reserve - live - self.before
         if room <= 0:
             return ()
         if sum(sizes.values()) <= room:

@@ -18,7 +18,12 @@ as called) runs on that record instead (``switch_path``):
    with said, and what they hold stays.
 2. The rest of the chain, from stage k, runs a plan of its own: the optimal
    one for the budget, solved on that record's costs from stage k on, with
-   what the stages before hold counted as held through it.
+   what the stages before hold counted as held through it; or, where that
+   one would leave too little free as its forward ends to measure a stage
+   like the record's largest, or the tail after one (``_room``), the one
+   solved for the most budget that leaves it, where one does (``_leaving``):
+   a call that has left its path may go on past that record's end, and
+   measure there beside what the plan holds.
 3. The backward of the stages before k rebuilds each from the nearest input
    held below it, as after any change of path (``Run._rebuild``,
    remat/runtime/executor.py); a stage they recorded whole needs nothing.
@@ -33,7 +38,8 @@ one.
 A plan that records its last stages whole can leave too little beside them
 for the rest of another path (a block more after them): the call would then
 measure that path again beside them, up to 19% over the budget on small
-test chains. So a record's plan is solved, where the one for its budget
+test chains (the measuring call counts what the stages before it hold,
+``held_before``: Note [Measuring within the budget]). So a record's plan is solved, where the one for its budget
 would leave too little for the rest of one of the other paths, for the most
 budget that leaves enough for each (``path_room``): slower, as long as the
 others are kept. They are let go after ``STALE`` calls in a row that took

@@ -19,7 +19,12 @@ costs:
    chain]): the stages before k as they ran, the rest solved again beside what
    they hold, their backward rebuilding each from the nearest input held.
 
-Where neither fits, the call measures, as before. A record of another path the
+Of those, the ones that leave room as their forward ends to measure a stage
+past it come first, as for another path (``_leaving``, Note [Paths of a
+chain] 2): a view of a record without its last block, taken by a call that
+skipped a block and then ran the last, stored every stage and measured that
+block beside them, 15% over the budget. Where neither fits, the call
+measures, as before. A record of another path the
 chain keeps serves so too, the stages the call ran before k found in it in
 order; it then becomes the chain's record. Otherwise nothing is measured and
 the record stays the chain's: a view is the plan of one call. A stage given

@@ -14,6 +14,8 @@ from hypothesis import assume, given, strategies as st
 import remat
 from remat.measure import measuring
 from remat.measure.meter import Instrument
+from remat.runtime.paths import _room, held_before
+from remat.runtime.runner import Runner
 from remat.solver.schedule import simulate
 from remat.solver.solve import minimum_budget, store_all
 from chains import Net, assert_same, budget_for, measured_costs, random_chains, train
@@ -68,14 +70,17 @@ def _pair(seed, fraction):
 
 def _steps(ref, net, routes, monkeypatch):
     """Train both on each of ``routes`` in turn; assert each step plain
-    PyTorch's, bitwise; return [(measured, whole-step peak, predicted peak, explain()'s text)]."""
-    counted, init = [0], measuring.Measurer.__init__
+    PyTorch's, bitwise; return [(measured, whole-step peak, predicted peak, explain()'s text,
+    whether it measured beside a plan that left no room to: ``_no_room``)]."""
+    counted, init, cramped, diverge = [0], measuring.Measurer.__init__, [], Runner.diverge
 
     def measurer(self, *args, **kwargs):
         counted[0] += 1
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(measuring.Measurer, "__init__", measurer)
+    monkeypatch.setattr(Runner, "diverge",
+                        lambda self, k: cramped.append(_no_room(self, k, net.budget)) or diverge(self, k))
     x, out = torch.randn(32, 16), []
     for step, route in enumerate(routes):
         for model in (ref, net):
@@ -91,10 +96,20 @@ def _steps(ref, net, routes, monkeypatch):
             got.backward()
         assert torch.equal(got, want), step
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), net.parameters())), step
-        seen = remat.explain()
-        out.append((counted[0] > before, meter.peak + x.untyped_storage().nbytes(), seen.predicted_peak, str(seen)))
+        seen, no_room = remat.explain(), any(cramped)
+        cramped.clear()
+        out.append((counted[0] > before, meter.peak + x.untyped_storage().nbytes(), seen.predicted_peak, str(seen),
+                    no_room))
     remat.clear_cache()
     return out
+
+
+def _no_room(runner, k, budget):
+    """Whether the plan ``runner`` ran to stage k held too much to measure a stage like
+    its record's largest (or the tail after one) beside it within ``budget``."""
+    costs = runner.plan.costs
+    held = held_before(runner.plan, k) + costs.input_bytes + costs.sizes()[k - 1]
+    return held + _room(runner.entry, budget) > budget
 
 
 def test_routes_taken_in_turn_are_measured_once_each(monkeypatch):
@@ -106,7 +121,7 @@ def test_routes_taken_in_turn_are_measured_once_each(monkeypatch):
     two, four = ("swap", 2), ("swap", 4)
     steps = _steps(ref, net, [None, two, None, two, None, four, two, None, four, two], monkeypatch)
     assert [measured for measured, *_ in steps] == [True, True, False, False, False, True] + [False] * 4
-    for measured, peak, predicted, _ in steps:
+    for measured, peak, predicted, *_ in steps:
         if not measured:
             assert peak <= predicted <= net.budget and peak >= 0.99 * predicted, (peak, predicted, net.budget)
 
@@ -144,22 +159,37 @@ def test_a_call_that_stops_short_runs_the_plan_less_the_stages_it_did_not_reach(
         assert not measured and peak <= plan.schedule.peak <= net.budget, (peak, plan.schedule.peak, net.budget)
 
 
+@pytest.mark.parametrize("seed, fraction, routes", [
+    (0, 0.62, [("skip", 5), ("skip", 5), ("skip", 1)]), (5, 0.505, [("skip", 5), ("skip", 1)]),
+    (2, 0.774, [("skip", 2, 3, 4), ("swap", 3)])])
+def test_a_call_measuring_a_new_path_stays_under_the_budget(monkeypatch, seed, fraction, routes):
+    """A call that leaves its record's path for one not seen (a block skipped, then
+    one the record lacks; a block replaced) measures the rest under the budget: the
+    view it ran after the skip leaves room to measure a stage past its end
+    (``_leaving``), and the measuring part counts what the stages run before hold
+    (``held_before``). Before, 15%, 9% and 15% over."""
+    ref, net = _pair(seed, fraction)
+    steps = _steps(ref, net, routes, monkeypatch)
+    assert steps[-1][0] and all(peak <= net.budget for _, peak, *_ in steps), [p for _, p, *_ in steps]
+
+
 ROUTES = [None, ("skip", 0), ("skip", 1), ("skip", 2), ("skip", 4), ("skip", 5), ("skip", 1, 3), ("skip", 2, 3, 4),
           ("swap", 1), ("swap", 3)]
 
 
 @given(st.integers(0, 2**16), st.lists(st.sampled_from(ROUTES), min_size=2, max_size=3, unique=True),
        st.lists(st.integers(0, 2), min_size=4, max_size=9), st.floats(0.02, 1.0))
-def test_random_routes_stay_exact_and_under_the_budget_when_not_measured(seed, routes, picks, fraction):
+def test_random_routes_stay_exact_and_under_the_budget_where_there_is_room(seed, routes, picks, fraction):
     """Random routes taken in random turns at random budgets: every step is plain
-    PyTorch's, and every call that did not measure (it ran its record's plan, or
-    went on with another route's) peaks under the budget. (A call measuring a route
-    beside what the plan of the one it left holds may go over: docs/limitations.md.)"""
+    PyTorch's, and every call peaks under the budget, but one measuring a route
+    beside a plan that held too much to measure a stage beside it (``_no_room``: the
+    record's plan stored its stages before k whole, or its last ones, and the call
+    went on past them: docs/limitations.md)."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         ref, net = _pair(seed % 7, fraction)
         steps = _steps(ref, net, [routes[p % len(routes)] for p in picks], monkeypatch)
-    for measured, peak, *_ in steps:
-        assert measured or peak <= net.budget, (peak, net.budget)
+    for measured, peak, _, _, no_room in steps:
+        assert (measured and no_room) or peak <= net.budget, (measured, peak, net.budget)
 
 
 @given(st.integers(0, 2**16), st.lists(st.sets(st.integers(1, 4), max_size=3), min_size=3, max_size=8),
@@ -174,9 +204,9 @@ def test_layerdrop_runs_the_record_of_every_stage_without_measuring(seed, drops,
         ref, net = _pair(seed % 7, fraction)
         steps = _steps(ref, net, [None] + [("skip", *d) if d else None for d in drops], monkeypatch)
     assert [measured for measured, *_ in steps] == [True] + [False] * len(drops)
-    for _, peak, predicted, text in steps[1:]:
+    for _, peak, predicted, *_ in steps[1:]:
         assert peak <= predicted <= net.budget, (peak, predicted, net.budget)
-    skipped = [text for (_, _, _, text), d in zip(steps[1:], drops) if d]
+    skipped = [text for (_, _, _, text, _), d in zip(steps[1:], drops) if d]
     assert all("skipped" in text for text in skipped), skipped[:1]
 
 
