@@ -200,7 +200,12 @@ def switch_path(runner, k, ident, x, call, budget, spec):
             continue
         if other.ident(k) is mine or _same_module(other.stages[k - 1]) is False:
             continue   # (the stage there changed: not another path, measured again)
-        plan = _leaving(runner.plan, k, other, budget, spec, _room(other, budget))[0]
+        key = ("leaving", k, budget, spec.algorithm, spec.slots, spec.options)   # (routes taken in turn: once)
+        kept = other.plans.get(key)
+        if kept is None or kept[0] is not runner.plan:
+            kept = other.plans[key] = (runner.plan, _leaving(runner.plan, k, other, budget, spec,
+                                                             _room(other, budget))[0])
+        plan = kept[1]
         if plan is None:
             continue
         before = runner.entry, runner.plan
