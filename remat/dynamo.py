@@ -101,10 +101,11 @@ def exit_eager(meter):
 def eager_under_meter(on):
     """A meter of remat's goes on (``on``) or off the dispatch-mode stack over the caller's
     code: the tail's after a chain's block (remat/measure/linger.py), a measuring call's
-    windows inside it (``enter_eager``), ``remat.measure_peak``'s on CPU. While one is on, compiled code runs eagerly (Dynamo's stance ``force_eager``):
-    Dynamo met a compiled loss there under the meter, a dispatch mode it does not support,
-    and gave up on its code for good, in the process, in a chain or out (and on every
-    compiled ``nn.Linear`` with a compiled head). Returns whether it counted this meter."""
+    windows inside it (``enter_eager``), ``remat.measure_peak``'s on CPU. While one is on,
+    compiled code runs eagerly (Dynamo's stance ``force_eager``): Dynamo met a compiled
+    loss there under the meter, a dispatch mode it does not support, and gave up on its
+    code for good, in the process, in a chain or out (and on every compiled ``nn.Linear``
+    with a compiled head). Returns whether it counted this meter."""
     if on:
         if not STANCES or "torch._dynamo" not in sys.modules or in_dynamo_callback():
             return False
