@@ -39,12 +39,12 @@ A plan that records its last stages whole can leave too little beside them
 for the rest of another path (a block more after them): the call would then
 measure that path again beside them, up to 19% over the budget on small
 test chains (the measuring call counts what the stages before it hold,
-``held_before``: Note [Measuring within the budget]). So a record's plan is solved, where the one for its budget
-would leave too little for the rest of one of the other paths, for the most
-budget that leaves enough for each (``path_room``): slower, as long as the
-others are kept. They are let go after ``STALE`` calls in a row that took
-this record's path to its end (``Runner.finish``), for a chain that changed its path
-once. A call that stops short of its record several times (Note [Chain
+``held_before``: Note [Measuring within the budget]). So a record's plan is
+solved, where the one for its budget would leave too little for the rest of
+one of the other paths, for the most budget that leaves enough for each
+(``path_room``): slower, as long as the others are kept. They are let go
+after ``STALE`` calls in a row that took this record's path to its end
+(``Runner.finish``), for a chain that changed its path once. A call that stops short of its record several times (Note [Chain
 keys]) makes the next one measure that shorter path, unless the record keeps
 that path's own (``shorter_path``). A path met for the first time is
 measured (docs/limitations.md).

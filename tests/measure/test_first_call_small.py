@@ -10,8 +10,6 @@ import torch.nn as nn
 import remat
 from remat.measure.meter import Instrument
 
-torch.set_num_threads(1)
-
 
 def _mlp(d=8):
     return remat.stage(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)))
