@@ -327,7 +327,7 @@ def _hint(this, ident, budget, input_bytes):
     with _cache_lock:
         for key, record in reversed(_cache.items()):
             if key[0] == this[0] and key[3:] == this[3:] and any(s.ident() is ident for s in record.stages):
-                if key != this:   # (a shape it had not measured, not its own path left: paths.py)
+                if key[1] == this[1] and key[2] != this[2]:   # (a shape it had not measured: paths.py)
                     new_shape(this[0])
                 return record.hint(budget, input_bytes)
     return NO_HINT
