@@ -13,7 +13,7 @@ from ..errors import BudgetError, CostsError, InvalidScheduleError, UsageError
 
 __all__ = ["MAX_SECONDS", "MAX_BYTES", "where", "least_bytes", "entries", "check_time", "check_size", "file_path",
            "check_costs", "schedule_ops", "check_schedule", "check_bound_budget", "check_uniform", "check_number",
-           "check_numbers", "stage_options"]
+           "check_numbers", "stage_options", "less_field", "drops_field"]
 
 # The C solver's bounds (src_c/solver.c), which Costs enforces on creation and
 # binding.py checks again: below them its sums of times stay finite and its
@@ -201,3 +201,37 @@ def stage_options(options):
     except (TypeError, ValueError):
         raise CostsError(f"remat: with_options takes a dict of stage numbers (1-based) to lists of remat.Option, "
                          f"e.g. {{2: [Option(...)]}}, got {_shown(options)}") from None
+
+
+def less_field(name, raw, length, field, more):
+    """``bwd_rebuilt_less`` (``field``: bwd_tmp, ``more``: out_bytes) or
+    ``fwd_nograd_less`` (``field``: fwd_tmp) checked: 0 to ``field`` (plus ``more``:
+    a rebuilt B(i)'s transient is still at least ``-out_bytes``); None: 0 everywhere."""
+    if raw is None:
+        return (0,) * length
+    checked = tuple(check_size(name, i, v) for i, v in enumerate(entries(name, raw, length)))
+    for i, v in enumerate(checked):
+        most = field[i] + (more[i] if more else 0)
+        if v > most:
+            raise CostsError(
+                f"remat: {where(name, i)} is {v}; it must be at most the stage's "
+                f"{'bwd_tmp plus its out_bytes' if more else 'fwd_tmp'} ({most}): "
+                f"{'a rebuilt B(i) holds at least that' if more else 'a transient is not negative'}")
+    return checked
+
+
+def drops_field(name, raw, length, bound):
+    """``fwd_drop`` (``bound``: out_bytes) or ``fwd_drop_whole`` (``bound``:
+    fwd_drop) checked; None: nothing dropped."""
+    if raw is None:
+        return (0,) * length
+    checked = tuple(check_size(name, i, v) for i, v in enumerate(entries(name, raw, length)))
+    for i, v in enumerate(checked):
+        bad = v > bound[i] if name == "fwd_drop" else v not in (0, bound[i])
+        if bad or (v and i == length - 1):
+            what = "at most the stage's out_bytes" if name == "fwd_drop" else "0 or the stage's fwd_drop"
+            raise CostsError(
+                f"remat: {where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
+                f"the last stage (no stage after it lets a^L go)")
+    return checked
+

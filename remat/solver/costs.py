@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, fields
 from ..errors import CostsError
 from ..units import format_bytes
 from .checks import (MAX_BYTES, MAX_SECONDS, check_size, check_time, entries, file_path,  # noqa: F401  (MAX_*: as before)
-                     check_numbers, check_uniform, least_bytes, stage_options, where)
+                     check_numbers, check_uniform, drops_field, least_bytes, less_field, stage_options)
 from .option import check_options
 
 __all__ = ["Costs"]
@@ -50,6 +50,11 @@ class Costs:
             while autograd keeps what it saved itself until the node's outputs
             are checked (a bias's gradient summed to its shape). None (the
             default): 0 everywhere; at most ``bwd_tmp[i] + out_bytes[i]``.
+        fwd_nograd_less: bytes the forward's transient is below ``fwd_tmp``
+            where it runs without recording (``Fn``, ``Fck`` after ``Loss``):
+            the tensors the recording forward saves are let go as soon as the
+            ops that read them are done. None (the default): 0 everywhere; at
+            most ``fwd_tmp[i]``.
         fwd_drop: bytes of a^i let go in the forward phase once stage i+1 has
             run recording (``Fall``), where a^i is held on its own (after
             ``Fn``/``Fck`` of stage i): stage i+1's recording does not keep its
@@ -108,6 +113,7 @@ class Costs:
     fwd_drop_whole: tuple = None
     held_bytes: int = 0
     bwd_rebuilt_less: tuple = None
+    fwd_nograd_less: tuple = None
     tail: bool = False
     tail_kept: int = 0
     output_held: bool = False
@@ -127,10 +133,11 @@ class Costs:
             object.__setattr__(self, name, checked)
         object.__setattr__(self, "input_bytes", check_size("input_bytes", None, self.input_bytes))
         object.__setattr__(self, "held_bytes", check_size("held_bytes", None, self.held_bytes))
-        object.__setattr__(self, "bwd_rebuilt_less", _rebuilt_less(self.bwd_rebuilt_less, length, self))
-        object.__setattr__(self, "fwd_drop", _drops("fwd_drop", self.fwd_drop, length, self.out_bytes))
+        for name, field, more in (("bwd_rebuilt_less", "bwd_tmp", self.out_bytes), ("fwd_nograd_less", "fwd_tmp", None)):
+            object.__setattr__(self, name, less_field(name, getattr(self, name), length, getattr(self, field), more))
+        object.__setattr__(self, "fwd_drop", drops_field("fwd_drop", self.fwd_drop, length, self.out_bytes))
         object.__setattr__(self, "fwd_drop_whole",
-                           _drops("fwd_drop_whole", self.fwd_drop_whole, length, self.fwd_drop))
+                           drops_field("fwd_drop_whole", self.fwd_drop_whole, length, self.fwd_drop))
         if not isinstance(self.tail, bool):
             raise CostsError(f"remat: Costs.tail must be True or False, got {self.tail!r}")
         if self.tail and length < 2:
@@ -150,6 +157,11 @@ class Costs:
     def bwd_tmp_rebuilt(self):
         """bwd_tmp of B(i) where a-bar^i was rebuilt in the backward phase."""
         return tuple(b - v for b, v in zip(self.bwd_tmp, self.bwd_rebuilt_less))
+
+    @property
+    def fwd_tmp_nograd(self):
+        """fwd_tmp of a forward without recording (``Fn``, ``Fck`` after ``Loss``)."""
+        return tuple(f - v for f, v in zip(self.fwd_tmp, self.fwd_nograd_less))
 
     @property
     def length(self):
@@ -177,7 +189,7 @@ class Costs:
         for name, value in (("fwd_time", fwd_time), ("fwd_nograd_time", fwd_time), ("bwd_time", bwd_time),
                             ("out_bytes", out_bytes), ("saved_bytes", max(saved_bytes, out_bytes)),
                             ("fwd_tmp", fwd_tmp), ("bwd_tmp", bwd_tmp), ("fwd_drop", 0), ("fwd_drop_whole", 0),
-                            ("bwd_rebuilt_less", 0)):
+                            ("bwd_rebuilt_less", 0), ("fwd_nograd_less", 0)):
             if name in data:
                 data[name] = [*data[name], value]
         if "options" in data:
@@ -202,7 +214,8 @@ class Costs:
         data = self.to_dict()
         tail = {name: data[name].pop() for name in ("fwd_time", "bwd_time", "out_bytes", "saved_bytes",
                                                        "fwd_tmp", "bwd_tmp")}
-        for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "options"):
+        for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "fwd_nograd_less",
+                     "options"):
             if name in data:
                 data[name].pop()
         tail["kept"] = self.tail_kept
@@ -269,13 +282,14 @@ class Costs:
 
     def to_dict(self):
         """A JSON-ready dict of every field; ``options`` (each a dict of its fields)
-        only where some stage has them, ``bwd_rebuilt_less`` only where it is not
-        0 everywhere and ``output_held`` only where True, so that such costs read
-        as before."""
+        only where some stage has them, ``bwd_rebuilt_less`` and ``fwd_nograd_less``
+        only where not 0 everywhere and ``output_held`` only where True, so that
+        such costs read as before."""
         data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name != "options"}
-        if not any(self.bwd_rebuilt_less):
-            del data["bwd_rebuilt_less"]
+        for name in ("bwd_rebuilt_less", "fwd_nograd_less"):
+            if not any(getattr(self, name)):
+                del data[name]
         if not self.output_held:
             del data["output_held"]
         if self.has_options:
@@ -364,34 +378,3 @@ class Costs:
                     f"{f'o{q}':>5} {o.fwd_time * 1e3:9.3f} {'':>9} {o.bwd_time * 1e3:9.3f} {'':>11} "
                     f"{format_bytes(o.saved_bytes):>11} {format_bytes(o.fwd_tmp):>11} {format_bytes(o.bwd_tmp):>11}")
         return "\n".join(rows)
-
-
-def _rebuilt_less(raw, length, costs):
-    """``bwd_rebuilt_less`` checked: 0 to ``bwd_tmp + out_bytes`` (a rebuilt B(i)'s
-    transient is still at least ``-out_bytes``); None: 0 everywhere."""
-    if raw is None:
-        return (0,) * length
-    checked = tuple(check_size("bwd_rebuilt_less", i, v) for i, v in enumerate(entries("bwd_rebuilt_less", raw, length)))
-    for i, v in enumerate(checked):
-        if v > costs.bwd_tmp[i] + costs.out_bytes[i]:
-            raise CostsError(
-                f"remat: {where('bwd_rebuilt_less', i)} is {v}; it must be at most the stage's bwd_tmp plus "
-                f"its out_bytes ({costs.bwd_tmp[i] + costs.out_bytes[i]}): a rebuilt B(i) holds at least that")
-    return checked
-
-
-def _drops(name, raw, length, bound):
-    """``fwd_drop`` (``bound``: out_bytes) or ``fwd_drop_whole`` (``bound``:
-    fwd_drop) checked; None: nothing dropped."""
-    if raw is None:
-        return (0,) * length
-    checked = tuple(check_size(name, i, v) for i, v in enumerate(entries(name, raw, length)))
-    for i, v in enumerate(checked):
-        bad = v > bound[i] if name == "fwd_drop" else v not in (0, bound[i])
-        if bad or (v and i == length - 1):
-            what = "at most the stage's out_bytes" if name == "fwd_drop" else "0 or the stage's fwd_drop"
-            raise CostsError(
-                f"remat: {where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
-                f"the last stage (no stage after it lets a^L go)")
-    return checked
-
