@@ -113,7 +113,7 @@ int main(int argc, char **argv)
         long long n, alloc, k, scale, budget, slots, cap, limit;
         int mode, status, nulls;
         double *tf, *tn, *tb;
-        long long *x, *s, *ft, *bt, *dr, *drw, *rl, *first, *os, *oft, *obt, n_opts;
+        long long *x, *s, *ft, *bt, *dr, *drw, *rl, *nl, *first, *os, *oft, *obt, n_opts;
         double *otf, *otb;
         int *codes, *stages, *options;
         remat_chain chain;
@@ -139,8 +139,9 @@ int main(int argc, char **argv)
         dr = malloc(alloc * sizeof *dr);
         drw = malloc(alloc * sizeof *drw);
         rl = malloc(alloc * sizeof *rl);
+        nl = malloc(alloc * sizeof *nl);
         first = malloc((alloc + 1) * sizeof *first);
-        if (!tf || !tn || !tb || !x || !s || !ft || !bt || !dr || !drw || !rl || !first)
+        if (!tf || !tn || !tb || !x || !s || !ft || !bt || !dr || !drw || !rl || !nl || !first)
             fail(iter, "the driver's own malloc failed");
         nulls = below(8) == 0;
         for (k = 0; k < alloc; k++) {
@@ -163,6 +164,9 @@ int main(int argc, char **argv)
             rl[k] = hostile && below(2) ? (below(2) ? hostile_size(scale) : -1 - below(3))
                   : (below(2) && x[k] >= 0 && x[k] < (1LL << 62) && bt[k] >= -x[k] && bt[k] < (1LL << 62)
                      ? below(bt[k] + x[k] + 1) : 0);
+            /* what a forward without recording needs less: 0 .. fwd_tmp */
+            nl[k] = hostile && below(2) ? (below(2) ? hostile_size(scale) : -1 - below(3))
+                  : (below(2) && ft[k] >= 0 && ft[k] < (1LL << 62) ? below(ft[k] + 1) : 0);
         }
         chain.length = n;
         chain.fwd_time = nulls && below(2) ? NULL : tf;
@@ -176,6 +180,7 @@ int main(int argc, char **argv)
         chain.fwd_drop = below(3) ? NULL : dr;
         chain.fwd_drop_whole = below(3) ? NULL : drw;
         chain.bwd_rebuilt_less = below(3) ? NULL : rl;
+        chain.fwd_nograd_less = below(3) ? NULL : nl;
         /* the stage whose output the caller holds: none, the last, any, or out of range */
         chain.output_held = below(2) ? 0 : below(3) ? n : below(8) ? below(n + 1) : n + 1 - 2 * below(2) * (n + 2);
         /* options: 0..3 a stage (a few counts hostile), each keeping less than the
@@ -249,7 +254,7 @@ int main(int argc, char **argv)
         if (status == REMAT_OK)
             check_plan(iter, &plan, n, chain.option_first);
         counts[status]++;
-        free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt); free(dr); free(drw); free(rl);
+        free(tf); free(tn); free(tb); free(x); free(s); free(ft); free(bt); free(dr); free(drw); free(rl); free(nl);
         free(first); free(os); free(oft); free(obt); free(otf); free(otb);
         free(codes); free(stages); free(options);
     }

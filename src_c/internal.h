@@ -54,8 +54,9 @@ typedef struct {
     ll *x;      /* x[0..n] */
     ll *xa;     /* x[k] as held on its own: 0 for the output the caller holds (remat_chain.output_held) */
     ll *s, *ft, *bt;
-    ll *fa;     /* xa[k] + ft[k]: what Fn/Fck(k) need */
-    ll *cond;   /* xa[k-1] + xa[k] + ft[k]: Fn(k) after Fck/Fn(k-1) */
+    ll *fa;     /* xa[k] + ft[k]: what Fn/Fck(k) need before Loss (recording) */
+    ll *cond;   /* xa[k-1] + xa[k] + ft[k]: Fn(k) after Fck/Fn(k-1), before Loss */
+    ll *fan, *condn;   /* the same after Loss, without recording (fwd_nograd_less) */
     ll *fneed;  /* max(s[k], xa[k] + ft[k]): Fall(k) */
     ll *bneed;  /* s[k] + x[k] + x[k-1] + bt[k] (at k = n at least s[k] + x[k]): B(k), before the gradient credit */
     ll *fd;     /* fd[k]: slots of a^k a forward-phase Fall(k+1) lets go (rounded down) */
@@ -64,7 +65,7 @@ typedef struct {
     double *tf, *tn, *tb;
     ll *first;  /* first[k] .. first[k+1] - 1: stage k's ways in `ways`, the base record first */
     way *ways;
-    ll *lb;     /* min(fa[k], each way's fneed): below it no forward of stage k fits */
+    ll *lb;     /* min(fan[k], each way's fneed): below it no forward of stage k fits */
     void *mem;
 } problem;
 
@@ -72,6 +73,11 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot);
 
 /* The gradient of a^t held by the caller of P(a, t): none at the top. */
 static inline ll grad(const problem *p, ll t) { return t < p->n ? p->x[t] : 0; }
+
+/* What Fn/Fck(k) need in P(a, t): recording before Loss (t = n), not after. */
+static inline ll fwd_need(const problem *p, ll k, ll t) { return t == p->n ? p->fa[k] : p->fan[k]; }
+/* What Fn(k) needs after Fck/Fn(k-1) in P(a, t). */
+static inline ll fwd_cond(const problem *p, ll k, ll t) { return t == p->n ? p->cond[k] : p->condn[k]; }
 
 /* What B(k) of way w needs at (a, t): a Fall in P(a, n) runs before Loss, one
  * in P(a, t < n) after it, rebuilding a-bar^k. */

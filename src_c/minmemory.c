@@ -65,10 +65,10 @@ static int choose_memory(const void *ctx, ll a, ll t, ll m, int drop, ll *jout)
         return -1;
     if (fall_lo(L, a, t, drop, jout) <= m)
         return 0;   /* (*jout: the way) */
-    need = p->fa[a];
+    need = fwd_need(p, a, t);
     for (j = a + 1; j <= t; j++) {
         if (j - 1 > a)
-            need = smax(need, p->cond[j - 1]);
+            need = smax(need, fwd_cond(p, j - 1, t));
         if (need > m)
             break;
         if (split_lo(L, a, t, j) <= m) {
@@ -105,11 +105,11 @@ int remat_solve_memory(const remat_chain *c, ll max_bytes, remat_plan *out)
     for (d = 0; d < n && !cancelled(out->control); d++) {
         advance(out->control, (d + 1) * (n - d));
         for (a = 1; a + d <= n; a++) {
-            ll t = a + d, split = LLONG_MAX, need = p.fa[a], j, q;
+            ll t = a + d, split = LLONG_MAX, need = fwd_need(&p, a, t), j, q;
             /* the split branch is the same with or without the drop: Fck(a) keeps a^(a-1) */
             for (j = a + 1; j <= t; j++) {
                 if (j - 1 > a)
-                    need = smax(need, p.cond[j - 1]);
+                    need = smax(need, fwd_cond(&p, j - 1, t));
                 if (need >= split)
                     break;
                 split = smin(split, smax(need, split_lo(&L, a, t, j)));

@@ -63,11 +63,11 @@ static int branch(const table *T, ll a, ll t, ll m, int drop, double bound, doub
             *jout = q;
         }
     }
-    if (a < t && p->fa[a] <= m) {
+    if (a < t && fwd_need(p, a, t) <= m) {
         for (j = a + 1; j <= t; j++) {
             ll k = j - 1, xj = p->x[j - 1], xa = p->xa[j - 1];
             double v;
-            if (k > a && p->cond[k] > m)
+            if (k > a && fwd_cond(p, k, t) > m)
                 break;
             fsum += f[k];
             if (best <= (fsum + bound) * BOUND_SLACK)

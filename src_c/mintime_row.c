@@ -219,7 +219,7 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
     }
     /* Split branch: Fck(a), Fn(a+1..j-1), P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]),
      * from x[a] + fwd_tmp[a], which lb may be below (an option's need) */
-    mlow = smax(lb, p->fa[a]);
+    mlow = smax(lb, fwd_need(p, a, t));
     nb = (top - lb) / SKIP + 1;
     for (b = 0; b < nb; b++)
         bmax[b] = buf[SKIP * b];
@@ -228,7 +228,7 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
         const row *r1, *r2;
         double bound;
         if (k > a)
-            mlow = smax(mlow, p->cond[k]);
+            mlow = smax(mlow, fwd_cond(p, k, t));
         if (mlow > top)
             break;
         fsum += f[k];

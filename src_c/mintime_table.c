@@ -155,11 +155,11 @@ static void compute_row_naive(const table *T, ll a, ll t, double *buf)
             if (m >= fall_need(p, w, t) && c < INF && (w->tf + c) + w->tb < best)
                 best = (w->tf + c) + w->tb;
         }
-        if (a < t && p->fa[a] <= m) {
+        if (a < t && fwd_need(p, a, t) <= m) {
             for (j = a + 1; j <= t; j++) {
                 ll k = j - 1, xj = p->x[j - 1], xa = p->xa[j - 1];
                 double c1, c2;
-                if (k > a && p->cond[k] > m)
+                if (k > a && fwd_cond(p, k, t) > m)
                     break;
                 fsum += f[k];
                 c1 = value(T, j, t, m - xa);

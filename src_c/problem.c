@@ -40,8 +40,8 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
 {
     ll n = c->length, k, q, lo, hi, options = c->option_first ? c->option_first[n] : 0;
     p->n = n;
-    /* (13 arrays of n + 1 ll, first's n + 2, 3 of doubles, then the ways: all 8-byte aligned) */
-    p->mem = malloc((size_t)(n + 1) * (13 * sizeof(ll) + 3 * sizeof(double)) + sizeof(ll)
+    /* (15 arrays of n + 1 ll, first's n + 2, 3 of doubles, then the ways: all 8-byte aligned) */
+    p->mem = malloc((size_t)(n + 1) * (15 * sizeof(ll) + 3 * sizeof(double)) + sizeof(ll)
                     + (size_t)(n + 1 + options) * sizeof(way));
     if (!p->mem)
         return REMAT_E_NOMEM;
@@ -52,7 +52,9 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
     p->bt = p->ft + (n + 1);
     p->fa = p->bt + (n + 1);
     p->cond = p->fa + (n + 1);
-    p->fneed = p->cond + (n + 1);
+    p->fan = p->cond + (n + 1);
+    p->condn = p->fan + (n + 1);
+    p->fneed = p->condn + (n + 1);
     p->bneed = p->fneed + (n + 1);
     p->fd = p->bneed + (n + 1);
     p->fdw = p->fd + (n + 1);
@@ -64,7 +66,7 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
     p->ways = (way *)(void *)(p->first + (n + 2));
     p->lb[0] = p->first[0] = 0;
     p->xa[0] = p->x[0] = units(c->input_bytes, slot);
-    p->s[0] = p->ft[0] = p->bt[0] = p->fa[0] = p->cond[0] = p->fneed[0] = p->bneed[0] = 0;
+    p->s[0] = p->ft[0] = p->bt[0] = p->fa[0] = p->cond[0] = p->fan[0] = p->condn[0] = p->fneed[0] = p->bneed[0] = 0;
     p->fd[0] = p->fdw[0] = 0;
     p->drops = 0;
     p->tf[0] = p->tn[0] = p->tb[0] = 0.0;
@@ -86,6 +88,9 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
     for (k = 1; k <= n; k++) {
         p->fa[k] = sadd(p->xa[k], p->ft[k]);
         p->cond[k] = sadd(p->xa[k - 1], p->fa[k]);
+        p->fan[k] = sadd(p->xa[k], c->fwd_nograd_less
+                                   ? units(c->fwd_tmp[k - 1] - c->fwd_nograd_less[k - 1], slot) : p->ft[k]);
+        p->condn[k] = sadd(p->xa[k - 1], p->fan[k]);
         p->fneed[k] = smax(p->s[k], p->fa[k]);
         p->bneed[k] = bneed(p, k, p->s[k], p->bt[k]);
     }
@@ -100,7 +105,7 @@ int remat_problem_init(problem *p, const remat_chain *c, ll slot)
                     ? units(c->bwd_tmp[k - 1] - c->bwd_rebuilt_less[k - 1], slot) : p->bt[k]);
         w->tf = p->tf[k];
         w->tb = p->tb[k];
-        p->lb[k] = smin(p->fa[k], w->fneed);
+        p->lb[k] = smin(p->fan[k], w->fneed);
         option_range(c, k, &lo, &hi);
         for (q++; lo < hi; lo++, q++) {
             w = &p->ways[q];

@@ -195,6 +195,7 @@ static int check_chain(const remat_chain *c, remat_plan *out)
     for (k = 0; k < n; k++) {
         long long drop = chain_drop(c->fwd_drop, k), whole = chain_drop(c->fwd_drop_whole, k);
         long long less = c->bwd_rebuilt_less ? c->bwd_rebuilt_less[k] : 0;
+        long long nless = c->fwd_nograd_less ? c->fwd_nograd_less[k] : 0;
         for (i = 0; i < 3; i++) {
             double v = times[i][k];
             if (!(v >= 0.0 && v <= REMAT_MAX_TIME)) {   /* false for NaN too */
@@ -212,9 +213,10 @@ static int check_chain(const remat_chain *c, remat_plan *out)
             }
         }
         /* what the forward phase drops of a^k: at most a^k, whole 0 or the same, none of a^L;
-         * what a rebuilt B(k) needs less: 0 .. bwd_tmp + out_bytes (both checked above) */
+         * what a rebuilt B(k) needs less: 0 .. bwd_tmp + out_bytes (both checked above);
+         * what a forward without recording needs less: 0 .. fwd_tmp */
         if (drop < 0 || drop > sizes[0][k] || (whole != 0 && whole != drop) || (k == n - 1 && drop != 0)
-            || less < 0 || less > sizes[3][k] + sizes[0][k]) {
+            || less < 0 || less > sizes[3][k] + sizes[0][k] || nless < 0 || nless > sizes[2][k]) {
             out->bad_stage = k + 1;
             return REMAT_E_SIZE;
         }

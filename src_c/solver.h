@@ -18,7 +18,7 @@ enum {
     REMAT_E_NULL = 2,        /* a required pointer is NULL */
     REMAT_E_LENGTH = 3,      /* the chain length is not in 1..REMAT_MAX_LENGTH */
     REMAT_E_TIME = 4,        /* a time is NaN, infinite, negative or absurd */
-    REMAT_E_SIZE = 5,        /* a size is negative (a bwd_tmp below -out_bytes), not below 2^62, or a fwd_drop or bwd_rebuilt_less out of range */
+    REMAT_E_SIZE = 5,        /* a size is negative (a bwd_tmp below -out_bytes), not below 2^62, or a fwd_drop or a *_less out of range */
     REMAT_E_BUDGET = 6,      /* the budget is not in 0..2^62 */
     REMAT_E_SLOTS = 7,       /* slots is not positive */
     REMAT_E_MODE = 8,        /* unknown mode */
@@ -65,6 +65,10 @@ typedef struct {
      * Loss with the base record (0 .. bwd_tmp + out_bytes of the stage;
      * remat/solver/schedule.py Note [Accounting] 5) */
     const long long *bwd_rebuilt_less;
+    /* NULL, or L entries: bytes a forward without recording (Fn, Fck after Loss)
+     * needs less than fwd_tmp (0 .. fwd_tmp of the stage; remat/solver/schedule.py
+     * Note [Accounting] 2) */
+    const long long *fwd_nograd_less;
     /* 0, or the stage k (1..L) whose output a^k the caller holds through the
      * step, counted in the budget outside the chain (remat/measure/chain_record.py
      * Note [The chain's output]): a^k held on its own takes nothing more */

@@ -22,6 +22,7 @@ def best_schedule(costs, budget, persistent):
     xa = costs.alone_sizes()   # (a^j held on its own)
     held = costs.stages if costs.output_held else -1   # (rule 1: that one made again after Loss is a copy)
     s, ft, bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
+    ftn = costs.fwd_tmp_nograd   # (Fn/Fck after Loss, without recording)
     tf, tn, tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
     fd, fdw = (0,) + costs.fwd_drop, (0,) + costs.fwd_drop_whole
     # ways[i-1]: (s, fwd_tmp, bwd_tmp, fwd_time, bwd_time) of each way to record stage i,
@@ -76,7 +77,7 @@ def best_schedule(costs, budget, persistent):
                     g2 |= 1 << (i - 1)
                 rec2 = rec[:i] + ((q, not forward),) + rec[i + 1:]
                 moves.append((Fall(i, option=q), tfq, (forward, nf2, grad, alone, whole | (1 << i), "all", g2, rec2)))
-            if mem + (copy or xa[i]) + ft[i - 1] <= budget and not (costs.tail and i == n):
+            if mem + (copy or xa[i]) + (ft if forward else ftn)[i - 1] <= budget and not (costs.tail and i == n):
                 t = tf[i - 1] if forward else tn[i - 1]
                 moves.append((Fck(i), t, (forward, nf2, grad, alone | (1 << i), whole, ("f", i), gone, rec)))
                 if not persistent or prev == ("f", i - 1):

@@ -1,5 +1,6 @@
 """Random chain costs for the solver tests (tests only): small random times and
-sizes, some forward-phase drops, some rebuilt backwards needing less, some tails;
+sizes, some forward-phase drops, some rebuilt backwards and forwards without
+recording needing less, some tails;
 and random options (random_options)."""
 
 from remat.solver.costs import Costs
@@ -31,6 +32,9 @@ def random_costs(rng, n, size=20, zero_times=False, tail=None):
     if rng.random() < 0.5:   # B(i) of a rebuilt stage needs less (Costs.bwd_rebuilt_less)
         less = [rng.randint(0, b + o) if rng.random() < 0.5 else 0 for b, o in zip(costs.bwd_tmp, out)]
         costs = Costs(**{**costs.to_dict(), "bwd_rebuilt_less": less})
+    if rng.random() < 0.5:   # a forward without recording needs less (Costs.fwd_nograd_less)
+        less = [rng.randint(0, f) if rng.random() < 0.6 else 0 for f in costs.fwd_tmp]
+        costs = Costs(**{**costs.to_dict(), "fwd_nograd_less": less})
     if rng.random() < 0.25:   # the caller holds a^L through the step (Costs.output_held)
         costs = Costs(**{**costs.to_dict(), "output_held": True, "held_bytes": costs.held_bytes + out[-1]})
     if rng.random() < 0.5:

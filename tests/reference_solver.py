@@ -30,6 +30,7 @@ def reference_optimal(costs, budget_units, units):
     held = costs.stages if costs.output_held else -1   # (Note [Accounting] 1 in remat/solver/schedule.py)
     s = (0,) + costs.saved_bytes
     ft = (0,) + costs.fwd_tmp
+    ftn = (0,) + costs.fwd_tmp_nograd   # (Fn/Fck after Loss run without recording: t < n)
     bt = (0,) + costs.bwd_tmp
     rebuilt = (0,) + costs.bwd_tmp_rebuilt   # (B(a) of an a-bar^a made after Loss: t < n)
     tf = (0.0,) + costs.fwd_time
@@ -69,11 +70,12 @@ def reference_optimal(costs, budget_units, units):
                     c = solve(a + 1, t, m - sq + r, t == n and fdw[a] > 0 and q == 0)[0]
                 if c < INF and tfq + c + tbq < best:
                     best, choice = tfq + c + tbq, ("all", q)
-        if a < t and xa[a] + ft[a] <= m:
+        fwd = ft if t == n else ftn
+        if a < t and xa[a] + fwd[a] <= m:
             fsum = 0.0
             for j in range(a + 1, t + 1):
                 k = j - 1  # the last stage run forward before the sub-chain j..t
-                if k > a and xa[k - 1] + xa[k] + ft[k] > m:
+                if k > a and xa[k - 1] + xa[k] + fwd[k] > m:
                     break
                 fsum += tf[k] if t == n else tn[k]
                 c1 = solve(j, t, m - xa[j - 1], t == n and fd[j - 1] > 0)[0]

@@ -70,7 +70,8 @@ path_changes = {}       # chain key -> such calls so far
 _warned_paths = set()    # chain sites warned of
 SHAPES = 8         # input shapes a chain site measures before ``new_shape`` warns
 shapes = {}        # chain site -> input shapes measured after its first
-_PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "options")
+_PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "fwd_nograd_less",
+                                         "options")
 
 
 def site_text(site):

@@ -61,6 +61,9 @@ def _check_costs(costs):
     for i, v in enumerate(getattr(costs, "bwd_rebuilt_less", None) or ()):
         if not 0 <= v <= costs.bwd_tmp[i] + costs.out_bytes[i]:
             raise SolverError(f"remat: {where('bwd_rebuilt_less', i)} is {v}; the solver needs 0..bwd_tmp + out_bytes")
+    for i, v in enumerate(getattr(costs, "fwd_nograd_less", None) or ()):
+        if not 0 <= v <= costs.fwd_tmp[i]:
+            raise SolverError(f"remat: {where('fwd_nograd_less', i)} is {v}; the solver needs 0..fwd_tmp")
     if not 0 <= costs.input_bytes < MAX_BYTES:
         raise SolverError(f"remat: {where('input_bytes', None)} is {costs.input_bytes}; the solver needs 0..2^62")
     options = _options(costs)
@@ -109,10 +112,11 @@ def _chain(costs):
         keep.append(ffi.new("long long[]", list(costs.fwd_drop)))
         keep.append(ffi.new("long long[]", list(costs.fwd_drop_whole)))
         chain.fwd_drop, chain.fwd_drop_whole = keep[-2:]
-    less = getattr(costs, "bwd_rebuilt_less", None)
-    if less and any(less):   # NULL otherwise: 0 everywhere (solver.h)
-        keep.append(ffi.new("long long[]", list(less)))
-        chain.bwd_rebuilt_less = keep[-1]
+    for name in ("bwd_rebuilt_less", "fwd_nograd_less"):
+        less = getattr(costs, name, None)
+        if less and any(less):   # NULL otherwise: 0 everywhere (solver.h)
+            keep.append(ffi.new("long long[]", list(less)))
+            setattr(chain, name, keep[-1])
     options = _options(costs)
     if any(options):   # NULL otherwise: no stage has options (solver.h)
         first, listed = [0], [o for stage in options for o in stage]

@@ -133,7 +133,8 @@ class Costs:
             object.__setattr__(self, name, checked)
         object.__setattr__(self, "input_bytes", check_size("input_bytes", None, self.input_bytes))
         object.__setattr__(self, "held_bytes", check_size("held_bytes", None, self.held_bytes))
-        for name, field, more in (("bwd_rebuilt_less", "bwd_tmp", self.out_bytes), ("fwd_nograd_less", "fwd_tmp", None)):
+        for name, field, more in (("bwd_rebuilt_less", "bwd_tmp", self.out_bytes),
+                                  ("fwd_nograd_less", "fwd_tmp", None)):
             object.__setattr__(self, name, less_field(name, getattr(self, name), length, getattr(self, field), more))
         object.__setattr__(self, "fwd_drop", drops_field("fwd_drop", self.fwd_drop, length, self.out_bytes))
         object.__setattr__(self, "fwd_drop_whole",

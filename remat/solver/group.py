@@ -21,7 +21,10 @@ most where its coarse op does (x[k] the size of a^k, s[k] of a-bar^k):
 2. saved_bytes is the sum of s[lo..hi]: a recorded group holds them all.
 3. fwd_tmp: Fn(k) inside a group holds a^(k-1), Fall(k) the records of the
    stages before it, so fwd_tmp = max over k of (max(x[k-1] (k > lo),
-   s[lo] + .. + s[k-1]) + x[k] + fwd_tmp[k]) - x[hi].
+   s[lo] + .. + s[k-1]) + x[k] + fwd_tmp[k]) - x[hi]. After Loss, Fn(k) and
+   Fck(k) do not record: the group's fwd_nograd_less is its fwd_tmp less the
+   max over k of (x[k-1] (k > lo) + x[k] + fwd_tmp[k] - fwd_nograd_less[k])
+   - x[hi] (at least 0).
 4. bwd_tmp: B(k) runs with the records of the stages after it gone and the
    gradient of a^k in place of that of a^hi, so bwd_tmp = max over k of
    (x[k] + x[k-1] + bwd_tmp[k] - s[k+1] - .. - s[hi]) - x[hi] - x[lo-1].
@@ -133,21 +136,24 @@ def grouped_costs(costs, ranges):
     """The coarse chain of ``ranges`` (Note [Groups])."""
     x, s = costs.sizes(), (0,) + costs.saved_bytes
     ft, bt, rebuilt = (0,) + costs.fwd_tmp, (0,) + costs.bwd_tmp, (0,) + costs.bwd_tmp_rebuilt
+    ftn = (0,) + costs.fwd_tmp_nograd
     fields = {name: [] for name in ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes",
-                                    "fwd_tmp", "bwd_tmp", "bwd_rebuilt_less", "fwd_drop", "fwd_drop_whole",
-                                    "options")}
+                                    "fwd_tmp", "bwd_tmp", "bwd_rebuilt_less", "fwd_nograd_less", "fwd_drop",
+                                    "fwd_drop_whole", "options")}
     for lo, hi in ranges:
         for name in ("fwd_time", "fwd_nograd_time", "bwd_time"):
             fields[name].append(math.fsum(getattr(costs, name)[lo - 1:hi]))
         fields["out_bytes"].append(x[hi])
         fields["saved_bytes"].append(sum(s[lo:hi + 1]))
-        fwd, before = 0, 0
+        fwd, nograd, before = 0, 0, 0
         for k in range(lo, hi + 1):   # (3.)
             fwd = max(fwd, max(x[k - 1] if k > lo else 0, before) + x[k] + ft[k])
+            nograd = max(nograd, (x[k - 1] if k > lo else 0) + x[k] + ftn[k])
             before += s[k]
         # (4.; a group rebuilt in the backward rebuilds each of its stages: their rebuilt bwd_tmp)
         bwd, bwd_rebuilt = (max(-x[hi], _group_bwd(x, s, b, lo, hi) - x[hi] - x[lo - 1]) for b in (bt, rebuilt))
         fields["fwd_tmp"].append(max(0, fwd - x[hi]))
+        fields["fwd_nograd_less"].append(max(0, fwd - x[hi]) - max(0, nograd - x[hi]))
         fields["bwd_tmp"].append(bwd)
         fields["bwd_rebuilt_less"].append(bwd - bwd_rebuilt)
         fields["fwd_drop"].append(costs.fwd_drop[hi - 1])   # (5.)

@@ -14,9 +14,9 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    peak (rule 3), counts 0 (``Costs.alone_sizes``); its gradient x[L]. Made
    again after ``Loss`` (a^L recomputed, in the backward of a tail), it is a
    copy beside the caller's: x[L] more, in a-bar^L to ``B(L)``.
-2. ``Fn(i)``, ``Fck(i)``: need a^(i-1); peak during the op is
-   held + x[i] + fwd_tmp[i]; afterwards a^i is held. ``Fn`` then lets go of
-   a^(i-1) (it stays reachable if a-bar^(i-1) is held).
+2. ``Fn(i)``, ``Fck(i)``: need a^(i-1); peak during the op is held + x[i] +
+   fwd_tmp[i], less fwd_nograd_less[i] after ``Loss`` (not recording, rule 8);
+   then a^i is held and ``Fn`` lets go of a^(i-1) (reachable if a-bar^(i-1) is).
 3. ``Fall(i)``: needs a^(i-1), keeps it; peak is held + max(s[i], x[i] +
    fwd_tmp[i]); afterwards a-bar^i is held.
 4. ``Loss``: after the forward phase; the gradient of a^L (x[L]) appears.
@@ -266,15 +266,16 @@ class _Run:
     ``peak`` the largest ``during`` so far and ``time`` the seconds so far. Each op
     checks what it needs, then updates them."""
 
-    __slots__ = ("n", "x", "xa", "s", "ft", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options", "rec", "gone", "alone",
-                 "whole", "held_at", "copy", "mem", "during", "peak", "time", "forward", "next_fwd", "grad")
+    __slots__ = ("n", "x", "xa", "s", "ft", "ftn", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options",
+                 "rec", "gone", "alone", "whole", "held_at", "copy", "mem", "during", "peak", "time", "forward",
+                 "next_fwd", "grad")
 
     def __init__(self, costs):
         n = self.n = costs.length
         x = self.x = costs.sizes()
         self.xa = costs.alone_sizes()   # (a^j held on its own: 0 for the one the caller holds)
         self.held_at, self.copy = costs.stages if costs.output_held else -1, 0   # (rule 1: that one made again)
-        self.s, self.ft, self.bt = costs.saved_bytes, costs.fwd_tmp, costs.bwd_tmp
+        self.s, self.ft, self.ftn, self.bt = costs.saved_bytes, costs.fwd_tmp, costs.fwd_tmp_nograd, costs.bwd_tmp
         self.less = costs.bwd_rebuilt_less
         self.late = [False] * (n + 1)    # the held a-bar^j was made after Loss (rule 5)
         self.tf, self.tn, self.tb = costs.fwd_time, costs.fwd_nograd_time, costs.bwd_time
@@ -385,7 +386,7 @@ class _Run:
         else:
             xa = self.xa
             xi = self.x[i] if not forward and i == self.held_at else xa[i]   # (rule 1)
-            during = mem + xi + self.ft[i - 1]
+            during = mem + xi + (self.ft if forward else self.ftn)[i - 1]
             self.time += self.tf[i - 1] if forward else self.tn[i - 1]
             alone[i] = True
             mem += xi

@@ -39,7 +39,8 @@ With g = x[t] if t < L else 0, and forward cost f_k = fwd_time[k] if t = L
   above. Sizes dropped round down to slots.
 * Checkpoint branch, for j in a+1..t: Fck(a), Fn(a+1) .. Fn(j-1),
   P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]). Needs x[a] + fwd_tmp[a] <= m
-  and x[k-1] + x[k] + fwd_tmp[k] <= m for a < k < j.
+  and x[k-1] + x[k] + fwd_tmp[k] <= m for a < k < j, where t < L with
+  fwd_tmp less fwd_nograd_less (after Loss these forwards do not record).
 
 The top call is P(1, L, budget - x[0] - held_bytes). Sizes are rounded *up* to slots of
 ``ceil(budget / slots)`` bytes and the budget down, so a schedule that fits in
@@ -80,8 +81,9 @@ def discretise(costs, slot):
         out_bytes=[up(v) for v in costs.out_bytes], saved_bytes=[up(v) for v in costs.saved_bytes],
         fwd_tmp=[up(v) for v in costs.fwd_tmp], bwd_tmp=[up(v) for v in costs.bwd_tmp],
         input_bytes=up(costs.input_bytes), held_bytes=up(costs.held_bytes),
-        # (a rebuilt B's transient rounds up on its own)
+        # (a rebuilt B's transient, and a forward's without recording, round up on their own)
         bwd_rebuilt_less=[up(b) - up(b - v) for b, v in zip(costs.bwd_tmp, costs.bwd_rebuilt_less)],
+        fwd_nograd_less=[up(f) - up(f - v) for f, v in zip(costs.fwd_tmp, costs.fwd_nograd_less)],
         tail=costs.tail, tail_kept=up(costs.tail_kept), output_held=costs.output_held,
         # what is let go rounds down: held less dropped stays at least the bytes
         fwd_drop=[v // slot for v in costs.fwd_drop], fwd_drop_whole=[v // slot for v in costs.fwd_drop_whole],
