@@ -17,7 +17,7 @@ __all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord"]
 
 # the per-stage fields of ``remat.Costs``, in its order
 COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp",
-               "bwd_rebuilt_less")
+               "bwd_rebuilt_less", "fwd_nograd_less")
 
 
 @dataclass(slots=True)
@@ -36,6 +36,7 @@ class StageCosts:
     fwd_tmp: int = None
     bwd_tmp: int = None
     bwd_rebuilt_less: int = 0  # what its backward needs less where it is rebuilt (``Costs.bwd_rebuilt_less``)
+    fwd_nograd_less: int = 0   # what its forward needs less without recording (``Costs.fwd_nograd_less``, run 3)
     out_freed: int = None      # the output's bytes if the stage's own backward does not read it, else 0
     input_kept: bool = None    # its recording keeps its input's storage (saved, or returned as a view)
     caller_holds: bool = None  # the code around the chain held its output as the chain ended

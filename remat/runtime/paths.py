@@ -71,7 +71,7 @@ _warned_paths = set()    # chain sites warned of
 SHAPES = 8         # input shapes a chain site measures before ``new_shape`` warns
 shapes = {}        # chain site -> input shapes measured after its first
 _PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "fwd_nograd_less",
-                                         "options")
+                                          "options")
 
 
 def site_text(site):
