@@ -105,7 +105,7 @@ class Measurer:
         self.twins = {}          # Note [Twin stages]: key -> stage
         self.outs = {}           # stage -> weak reference to the activation it returned
         # what it holds (Note [Measuring within the budget], remat/measure/holding.py)
-        self.holding = Holding(budget, hint, self.diverged, self.new, getattr(self.run, "held_before", 0))
+        self.holding = Holding(budget, hint, self.diverged, self.new, self.run.held_before)
         self.run.holds = self.holding.rebuild_holds   # (the backward's rebuilds hold inputs again where they fit)
 
     @classmethod

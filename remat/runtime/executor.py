@@ -163,7 +163,7 @@ class Run:
         self.ops = plan.backward if plan is not None else None   # the backward phase's ops, or None
         self.fall_at = plan.fall_at if plan is not None else {}   # stage -> index in ops of its Fall
         self.policy = plan.policy if plan is not None else None   # (k, option) -> what it keeps
-        self.cursor = 0
+        self.cursor, self.held_before = 0, 0   # (held_before: what stages before a measuring part hold, paths.py)
         self.calls = [None]       # 1-based StageCall list
         self.anchors = [None]     # 1-based weak references
         self.orphans = {}         # stage -> anchor of a stage autograd saved nothing of
