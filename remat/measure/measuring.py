@@ -38,8 +38,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import Run, _Saved
-from ..runtime.recompute import Replay, state_plan
-from ..runtime.replay import bitwise_equal, capture_rng, cuda_devices, param_flags, restore_tensors
+from ..runtime.recompute import state_plan
+from ..runtime.replay import bitwise_equal, capture_rng, cuda_devices, param_flags
 from ..runtime.stage_call import first, input_signature, module_dicts, module_structure
 from ..errors import BudgetError
 from ..units import format_bytes
@@ -50,10 +50,11 @@ from .profile import instrumented_run, observed_forward
 from .record import StageRecord
 from .chain_record import NO_HINT, ChainRecord
 from .holding import Holding
+from .nograd import nograd_less, nograd_run
 from .refine import ATTEMPTS
 from .stage_backward import Run4
 from .twins import Twin
-from .timing import Timer, timed_rebuild, timed_step, warm_cuda
+from .timing import timed_rebuild, timed_step, warm_cuda
 
 __all__ = ["Measurer"]
 
@@ -191,6 +192,7 @@ class Measurer:
             # Note [Twin stages]: runs 2 and 3 are the twin's
             theirs = self.new.stages[twin.of - 1]
             probe.costs.fwd_nograd_time = theirs.costs.fwd_nograd_time
+            probe.costs.fwd_nograd_less = min(theirs.costs.fwd_nograd_less, probe.costs.fwd_tmp)
             if cuda:   # timed_step's, not run 2's (launch time on CUDA), which ``twin`` kept
                 probe.costs.fwd_time, probe.costs.bwd_time = theirs.costs.fwd_time, theirs.costs.bwd_time
                 if probe.costs.kept is not None and theirs.costs.kept is not None:
@@ -305,16 +307,14 @@ class Measurer:
     def _measure_nograd(self, call, x, probe, rng0, cuda):
         """Run 3 of Note [Measuring a stage]: without recording, from the state the
         stage started in, replayed as a recomputation is (what it costs is what Fn
-        and Fck cost); and whether that forward gives the recorded output."""
-        state = [t for t, _ in probe.writes]
-        with rng0.replayed(), torch.no_grad(), restore_tensors(state):
-            for t, old in probe.writes:
-                t.copy_(old)
-            with Timer(cuda) as timer, Replay(call, self.autocast):
-                nograd_out = call.activation(x).detach()
+        and Fck cost: time and, metered, ``fwd_nograd_less``, remat/measure/nograd.py);
+        and whether that forward gives the recorded output."""
         costs = probe.costs
+        nograd_out, seconds, metered = nograd_run(call, x, probe.writes, rng0, cuda, self.autocast, self.given is None)
         if self.given is None:
-            costs.fwd_nograd_time = timer.seconds
+            costs.fwd_nograd_time = seconds
+            costs.fwd_nograd_less = nograd_less(costs, metered, probe.writes, probe.cached)
+            state = [t for t, _ in probe.writes]
             if cuda:
                 costs.fwd_time, costs.bwd_time = timed_step(call, x, cuda, rng0, state)
                 if self.options and costs.kept is not None and costs.kept.any_kept:
@@ -324,7 +324,7 @@ class Measurer:
         act = first(probe.out)
         call.grad_replay = not (isinstance(act, torch.Tensor) and bitwise_equal(nograd_out, act))
         if call.grad_replay and self.given is None:
-            costs.fwd_nograd_time = costs.fwd_time
+            costs.fwd_nograd_time, costs.fwd_nograd_less = costs.fwd_time, 0
 
     def _measure_backward_again(self, tail=0):
         """Run 4 of Note [Measuring a stage] for the stage due (if any), after the

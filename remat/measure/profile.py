@@ -84,6 +84,7 @@ from ..errors import input_modified
 from ..runtime.stage_call import check_output, first, out_tensors
 from .leaves import grad_side_inputs, node_of, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
+from .nograd import made_alone
 from .options import kept_seen
 from .record import Probe, StageCosts, StageGraph
 from .stage_backward import run_backward
@@ -139,6 +140,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     # elsewhere], remat/measure/measuring.py)
     returned = out_tensors(out)
     probe.held_outside = inst.alive_bytes(saved + returned)
+    probe.cached = made_alone(inst)
     elsewhere, cached = inst.held_elsewhere(saved, returned, besides=[act])
     probe.saved_elsewhere, probe.saved_cached = sum(elsewhere.values()), sum(cached.values())
     keys = saved_storages(inst, saved, act, [*elsewhere, *cached])
