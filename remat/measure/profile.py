@@ -36,7 +36,11 @@ this order:
    stage started from (put back after), replayed as the runtime replays a
    recomputation (``Replay``, remat/runtime/recompute.py, whose per-call work is then in the time):
    fwd_nograd_time. Its output is compared, bit for bit, with the real
-   forward's (Note [Replaying a stage] 4 in remat/runtime/replay.py).
+   forward's (Note [Replaying a stage] 4 in remat/runtime/replay.py). It is
+   metered as run 1 is (on CPU, under ``Instrument``: its time is then its
+   ops' and the replay's, the meter's left out; on CUDA by the allocator's
+   peak): fwd_nograd_less, what it needs less than fwd_tmp (Note [Metering
+   the forward without recording], remat/measure/nograd.py).
 4. Only when the next stage's backward (run 2 of that stage) hands its
    input a gradient laid out otherwise than the ones run 2 fed this stage
    (a transpose, say): this stage's backward again, on a fresh forward of a

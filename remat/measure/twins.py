@@ -6,7 +6,8 @@ Note [Twin stages]
 Chains are mostly copies of one block (a transformer's layers, a ResNet
 stage's bottlenecks). A stage whose run 1 shows it to be a twin of a stage
 measured before in the call skips runs 2 and 3 and takes that stage's
-backward time and peak, time without recording and grad-mode verdict: the
+backward time and peak, time and peak without recording (``fwd_nograd_less``,
+clamped to its own fwd_tmp) and grad-mode verdict: the
 most of a first call's work (run 2 is metered op by op). Twins have the same
 code (the function, or the module's class and forward), the same tree of
 submodules with the same configuration (``extra_repr``), training flags,
