@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import Run, _Saved
 from ..runtime.recompute import state_plan
-from ..runtime.replay import bitwise_equal, capture_rng, cuda_devices, param_flags
+from ..runtime.replay import capture_rng, cuda_devices, param_flags
 from ..runtime.stage_call import first, input_signature, module_dicts, module_structure
 from ..errors import BudgetError
 from ..units import format_bytes
@@ -50,11 +50,10 @@ from .profile import instrumented_run, observed_forward
 from .record import StageRecord
 from .chain_record import NO_HINT, ChainRecord
 from .holding import Holding
-from .nograd import nograd_less, nograd_run
 from .refine import ATTEMPTS
 from .stage_backward import Run4
 from .twins import Twin
-from .timing import timed_rebuild, timed_step, warm_cuda
+from .timing import nograd_less, nograd_run, timed_rebuild, timed_step, warm_cuda
 
 __all__ = ["Measurer"]
 
@@ -307,10 +306,13 @@ class Measurer:
     def _measure_nograd(self, call, x, probe, rng0, cuda):
         """Run 3 of Note [Measuring a stage]: without recording, from the state the
         stage started in, replayed as a recomputation is (what it costs is what Fn
-        and Fck cost: time and, metered, ``fwd_nograd_less``, remat/measure/nograd.py);
+        and Fck cost: time and, metered, ``fwd_nograd_less``, remat/measure/timing.py);
         and whether that forward gives the recorded output."""
         costs = probe.costs
-        nograd_out, seconds, metered = nograd_run(call, x, probe.writes, rng0, cuda, self.autocast, self.given is None)
+        # (Note [Replaying a stage] 4: a stage whose forward without recording
+        # differs from the recorded one is recomputed with grad mode on)
+        same, seconds, metered = nograd_run(call, x, probe.writes, rng0, cuda, self.autocast, self.given is None,
+                                            first(probe.out))
         if self.given is None:
             costs.fwd_nograd_time = seconds
             costs.fwd_nograd_less = nograd_less(costs, metered, probe.writes, probe.cached)
@@ -319,10 +321,7 @@ class Measurer:
                 costs.fwd_time, costs.bwd_time = timed_step(call, x, cuda, rng0, state)
                 if self.options and costs.kept is not None and costs.kept.any_kept:
                     costs.kept = costs.kept._replace(rebuild_seconds=timed_rebuild(call, x, cuda, rng0, state))
-        # Note [Replaying a stage] 4: a stage whose forward without recording
-        # differs from the recorded one is recomputed with grad mode on
-        act = first(probe.out)
-        call.grad_replay = not (isinstance(act, torch.Tensor) and bitwise_equal(nograd_out, act))
+        call.grad_replay = not same
         if call.grad_replay and self.given is None:
             costs.fwd_nograd_time, costs.fwd_nograd_less = costs.fwd_time, 0
 

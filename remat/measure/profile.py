@@ -37,10 +37,9 @@ this order:
    recomputation (``Replay``, remat/runtime/recompute.py, whose per-call work is then in the time):
    fwd_nograd_time. Its output is compared, bit for bit, with the real
    forward's (Note [Replaying a stage] 4 in remat/runtime/replay.py). It is
-   metered as run 1 is (on CPU, under ``Instrument``: its time is then its
-   ops' and the replay's, the meter's left out; on CUDA by the allocator's
-   peak): fwd_nograd_less, what it needs less than fwd_tmp (Note [Metering
-   the forward without recording], remat/measure/nograd.py).
+   metered as run 1 is (on CPU, under ``Instrument``, run again untimed; on
+   CUDA by the allocator's peak): fwd_nograd_less, what it needs less than
+   fwd_tmp (Note [Metering the forward without recording], remat/measure/timing.py).
 4. Only when the next stage's backward (run 2 of that stage) hands its
    input a gradient laid out otherwise than the ones run 2 fed this stage
    (a transpose, say): this stage's backward again, on a fresh forward of a
@@ -88,7 +87,7 @@ from ..errors import input_modified
 from ..runtime.stage_call import check_output, first, out_tensors
 from .leaves import grad_side_inputs, node_of, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
-from .nograd import made_alone
+from .timing import made_alone
 from .options import kept_seen
 from .record import Probe, StageCosts, StageGraph
 from .stage_backward import run_backward

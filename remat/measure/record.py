@@ -95,7 +95,7 @@ class Probe:
     input_grad_layout: tuple = None   # strides of the gradient its backward handed its input
     meta: tuple = None            # (shape, dtype, device) of each tensor it saved, in order
     cached: dict = None           # what run 1 made from parameters alone and left alive (``made_alone``,
-                                  # remat/measure/nograd.py): a cache's, which run 3 may find made
+                                  # remat/measure/timing.py): a cache's, which run 3 may find made
 
     def run2(self):
         """The results of run 2 a twin (Note [Twin stages], remat/measure/twins.py)

@@ -1,18 +1,46 @@
 """Timing a stage's runs while it is measured: wall-clock regions that
 synchronise CUDA, CUDA's once-per-process set-up done before the first stage,
-and on CUDA a forward and backward timed on a copy of the input (Note
-[Measuring a stage], remat/measure/profile.py).
+on CUDA a forward and backward timed on a copy of the input, and run 3, the
+forward without recording, timed and metered (Note [Measuring a stage],
+remat/measure/profile.py).
+
+Note [Metering the forward without recording]
+---------------------------------------------
+``fwd_tmp`` is the recording forward's peak, the tensors it saves included, so
+it overstates a forward under ``torch.no_grad`` (``Fn``, ``Fck`` after ``Loss``),
+which lets each go once the ops reading it are done: ``Costs.fwd_nograd_less``.
+Run 3 meters its own forward with the conventions of run 1: above what was
+allocated as it began (the input not counted), the output counted, then
+taken out; plus the copy a recomputation holds of the state the stage writes
+in place (``_due_for_run4``'s, which Replay makes before the metered part
+starts); plus what run 1 made from parameters and buffers alone and left
+alive, which run 3 finds made (autocast's casts of the weights, cached to
+the end of the autocast region) and a recomputation after ``Loss``, in an
+autocast region of its own, makes again: on CPU those run 3's ops read, on
+CUDA all of them (a bound: the allocator does not say what ops read).
+
+On CPU the meter is run 1's (``Instrument``), on a second run after the timed
+one: a dispatch mode's work is in every op (on a 32-wide GPT block, wall time
+less the time inside the mode's handler was twice a plain forward's), and the
+time kept is the wall time of a forward as a recomputation runs it, the
+model's Python included, as the second and third calls' refined times are
+(remat/measure/refine.py). Only the twins' first stage pays it. On CUDA the
+allocator's peak statistics meter the timed run, reset inside it
+(microseconds, taken out of the time).
 """
 
+import contextlib
 import time
 
 import torch
 
 from .leaves import StepGrads, stage_leaves, stop_nodes
+from .meter import Instrument
 from ..runtime.option_modes import option_contexts
-from ..runtime.replay import restore_tensors
+from ..runtime.recompute import Replay
+from ..runtime.replay import bitwise_equal, restore_tensors
 
-__all__ = ["Timer", "timed_rebuild", "timed_step", "warm_cuda"]
+__all__ = ["Timer", "made_alone", "nograd_less", "nograd_run", "timed_rebuild", "timed_step", "warm_cuda"]
 
 _warm = set()   # CUDA devices warm_cuda has set up
 
@@ -106,3 +134,63 @@ def timed_rebuild(call, x, cuda, rng0, state):
             return None
         best = timer.seconds if best is None else min(best, timer.seconds)
     return best
+
+
+def made_alone(inst):
+    """{storage: (weak reference, bytes)} of the storages the meter ``inst`` saw made
+    from parameters and buffers alone that are still alive (a cache's)."""
+    return {key: (inst._refs[key], inst.created[key]) for key in inst._from_params
+            if inst.created.get(key) and key in inst._refs}
+
+
+def nograd_run(call, x, writes, rng0, cuda, autocast, meter, act):
+    """Stage ``call``'s forward on ``x`` under ``torch.no_grad``, from the RNG
+    state ``rng0`` and the state ``writes`` ((tensor, value before) pairs) it
+    started from, replayed as a recomputation is (Note [Metering the forward
+    without recording]).
+
+    Returns:
+        (whether its output equals ``act``, the recorded one, bit for bit; its
+        seconds; None if not ``meter``, else (its peak above what was allocated
+        as it began, the output included; the storages its ops read that it did
+        not make, or None on CUDA)).
+    """
+    with _from_start(writes, rng0), Timer(cuda) as timer, Replay(call, autocast):
+        own = 0.0
+        if cuda and meter:
+            t0 = time.perf_counter()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            own = time.perf_counter() - t0
+        out = call.activation(x).detach()
+    same = isinstance(act, torch.Tensor) and bitwise_equal(out, act)
+    metered = (torch.cuda.max_memory_allocated() - base, None) if cuda and meter else None
+    del out   # (not held through the metered run: the measuring call's own peak)
+    if meter and not cuda:
+        inst = Instrument(writes=False)
+        with _from_start(writes, rng0), Replay(call, autocast), inst:
+            call.activation(x)
+        metered = (inst.peak, inst.reads)
+    return same, max(0.0, timer.seconds - own), metered
+
+
+@contextlib.contextmanager
+def _from_start(writes, rng0):
+    """Without recording, from the RNG streams and the state the stage started from
+    (put back after)."""
+    state = [t for t, _ in writes]
+    with rng0.replayed(), torch.no_grad(), restore_tensors(state):
+        for t, old in writes:
+            t.copy_(old)
+        yield
+
+
+def nograd_less(costs, metered, writes, cached):
+    """``fwd_nograd_less`` of a stage whose ``costs`` run 1 (and its state copies)
+    gave, from what ``nograd_run`` ``metered``; ``writes`` as there, ``cached``:
+    ``made_alone`` of run 1's meter."""
+    peak, reads = metered
+    more = sum(t.numel() * t.element_size() for t, _ in writes)
+    more += sum(n for key, (ref, n) in (cached or {}).items()
+                if ref() is not None and (reads is None or key in reads))
+    return min(costs.fwd_tmp, max(0, costs.fwd_tmp - max(0, peak - costs.out_bytes) - more))

@@ -83,8 +83,8 @@ def test_first_call_holds_the_stage_inputs_and_one_stage():
 
 
 def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
-    """A first call runs the first stage's forward twice (metered, then without
-    recording) and its eleven twins once (Note [Twin stages]); stages whose saved
+    """A first call runs the first stage's forward three times (metered, then
+    without recording, timed and metered apart) and its eleven twins once (Note [Twin stages]); stages whose saved
     tensors it does not keep once more, rebuilt in the backward: all of them where
     no record of the chain has shown its tail yet (Note [Measuring within the
     budget]), and those before the last once more, as the backward's first rebuild
@@ -94,11 +94,11 @@ def test_first_call_rebuilds_only_what_the_budget_cannot_keep():
     of them after another model's record (no hint: Note [Measuring within the
     budget]); a later call runs each once when everything fits."""
     counts, costs, stages = _first_call_counts(2**50)
-    assert counts == [[4] + [3] * 10 + [2], [1] * 12]
+    assert counts == [[5] + [3] * 10 + [2], [1] * 12]
     # (the same model at another batch size: its tail seen; another model's record hints nothing)
     counts, costs, _ = _first_call_counts(2**50, clear=False, stages=stages, batch=16)
-    assert counts == [[2] + [1] * 11, [1] * 12]
-    assert _first_call_counts(2**50, clear=False)[0] == [[4] + [3] * 10 + [2], [1] * 12]
+    assert counts == [[3] + [1] * 11, [1] * 12]
+    assert _first_call_counts(2**50, clear=False)[0] == [[5] + [3] * 10 + [2], [1] * 12]
     least = minimum_budget(costs)
     assert least < costs.input_bytes + costs.held_bytes + sum(costs.saved_bytes)
     _first_call_counts(2**50, stages=stages)

@@ -1,5 +1,5 @@
 """Run 3 of Note [Measuring a stage] meters the forward without recording
-(remat/measure/nograd.py, Note [Metering the forward without recording]):
+(remat/measure/timing.py, Note [Metering the forward without recording]):
 ``Costs.fwd_nograd_less``, what ``Fn`` and ``Fck`` after ``Loss`` need less than
 ``fwd_tmp``."""
 
@@ -14,7 +14,15 @@ import remat.measure.measuring as measuring
 from remat.measure.meter import Instrument
 from chains import IMG_KINDS, SEQ_KINDS, Net, measured_costs
 
-torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread (exact bytes), for these tests only."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _mlp(d, depth, p=0.1, bn=False):

@@ -142,6 +142,30 @@ def test_first_chain_in_a_process_is_measured_warm():
         assert max(costs[field]) <= 2 * min(costs[field]), (field, costs[field])
 
 
+def test_the_forward_without_recording_is_metered_on_cuda():
+    """Run 3 on CUDA (remat/measure/timing.py): the allocator's peak gives
+    fwd_nograd_less, so a stage whose forward saves much needs less without
+    recording, and fwd_tmp_nograd is at least the no-grad forward's own peak above
+    input and output, metered apart (and not far above it)."""
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048),
+                               torch.nn.GELU(), torch.nn.Linear(2048, 512)).to(CUDA)
+    x = torch.randn(8, 256, 512, device=CUDA, requires_grad=True)
+    stage = remat.stage(body)
+    with remat.chain(budget=2**40):
+        y = stage(x)
+    y.sum().backward()
+    costs = remat.explain().costs
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = body(x)
+        peak = torch.cuda.max_memory_allocated() - base - out.untyped_storage().nbytes()
+    assert 0 < costs.fwd_nograd_less[0] <= costs.fwd_tmp[0], (costs.fwd_nograd_less, costs.fwd_tmp)
+    assert peak <= costs.fwd_tmp_nograd[0] <= 1.1 * peak + 2**20, (peak, costs.fwd_tmp_nograd)
+
+
 def test_auto_budget_is_free_cuda_memory_less_the_margin():
     """budget="auto" on a CUDA chain is the device's free memory less remat's margin."""
     from remat.chain import AUTO_MARGIN

@@ -120,7 +120,8 @@ def test_it_buys_faster_plans_and_lower_minimums():
 
 @given(seed=st.integers(0, 2**32), n=st.integers(2, 6))
 def test_outputs_of_one_size_never_change(seed, n):
-    """Where every stage's output has one size (a transformer's blocks), charging
+    """Where every stage's output has one size (a transformer's blocks) and no stage
+    has options (an option's Fall may need less than Fn's recording transient), charging
     Fn/Fck after Loss the recording transient changes no optimum: each such run
     of stage k is followed, before B(k), by Fall(k), which records, with no less
     held (the gradient of a^k in place of that of a^t, of the same size). Checked
