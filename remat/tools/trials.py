@@ -303,6 +303,7 @@ class Trial:
         out = {"peak_bytes": self.peak, "step_seconds": statistics.median(self.step_times) if timed else None,
                "chain_seconds": statistics.median(self.chain_times) if timed else None, "losses": self.losses,
                "grads_equal": self.grads_equal, "grad_max_rel_diff": self.grad_diff,
+               "step_times": list(self.step_times),
                "first_step_seconds": self.first_seconds}
         if self.method[0] == "remat":
             s = self.schedule
