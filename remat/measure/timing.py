@@ -163,8 +163,8 @@ def nograd_run(call, x, writes, rng0, cuda, autocast, meter, act):
             base = torch.cuda.memory_allocated()
             own = time.perf_counter() - t0
         out = call.activation(x).detach()
+    metered = (torch.cuda.max_memory_allocated() - base, None) if cuda and meter else None   # (before the check)
     same = isinstance(act, torch.Tensor) and bitwise_equal(out, act)
-    metered = (torch.cuda.max_memory_allocated() - base, None) if cuda and meter else None
     del out   # (not held through the metered run: the measuring call's own peak)
     if meter and not cuda:
         inst = Instrument(writes=False)
