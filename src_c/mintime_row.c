@@ -218,7 +218,7 @@ void remat_compute_row(const table *T, const lane *ln, ll a, ll t, double *buf)
         }
     }
     /* Split branch: Fck(a), Fn(a+1..j-1), P(j, t, m - x[j-1]), P(a, j-1, m + g - x[j-1]),
-     * from x[a] + fwd_tmp[a], which lb may be below (an option's need) */
+     * from what Fck(a) needs (fwd_need), which lb may be below (an option's need, or after Loss) */
     mlow = smax(lb, fwd_need(p, a, t));
     nb = (top - lb) / SKIP + 1;
     for (b = 0; b < nb; b++)

@@ -13,8 +13,9 @@
  * stage is recorded with (nothing beats recording each with its fastest way:
  * every stage is recorded and backwarded once in any schedule; that time,
  * summed, is the row's `all`, a bound below its every value). So a pair
- * stores only m in [lb, top], lb the least of x[a] + fwd_tmp[a] (what the
- * split branch needs) and the needs of a's ways, and top = min(hi, M); a read
+ * stores only m in [lb, top], lb the least of x[a] + fwd_tmp[a] less
+ * fwd_nograd_less[a] (what the split branch needs after Loss, and no more
+ * than before it) and the needs of a's ways, and top = min(hi, M); a read
  * above top returns the value at top.
  *
  * Order and layout: sweeps a = n..1, each over t = a..n (Note [Threads]). P(a, t) reads
