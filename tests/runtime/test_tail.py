@@ -121,13 +121,13 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
 @example(["scale", "mlp", "dropout", "dropout", "bn", "bn"], 0, 0.0, False, False)   # (run 4 in the backward: 108 over)
 @example(["bn", "mlp", "bn"], 0, 0.25, True, False)   # (a meter's cycle in run 4 held BatchNorm's statistics)
 @example(["bn", "mlp", "mlp", "bn"], 8, 0.0, True, True)   # (a residual around the chain: its gradient held)
+@example(["attn", "scale"], 8, 0.0, False, True)   # (stage 1 rebuilt beside a^1's gradient: 576 B over the least)
 def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction, after, around):
-    """Random chains with a head inside the chain's block or after it, at random
-    budgets from ``least_budget`` up: every call's whole-step peak is under the
-    budget, the first (measuring) call's included, on a fresh cache, and losses
-    and gradients are plain PyTorch's bitwise. Python's cycle collector is off
-    through the steps: what a reference cycle holds counts, as it may where it
-    runs late (a meter's copies of BatchNorm's statistics: 48 bytes over)."""
+    """Random chains with a head inside the chain's block or after it, at random budgets
+    from ``least_budget`` up: every call's whole-step peak is under the budget, the first
+    (measuring) call's included, on a fresh cache, and losses and gradients are plain
+    PyTorch's bitwise. Python's cycle collector is off through the steps: what a reference
+    cycle holds counts, as it may where it runs late (a meter's BatchNorm copies: 48 B over)."""
     torch.manual_seed(0)
     base = HeadNet(kinds, vocab, False, after, around=around)
     probe, ref, net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
