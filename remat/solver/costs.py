@@ -360,7 +360,8 @@ class Costs:
 
     def table(self):
         """A per-stage table a person can read."""
-        rows = [f"{'stage':>5} {'fwd ms':>9} {'nograd ms':>9} {'bwd ms':>9} {'out':>11} {'saved':>11} {'fwd tmp':>11} {'bwd tmp':>11}"]
+        rows = [f"{'stage':>5} {'fwd ms':>9} {'nograd ms':>9} {'bwd ms':>9} {'out':>11} {'saved':>11} {'fwd tmp':>11} "
+                f"{'bwd tmp':>11} {'nograd tmp':>11}"]
         rows.append(f"{'input':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.input_bytes):>11}")
         if self.held_bytes:
             rows.append(f"{'held':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.held_bytes):>11}")
@@ -368,14 +369,16 @@ class Costs:
             rows.append(f"{'kept':>5} {'':>9} {'':>9} {'':>9} {format_bytes(self.tail_kept):>11}"
                         f"  (of held: the tail's, kept through the backward)")
         for i in range(self.length):
+            tail = self.tail and i == self.length - 1   # (never run without recording)
             rows.append(
-                f"{'tail' if self.tail and i == self.length - 1 else i + 1:>5} {self.fwd_time[i] * 1e3:9.3f} {self.fwd_nograd_time[i] * 1e3:9.3f} "
+                f"{'tail' if tail else i + 1:>5} {self.fwd_time[i] * 1e3:9.3f} {self.fwd_nograd_time[i] * 1e3:9.3f} "
                 f"{self.bwd_time[i] * 1e3:9.3f} {format_bytes(self.out_bytes[i]):>11} "
                 f"{format_bytes(self.saved_bytes[i]):>11} {format_bytes(self.fwd_tmp[i]):>11} "
-                f"{format_bytes(self.bwd_tmp[i]):>11}"
+                f"{format_bytes(self.bwd_tmp[i]):>11} {'' if tail else format_bytes(self.fwd_tmp_nograd[i]):>11}"
             )
             for q, o in enumerate(self.options[i], 1):
                 rows.append(
                     f"{f'o{q}':>5} {o.fwd_time * 1e3:9.3f} {'':>9} {o.bwd_time * 1e3:9.3f} {'':>11} "
-                    f"{format_bytes(o.saved_bytes):>11} {format_bytes(o.fwd_tmp):>11} {format_bytes(o.bwd_tmp):>11}")
+                    f"{format_bytes(o.saved_bytes):>11} {format_bytes(o.fwd_tmp):>11} {format_bytes(o.bwd_tmp):>11} "
+                    f"{'':>11}")
         return "\n".join(rows)

@@ -169,6 +169,9 @@ def test_the_field_is_checked_and_kept(tmp_path):
     assert Costs.load(tmp_path / "less.json") == less
     tailed = less.with_tail(1.0, 1.0, 1, 4, 2, 0)
     assert tailed.fwd_nograd_less == (5, 3, 0) and tailed.without_tail() == less
+    rows = tailed.table().splitlines()   # (a column of its own; none for the tail, never run so)
+    assert rows[0].split()[-2:] == ["nograd", "tmp"] and rows[2].split()[-2:] == ["0", "B"]
+    assert rows[3].split()[-2:] == ["4", "B"] and len(rows[4].split()) == len(rows[3].split()) - 2
     rounded = discretise(less, 4)   # (fwd_tmp 7 -> 2 slots; without recording 4 bytes -> 1 slot)
     assert rounded.fwd_tmp == (2, 2) and rounded.fwd_tmp_nograd == (0, 1)
     with pytest.raises(SolverError, match=r"fwd_nograd_less\[1\] \(stage 2\) is 9; the solver needs 0..fwd_tmp"):
