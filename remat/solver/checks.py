@@ -234,4 +234,3 @@ def drops_field(name, raw, length, bound):
                 f"remat: {where(name, i)} is {v}; it must be {what} ({bound[i]}), and 0 for "
                 f"the last stage (no stage after it lets a^L go)")
     return checked
-

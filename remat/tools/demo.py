@@ -161,27 +161,21 @@ def gain_line(rows, budget_bytes):
                 f"({format_bytes(plain['peak_bytes'])}); remat runs at {rem['step_seconds'] / base:.2f}x its step time")
     theirs, ours = best["step_seconds"] / base - 1, rem["step_seconds"] / base - 1
     pairs = [(a - b) / base for a, b in zip(rem.get("step_times") or (), best.get("step_times") or ())]
-    spread = _middle_half(pairs) if len(pairs) >= 4 else None
-    steps = f" in {sum(d < 0 for d in pairs) if ours < theirs else sum(d > 0 for d in pairs)} of {len(pairs)} steps"
+    spread = statistics.quantiles(pairs, n=4)[::2] if len(pairs) >= 4 else None   # (first and third quartiles)
+    held = sum(d < 0 for d in pairs) if ours < theirs else sum(d > 0 for d in pairs)
+    steps = f" in {held} of {len(pairs)} steps" if pairs else ""
     if abs(ours - theirs) < 0.005:
         verdict = "as fast (within half a hundredth of a plain step)"
     elif spread is not None and spread[0] < 0 < spread[1]:
         verdict = (f"as fast, within this machine's noise (step by step, remat's time less theirs: "
                    f"{spread[0]:+.2f} to {spread[1]:+.2f} of a plain step in the middle half of {len(pairs)} steps)")
     elif ours < theirs:
-        verdict = (f"{100 * (1 - ours / theirs):.0f}% less overhead" if theirs > 0 else "faster") + \
-            (steps if pairs else "")
+        verdict = (f"{100 * (1 - ours / theirs):.0f}% less overhead" if theirs > 0 else "faster") + steps
     else:
-        verdict = f"slower by {ours - theirs:.2f} of a plain step" + (steps if pairs else "")
+        verdict = f"slower by {ours - theirs:.2f} of a plain step" + steps
     return (f"remat at {format_bytes(rem['peak_bytes'])}, {1 + ours:.2f}x plain PyTorch's step, against "
             f"{best['method'].split(' (')[0]} at {format_bytes(best['peak_bytes'])}, {1 + theirs:.2f}x, the fastest "
             f"other method within the budget: {verdict}")
-
-
-def _middle_half(values):
-    """The first and third quartiles of ``values`` (at least 4)."""
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
 
 
 def _segments_within(budget_bytes, base, spec, n, device, bar):
