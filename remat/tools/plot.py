@@ -3,6 +3,7 @@
 ``timeline``: the memory a schedule holds, op by op, against the budget.
 ``tradeoff``: predicted step time against budget, for the optimal schedule and
 for periodic checkpointing (what ``checkpoint_sequential`` does).
+``bench_plot``: a trade-off bench's measured step time against peak, every method's.
 """
 
 import sys
@@ -12,7 +13,7 @@ from ..solver.solve import minimum_budget, periodic, solve, store_all
 from ..errors import BudgetError, UsageError
 from ..units import format_bytes
 
-__all__ = ["timeline", "tradeoff", "missing"]
+__all__ = ["timeline", "tradeoff", "bench_plot", "missing"]
 
 _COLOURS = {Fn: "#9ecae1", Fck: "#3182bd", Fall: "#31a354", B: "#e6550d"}
 
@@ -110,3 +111,44 @@ def tradeoff(costs, path, points=40, title=None):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def bench_plot(result, path):
+    """Step time against peak memory for every method (needs matplotlib)."""
+    from .bench import overhead
+
+    plt = _pyplot()
+    runs = result["runs"]
+    plain = next(r for r in runs if r["method"] == "plain")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+
+    def series(rs, label, style, colour):
+        rs = sorted(rs, key=lambda r: r["peak_bytes"])
+        ax.plot([r["peak_bytes"] / 2**20 for r in rs], [overhead(r) + 1 for r in rs], style,
+                label=label, color=colour, markersize=4)
+
+    series([r for r in runs if r["method"].startswith("checkpoint_sequential")], "checkpoint_sequential",
+           "o--", "#3182bd")
+    for kind, label, style in (("per_block", "per-block checkpointing", "D"), ("sac", "per-block SAC (matmuls kept)", "v")):
+        series([r for r in runs if r.get("baseline") == kind], label, style, "#e6550d")
+    series([r for r in runs if r.get("algorithm") == "optimal"], "remat optimal", "s-", "#31a354")
+    series([r for r in runs if str(r.get("algorithm", "")).startswith("periodic")], "remat periodic",
+           "^:", "#756bb1")
+    ax.plot([plain["peak_bytes"] / 2**20], [1.0], "k*", markersize=10, label="plain PyTorch")
+    # (the baselines' range, a margin above: remat at its least budget may run several times plain)
+    top = 1.25 * max(overhead(r) + 1 for r in runs if r["method"] != "remat")
+    off = [r for r in runs if r["method"] == "remat" and overhead(r) + 1 > top]
+    if off:
+        ax.set_ylim(top=top)
+        least = min(off, key=lambda r: r["peak_bytes"])
+        ax.annotate(f"remat at {least['peak_bytes'] / 2**20:.1f} MiB: {overhead(least) + 1:.1f}x (off the chart)",
+                    (least["peak_bytes"] / 2**20, top), xytext=(0, -14), textcoords="offset points", fontsize=7)
+    ax.set_xlabel("peak memory of the step from the chain's opening (MiB)")
+    ax.set_ylabel("median step time / plain PyTorch's")
+    ax.set_title(f"{result['model']}: {result['machine']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+

@@ -72,6 +72,29 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
     assert result["summary"]["losses_equal"]
     assert result["summary"]["grads_equal"] and all(r["grads_equal"] for r in result["runs"])
     assert (tmp_path / "tiny-cpu.md").read_text().startswith("### tiny")
+    # each baseline point: remat given its peak, paired round by round with it
+    for p in result["summary"]["points"]:
+        if p.get("remat_over_baseline"):
+            median, low, high = p["remat_over_baseline"]
+            assert low <= median <= high and p["given_peak"] >= 0
+            assert p["remat_not_slower"] == (p["given_peak"] <= peaks[p["segments"] or p["baseline"]]
+                                             and median <= 1.01)
+
+
+def test_paired_ratio_takes_the_rounds_side_by_side():
+    """A machine slowing down through the run weighs on both methods of a round alike: the
+    ratio is taken round by round, not of the medians (which a drift can cross)."""
+    from remat.tools.bench import paired_ratio
+
+    base = {"step_times": [1.0, 2.0, 3.0, 4.0, 5.0], "step_seconds": 3.0}
+    run = {"step_times": [1.01, 2.02, 3.03, 4.04, 5.05], "step_seconds": 3.03}
+    assert paired_ratio(run, base) == pytest.approx((1.01, 1.01, 1.01))
+    # the same steps, met in rounds of another speed: the medians would say equal
+    late = {"step_times": [3.03, 1.01, 5.05, 2.02, 4.04], "step_seconds": 3.03}
+    median, low, high = paired_ratio(late, base)
+    assert low < 1.0 < high and median != pytest.approx(1.01)
+    # results without step times (written before they were kept): the ratio of the medians
+    assert paired_ratio({"step_seconds": 2.2}, {"step_seconds": 2.0}) == pytest.approx((1.1, 1.1, 1.1))
 
 
 def test_checkpoint_sequential_ops_are_torchs_segments():
