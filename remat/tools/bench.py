@@ -9,6 +9,7 @@ for remat the schedule's predicted time and peak.
 """
 
 import copy
+import math
 import os
 import statistics
 import tempfile
@@ -192,6 +193,8 @@ def summarise(result):
     return {
         "points": points,
         "dominates": all(p.get("remat_not_slower", False) for p in points),
+        # points where even the low end of the median's 95% interval is over 1.01 (or no remat run fits)
+        "slower_beyond_noise": sum(p.get("slower_beyond_noise", True) for p in points),
         "mean_overhead_reduction": statistics.mean(reductions) if reductions else None,
         # by baseline: checkpoint_sequential's points, per-block checkpointing, per-block SAC
         "mean_overhead_reduction_by_baseline": {k: statistics.mean(v) for k, v in kinds.items()},
@@ -232,14 +235,18 @@ def _bound_gaps(runs, costs):
 
 def paired_ratio(run, base):
     """``run``'s step time over ``base``'s, round by round (every method takes step i before any
-    takes step i+1: a drift of the machine's speed weighs on both alike): (median, lower
-    quartile, upper quartile); the ratio of the medians where a result has no step times."""
-    pairs = [a / b for a, b in zip(run.get("step_times", ()), base.get("step_times", ()))]
+    takes step i+1: a drift of the machine's speed weighs on both alike): (median, and the 95%
+    interval of the median, from the order statistics, which assume nothing of the noise's
+    shape); the ratio of the medians, thrice, where a result has no step times."""
+    pairs = sorted(a / b for a, b in zip(run.get("step_times", ()), base.get("step_times", ())))
     if len(pairs) < 2:
         ratio = run["step_seconds"] / base["step_seconds"]
         return ratio, ratio, ratio
-    low, middle, high = statistics.quantiles(pairs, n=4)
-    return middle, low, high
+    n, j = len(pairs), 0   # (the interval [x_(j), x_(n+1-j)]: j as large as keeps its miss under 5%,
+    while 2 * sum(math.comb(n, k) for k in range(j + 1)) / 2 ** n <= 0.05:   # the range if none does)
+        j += 1
+    j = max(j, 1)
+    return statistics.median(pairs), pairs[j - 1], pairs[n - j]
 
 
 def _point(c, optimal, costs, plain_predicted, predict=True):
@@ -257,6 +264,7 @@ def _point(c, optimal, costs, plain_predicted, predict=True):
     point = {"segments": c.get("segments"), "baseline": kind, "cs_overhead": oc, "remat_overhead": orr,
              "remat_budget": best["budget"], "given_peak": given["peak_bytes"], "remat_over_baseline": paired,
              "remat_not_slower": given["peak_bytes"] <= c["peak_bytes"] and paired[0] <= 1 + EQUAL,
+             "slower_beyond_noise": given["peak_bytes"] > c["peak_bytes"] or paired[1] > 1 + EQUAL,
              "reduction": (1 - orr / oc) if oc > 0.02 else None}
     if kind == "sac" or not predict:   # (SAC: no schedule of whole stages, the model predicts it only with options)
         return point
@@ -319,11 +327,16 @@ def table(result):
     given = [p for p in s["points"] if p.get("remat_over_baseline")]
     if given:
         lines += ["", "remat given each baseline's peak, its step time over the baseline's in the same rounds "
-                      "(median, quartiles): " + "; ".join(
+                      "(median, its 95% interval): " + "; ".join(
                           f"{_name(p)} {p['remat_over_baseline'][0]:.3f} ({p['remat_over_baseline'][1]:.3f}-"
-                          f"{p['remat_over_baseline'][2]:.3f}){'' if p['remat_not_slower'] else ' slower'}"
-                          for p in given)]
+                          f"{p['remat_over_baseline'][2]:.3f}){_verdict(p)}" for p in given),
+                  f"slower beyond this run's noise at {s['slower_beyond_noise']} of {len(s['points'])} points"]
     return "\n".join(lines)
+
+
+def _verdict(point):
+    return "" if point["remat_not_slower"] else " slower, beyond noise" if point["slower_beyond_noise"] else \
+        " (within noise)"
 
 
 def _name(point):

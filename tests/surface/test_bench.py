@@ -77,8 +77,9 @@ def test_bench_writes_its_results_and_keeps_remat_under_budget(tmp_path):
         if p.get("remat_over_baseline"):
             median, low, high = p["remat_over_baseline"]
             assert low <= median <= high and p["given_peak"] >= 0
-            assert p["remat_not_slower"] == (p["given_peak"] <= peaks[p["segments"] or p["baseline"]]
-                                             and median <= 1.01)
+            fits = p["given_peak"] <= peaks[p["segments"] or p["baseline"]]
+            assert p["remat_not_slower"] == (fits and median <= 1.01)
+            assert p["slower_beyond_noise"] == (not fits or low > 1.01)
 
 
 def test_paired_ratio_takes_the_rounds_side_by_side():
@@ -86,13 +87,17 @@ def test_paired_ratio_takes_the_rounds_side_by_side():
     ratio is taken round by round, not of the medians (which a drift can cross)."""
     from remat.tools.bench import paired_ratio
 
-    base = {"step_times": [1.0, 2.0, 3.0, 4.0, 5.0], "step_seconds": 3.0}
-    run = {"step_times": [1.01, 2.02, 3.03, 4.04, 5.05], "step_seconds": 3.03}
+    base = {"step_times": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "step_seconds": 3.5}
+    run = {"step_times": [1.01, 2.02, 3.03, 4.04, 5.05, 6.06], "step_seconds": 3.535}
     assert paired_ratio(run, base) == pytest.approx((1.01, 1.01, 1.01))
     # the same steps, met in rounds of another speed: the medians would say equal
-    late = {"step_times": [3.03, 1.01, 5.05, 2.02, 4.04], "step_seconds": 3.03}
+    late = {"step_times": [3.03, 1.01, 5.05, 2.02, 6.06, 4.04], "step_seconds": 3.535}
     median, low, high = paired_ratio(late, base)
     assert low < 1.0 < high and median != pytest.approx(1.01)
+    # the interval of the median: of 15 pairs, the 4th and the 12th ratios (a miss of 3.5%)
+    many = {"step_times": [1.0] * 15, "step_seconds": 1.0}
+    ratios = {"step_times": [1 + k / 100 for k in range(15)], "step_seconds": 1.07}
+    assert paired_ratio(ratios, many) == pytest.approx((1.07, 1.03, 1.11))
     # results without step times (written before they were kept): the ratio of the medians
     assert paired_ratio({"step_seconds": 2.2}, {"step_seconds": 2.0}) == pytest.approx((1.1, 1.1, 1.1))
 
