@@ -59,6 +59,7 @@ from remat.measure.meter import Instrument  # noqa: E402
 from remat.solver.schedule import simulate  # noqa: E402
 from remat.solver.solve import time_bound  # noqa: E402
 from remat.tools.trials import _sac_contexts  # noqa: E402
+from remat.measure.cuda_peak import peak_allocated, reset_reader  # noqa: E402
 
 
 def build(layers, width, vocab, seed=0):
@@ -98,9 +99,9 @@ class Step:
                 return   # (a recomputation of the first block, in the backward)
             if cuda:
                 torch.cuda.synchronize()
-                opened.append((torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+                opened.append((peak_allocated(), torch.cuda.memory_allocated()
                                - args[0].untyped_storage().nbytes()))
-                torch.cuda.reset_peak_memory_stats()
+                reset_reader()
             else:
                 scope.count(args[0])
                 scope.set_gate(True)
@@ -112,7 +113,7 @@ class Step:
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            reset_reader()   # (remat's own resets in a measuring call carried over: remat/measure/cuda_peak.py)
         else:
             whole, scope = Instrument(writes=False).__enter__(), Instrument(writes=False)
             scope.set_gate(False)
@@ -131,12 +132,12 @@ class Step:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if cuda and not opened:   # (a compiled step: its whole step is the scope)
-            peak = scoped = torch.cuda.max_memory_allocated() - base
+            peak = scoped = peak_allocated() - base
         elif cuda:
             before, at_open = opened[0]
             self.outside = at_open - base   # (held from before the chain opens to the step's end)
-            scoped = torch.cuda.max_memory_allocated() - at_open
-            peak = max(before, torch.cuda.max_memory_allocated()) - base
+            scoped = peak_allocated() - at_open
+            peak = max(before, peak_allocated()) - base
         else:
             peak, scoped = whole.peak, scope.peak
         if self.budget is not None:

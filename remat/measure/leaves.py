@@ -7,6 +7,8 @@ import functools
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .cuda_peak import reset_own
+
 __all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "edge_backward", "edge_roots", "grad_side_inputs",
            "node_of", "Shares", "side_grads", "sums_started", "with_sums", "stage_leaves", "stop_nodes", "walk"]
 
@@ -256,7 +258,7 @@ class Shares:
 
     def _restart(self):
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            reset_own()
         elif self.window:
             self.inst.window_peak = self.inst.window_live
         else:

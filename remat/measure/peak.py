@@ -13,7 +13,9 @@ call should pay for, so it is the user's to open around a step:
 
 On CUDA the meter is the caching allocator's statistics (the peak statistics
 are reset where the block opens and where each chain opens: a caller's own
-``max_memory_allocated`` reads from there); elsewhere it is the exact meter of
+``max_memory_allocated`` reads from there; what remat's own measurements
+reset is carried over, Note [Carrying the peak over] in
+remat/measure/cuda_peak.py); elsewhere it is the exact meter of
 live tensor storages the measuring call uses (remat/measure/meter.py), a
 dispatch mode that slows every op while it is open. The block's peak counts
 from its start; a chain's from where it opened to the block's end, its
@@ -31,6 +33,7 @@ import torch
 
 from ..dynamo import eager_under_meter
 from ..runtime.chain_call import measuring_peaks
+from .cuda_peak import peak_allocated, reset_reader
 from .linger import settle
 from .meter import Instrument
 
@@ -122,7 +125,7 @@ class measure_peak:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             now = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            reset_reader(self.device)
             return now
         return self._meter.live if self._meter is not None else 0
 
@@ -131,7 +134,7 @@ class measure_peak:
         chain; a new segment begins at what is allocated now, which is returned."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            most = torch.cuda.max_memory_allocated(self.device)
+            most = peak_allocated(self.device)   # (remat's own resets carried over: Note [Carrying the peak over])
         else:
             most = self._meter.peak
         self._most = max(self._most, most)

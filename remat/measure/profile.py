@@ -88,6 +88,7 @@ from ..runtime.stage_call import check_output, first, out_tensors
 from .leaves import grad_side_inputs, node_of, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
 from .timing import made_alone
+from .cuda_peak import reset_own
 from .options import kept_seen
 from .record import Probe, StageCosts, StageGraph
 from .stage_backward import run_backward
@@ -197,7 +198,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     inst.sync = cuda   # (options' shares of the time: kernels', not launches'; fwd_time is timed_step's there)
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        reset_own()
         base = torch.cuda.memory_allocated()
     try:
         probe, graph = observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream)

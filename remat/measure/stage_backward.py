@@ -13,6 +13,7 @@ from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
 from .timing import Timer
+from .cuda_peak import reset_own
 
 _SUM = torch.ops.aten.sum.dim_IntList
 
@@ -63,7 +64,7 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
         grads = [None] * len(params)
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            reset_own()
             base_b = torch.cuda.memory_allocated()
         released = None
         if not cuda:
@@ -375,7 +376,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             inst.ignore_writes([g for g in grads if g is not None])
             if cuda:
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+                reset_own()
             start = torch.cuda.memory_allocated() if cuda else inst.live
             inst.peak = inst.live
             ops_before = inst.op_seconds

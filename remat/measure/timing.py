@@ -36,6 +36,7 @@ import torch
 
 from .leaves import StepGrads, stage_leaves, stop_nodes
 from .meter import Instrument
+from .cuda_peak import reset_own
 from ..runtime.option_modes import option_contexts
 from ..runtime.recompute import Replay
 from ..runtime.replay import bitwise_equal, restore_tensors
@@ -159,7 +160,7 @@ def nograd_run(call, x, writes, rng0, cuda, autocast, meter, act):
         own = 0.0
         if cuda and meter:
             t0 = time.perf_counter()
-            torch.cuda.reset_peak_memory_stats()
+            reset_own()
             base = torch.cuda.memory_allocated()
             own = time.perf_counter() - t0
         out = call.activation(x).detach()

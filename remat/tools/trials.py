@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from ..chain import NO_LIMIT, chain
 from ..solver.costs import Costs
+from ..measure.cuda_peak import peak_allocated, reset_reader
 from ..measure.meter import Instrument
 from ..chain import explain
 from ..measure.refine import SAMPLES
@@ -76,9 +77,9 @@ class ChainMeter:
                 if self.chain_live is None:
                     self.chain_live = self.held   # the chain input, which the budget counts
                 self.other = now - self.chain_live - grad_bytes
-                torch.cuda.reset_peak_memory_stats()
+                reset_reader()
             else:
-                self.peak = max(self.peak, torch.cuda.max_memory_allocated() - self.other)
+                self.peak = max(self.peak, peak_allocated() - self.other)   # (a measuring call's resets carried)
                 self.chain_live = now - self.other
         else:
             self.inst.set_gate(open_)

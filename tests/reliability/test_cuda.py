@@ -166,6 +166,42 @@ def test_the_forward_without_recording_is_metered_on_cuda():
     assert peak <= costs.fwd_tmp_nograd[0] <= 1.1 * peak + 2**20, (peak, costs.fwd_tmp_nograd)
 
 
+def test_a_measuring_calls_whole_step_reads_whole_on_cuda():
+    """A call that measures resets the allocator's peak statistic for each stage
+    (Note [Carrying the peak over], remat/measure/cuda_peak.py): ``remat.measure_peak``
+    still reads its whole step, whose peak is at the loss here (the head's logits and
+    their gradient), long before the last reset; and the step stays under the least
+    budget, as later calls do."""
+    torch.manual_seed(0)
+    d, vocab, tokens = 256, 8192, 8 * 256
+    blocks = [remat.stage(torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                              torch.nn.Linear(4 * d, d))).to(CUDA) for _ in range(4)]
+    head = torch.nn.Linear(d, vocab).to(CUDA)
+    params = [p for b in blocks for p in b.parameters()] + list(head.parameters())
+    x = torch.randn(tokens, d, device=CUDA, requires_grad=True)
+    target = torch.randint(vocab, (tokens,), device=CUDA)
+
+    def step(budget):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with remat.measure_peak(CUDA) as m:
+            with remat.chain(budget=budget):
+                y = x
+                for b in blocks:
+                    y = b(y)
+                loss = torch.nn.functional.cross_entropy(head(y), target)
+            loss.backward()
+        return m.peak
+
+    logits = tokens * vocab * 4
+    assert step(2**40) >= 2 * logits   # (the logits and their gradient, at the loss)
+    least = remat.explain().least_budget
+    remat.clear_cache()
+    peaks = [step(least) for _ in range(3)]   # the measuring call first
+    assert max(peaks) <= least, (peaks, least)
+    assert peaks[0] >= 2 * logits
+
+
 def test_auto_budget_is_free_cuda_memory_less_the_margin():
     """budget="auto" on a CUDA chain is the device's free memory less remat's margin."""
     from remat.chain import AUTO_MARGIN

@@ -139,6 +139,7 @@ class FakeAllocator:
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
                             lambda *a: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def test_cuda_chain_meter_leaves_out_memory_that_is_not_the_chains(monkeypatch):
@@ -172,6 +173,37 @@ def test_cuda_chain_meter_leaves_out_memory_that_is_not_the_chains(monkeypatch):
         alloc.alloc(2000)                 # the embedding's backward, after the chain
         meter.gate(False)
     assert meter.peak == 430
+
+
+def test_readers_of_the_whole_step_carry_a_measuring_calls_resets_over(monkeypatch):
+    """A call that measures resets the allocator's peak statistic before each stage's
+    forward and backward (Note [Carrying the peak over]): the bench's meter and
+    ``remat.measure_peak`` still read the step's peak, not the peak since remat's last
+    reset, which a raw ``max_memory_allocated`` reads."""
+    import torch
+
+    import remat
+    from remat.measure.cuda_peak import reset_own
+    from remat.tools.trials import ChainMeter
+
+    alloc = FakeAllocator(1000)
+    alloc.install(monkeypatch)
+    meter = ChainMeter(torch.device("cuda"))
+    with remat.measure_peak("cuda") as whole, meter:
+        meter.gate(True)
+        alloc.alloc(400)    # the forward's peak, 400 over the step's start
+        alloc.alloc(-300)
+        reset_own()         # a stage's backward measured: the statistic starts again at 100
+        alloc.alloc(50)
+        alloc.alloc(-150)
+        meter.gate(False)
+        assert torch.cuda.max_memory_allocated() - 1000 == 150   # (what a raw reading says)
+    assert meter.peak == 400 and whole.peak == 400
+    # a reader's own start forgets what was carried before it
+    with remat.measure_peak("cuda") as later:
+        alloc.alloc(20)
+        alloc.alloc(-20)
+    assert later.peak == 20
 
 
 def test_stage_cost_times_remat_alone_and_unwraps_its_timers():
