@@ -8,7 +8,7 @@ budgets, side by side in one process.
 
     python benchmarks/hf_checkpointing.py [--rounds 7] [--layers 12] [--width 256] [--vocab 8000]
                                           [--batch 4] [--length 128] [--compile 0.5,0.1]
-                                          [--out hf_checkpointing-cpu.json]
+                                          [--autocast bfloat16] [--out hf_checkpointing-cpu.json]
 
 For each method: the peak from the chain's opening (the budget's scope: what
 the step allocates from the first block's call, its input counted, to the end
@@ -120,8 +120,10 @@ class Step:
             scope.__enter__()
         t0 = time.perf_counter()
         try:
-            with _memory_budget(self.compiled):
-                self.forward(ids, labels=ids).loss.backward()
+            with _memory_budget(self.compiled), _autocast(self.device):   # (the backward after it, as torch advises)
+                loss = self.forward(ids, labels=ids).loss
+            loss.backward()
+            del loss
         finally:
             if hook is not None:
                 hook.remove()
@@ -158,6 +160,13 @@ def _memory_budget(value):
     return functorch_config.patch(activation_memory_budget=value)
 
 
+AUTOCAST = None   # (--autocast: the dtype every method's forward runs under torch.autocast in)
+
+
+def _autocast(device):
+    return contextlib.nullcontext() if AUTOCAST is None else torch.autocast(device.type, dtype=AUTOCAST)
+
+
 _KINDS = {"auto": "", False: " (no options)", "no rungs": " (no rungs)"}   # (remat's runs: their names' ends)
 
 
@@ -172,8 +181,12 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", default="",
                         help="activation_memory_budget values of torch.compile'd steps, comma-separated (CUDA)")
+    parser.add_argument("--autocast", default=None, choices=["bfloat16", "float16"],
+                        help="run every method's forward under torch.autocast in this dtype (the backward after it)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    global AUTOCAST
+    AUTOCAST = getattr(torch, args.autocast) if args.autocast else None
     device = torch.device(args.device)
     compile_budgets = [float(v) for v in args.compile.split(",") if v.strip()]
     if compile_budgets and device.type != "cuda":
