@@ -9,8 +9,9 @@ from the caching allocator: it resets the peak statistic
 backward and reads ``max_memory_allocated`` after. The statistic has no
 setter, so each reset loses the peak the step had reached before it: read
 at the step's end, ``max_memory_allocated`` gives only the peak since
-remat's last reset (its first stage's backward, in the measuring call's
-backward), and a first call reads lower than it was.
+remat's last reset (its last stage's runs, or a stage's backward measured
+again in the call's backward), and a first call reads lower than it was,
+often by the whole tail: the head's logits at the loss.
 
 So remat resets it through ``reset_own``, which first carries the peak so
 far over, per device; a reader of the whole step (``remat.measure_peak``,
