@@ -204,8 +204,10 @@ def summarise(result):
         # any schedule] in remat/solver/bound.py)
         "mean_overhead_reduction_bound": statistics.mean(bound) if bound else None,
         # each remat run against the least time any schedule could take at its budget
-        "bound_gaps": _bound_gaps(optimal, costs, plain),
+        "bound_gaps": _bound_gaps(optimal, costs),
         "repeat_noise": overhead(cs[0]) if cs and cs[0]["segments"] == 1 else None,
+        # the same computation as two methods, round by round: how far apart this run puts them
+        "repeat_noise_paired": paired_ratio(cs[0], plain) if cs and cs[0]["segments"] == 1 else None,
         "all_under_budget": all(r["peak_bytes"] <= r["budget"] for r in remat),
         "max_time_error": max(abs(r["chain_seconds"] / r["predicted_seconds"] - 1) for r in remat),
         "max_time_error_run_costs": max(abs(r["chain_seconds"] / r["predicted_seconds_run_costs"] - 1)
@@ -219,22 +221,16 @@ def summarise(result):
     }
 
 
-def _bound_gaps(runs, costs, plain):
+def _bound_gaps(runs, costs):
     """Each remat run's chain time, measured and predicted on the run's ``costs``, over
     the least time any schedule of them could take within its budget (``time_bound``,
-    options included; Note [A bound on any schedule] in remat/solver/bound.py); and the
-    measured figure over ``plain``'s, PyTorch's chain time in the same rounds over its
-    schedule's on those costs: the costs come from first calls taken among the rounds,
-    whose speed may stand a few percent off the steps' (2026-11-29: plain PyTorch 9%
-    slower than its costs said, two days before 7% faster)."""
+    options included; Note [A bound on any schedule] in remat/solver/bound.py)."""
     tailed = costs if costs.tail else costs.with_tail(0.0, 0.0, 0, 0, 0, 0)   # (as the runs planned)
-    speed = plain["chain_seconds"] / simulate(tailed, store_all(costs.length)).time
     gaps = []
     for r in runs:
         bound = time_bound(tailed, r["budget"])
         if 0 < bound < float("inf"):
             gaps.append({"budget": r["budget"], "measured_over_bound": r["chain_seconds"] / bound,
-                         "measured_over_bound_at_plains_speed": r["chain_seconds"] / bound / speed,
                          "predicted_over_bound": r.get("predicted_seconds_run_costs", float("nan")) / bound})
     return gaps
 
@@ -336,7 +332,10 @@ def table(result):
                       "(median, its 95% interval): " + "; ".join(
                           f"{_name(p)} {p['remat_over_baseline'][0]:.3f} ({p['remat_over_baseline'][1]:.3f}-"
                           f"{p['remat_over_baseline'][2]:.3f}){_verdict(p)}" for p in given),
-                  f"slower beyond this run's noise at {s['slower_beyond_noise']} of {len(s['points'])} points"]
+                  f"slower beyond this run's noise at {s['slower_beyond_noise']} of {len(s['points'])} points"
+                  + ("" if not s.get("repeat_noise_paired") else
+                     "; plain PyTorch's computation as checkpoint_sequential(1), against plain, round by round: "
+                     "{:.3f} ({:.3f}-{:.3f})".format(*s["repeat_noise_paired"]))]
     return "\n".join(lines)
 
 
@@ -356,13 +355,9 @@ def _gap_text(gaps):
         return ""
     measured = [g["measured_over_bound"] for g in gaps]
     predicted = [g["predicted_over_bound"] for g in gaps]
-    text = (f"; remat's chain time over the least any schedule could take at its budget (time_bound): "
-            f"measured median {statistics.median(measured):.3f}, worst {max(measured):.3f}")
-    if "measured_over_bound_at_plains_speed" in gaps[0]:
-        speed = [g["measured_over_bound_at_plains_speed"] for g in gaps]
-        text += (f" (at the speed plain PyTorch's chain ran in the same rounds against its costs: median "
-                 f"{statistics.median(speed):.3f}, worst {max(speed):.3f})")
-    return text + f"; its plan predicted on the run's costs, worst {max(predicted):.3f}"
+    return (f"; remat's chain time over the least any schedule could take at its budget (time_bound): "
+            f"measured median {statistics.median(measured):.3f}, worst {max(measured):.3f}; its plan predicted "
+            f"on the run's costs, worst {max(predicted):.3f}")
 
 
 def _ms(run, field):
