@@ -125,7 +125,8 @@ def schedule_ops(schedule, who, what="a Schedule or a list of ops"):
     tuple. Not a sequence (None, a string, a mapping, a set): a ``UsageError`` naming
     ``who`` (the argument) and ``what`` it must be; an entry that is not an op: an
     ``InvalidScheduleError``."""
-    from .schedule import Schedule, _LossOp, _StageOp   # (schedule.py imports this module)
+    from .ops import _LossOp, _StageOp
+    from .schedule import Schedule   # (schedule.py imports this module)
     if isinstance(schedule, Schedule):
         return schedule.ops
     if isinstance(schedule, (str, bytes, collections.abc.Mapping, collections.abc.Set)) or not isinstance(

@@ -88,6 +88,11 @@ class Costs:
             (remat/solver/option.py Note [Options]); ``Fall(i, option=k)`` runs
             the k-th (1-based; option 0 is the base record, these fields).
             None (the default): no options anywhere; the tail has none.
+        cast_bytes: of ``held_bytes``, each stage's share that autocast's cache
+            holds (its saved bf16 copies of the weights) from the stage's first
+            forward until the autocast block ends, before the backward; after
+            ``Loss`` only its records hold them (Note [Accounting] 10). None
+            (the default): 0 everywhere, all of ``held_bytes`` through the step.
 
     Raises:
         CostsError: a list has the wrong length, a size is not a
@@ -118,6 +123,7 @@ class Costs:
     tail_kept: int = 0
     output_held: bool = False
     options: tuple = None
+    cast_bytes: tuple = None
 
     def __post_init__(self):
         length = None
@@ -153,6 +159,12 @@ class Costs:
             raise CostsError(f"remat: Costs.output_held must be True or False (False without stages), "
                              f"got {self.output_held!r}")
         object.__setattr__(self, "options", check_options(self.options, self.out_bytes, self.tail))
+        casts = (0,) * length if self.cast_bytes is None else \
+            tuple(check_size("cast_bytes", i, v) for i, v in enumerate(entries("cast_bytes", self.cast_bytes, length)))
+        if sum(casts) > self.held_bytes - kept or (self.tail and casts[-1]):
+            raise CostsError(f"remat: Costs.cast_bytes add up to {sum(casts)}; they are part of held_bytes "
+                             f"({self.held_bytes}) less tail_kept ({kept}), and 0 for the tail")
+        object.__setattr__(self, "cast_bytes", casts)
 
     @property
     def bwd_tmp_rebuilt(self):
@@ -190,7 +202,7 @@ class Costs:
         for name, value in (("fwd_time", fwd_time), ("fwd_nograd_time", fwd_time), ("bwd_time", bwd_time),
                             ("out_bytes", out_bytes), ("saved_bytes", max(saved_bytes, out_bytes)),
                             ("fwd_tmp", fwd_tmp), ("bwd_tmp", bwd_tmp), ("fwd_drop", 0), ("fwd_drop_whole", 0),
-                            ("bwd_rebuilt_less", 0), ("fwd_nograd_less", 0)):
+                            ("bwd_rebuilt_less", 0), ("fwd_nograd_less", 0), ("cast_bytes", 0)):
             if name in data:
                 data[name] = [*data[name], value]
         if "options" in data:
@@ -216,7 +228,7 @@ class Costs:
         tail = {name: data[name].pop() for name in ("fwd_time", "bwd_time", "out_bytes", "saved_bytes",
                                                        "fwd_tmp", "bwd_tmp")}
         for name in ("fwd_nograd_time", "fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "fwd_nograd_less",
-                     "options"):
+                     "options", "cast_bytes"):
             if name in data:
                 data[name].pop()
         tail["kept"] = self.tail_kept
@@ -283,12 +295,12 @@ class Costs:
 
     def to_dict(self):
         """A JSON-ready dict of every field; ``options`` (each a dict of its fields)
-        only where some stage has them, ``bwd_rebuilt_less`` and ``fwd_nograd_less``
-        only where not 0 everywhere and ``output_held`` only where True, so that
+        only where some stage has them, ``bwd_rebuilt_less``, ``fwd_nograd_less`` and
+        ``cast_bytes`` only where not 0 everywhere and ``output_held`` only where True, so that
         such costs read as before."""
         data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name != "options"}
-        for name in ("bwd_rebuilt_less", "fwd_nograd_less"):
+        for name in ("bwd_rebuilt_less", "fwd_nograd_less", "cast_bytes"):
             if not any(getattr(self, name)):
                 del data[name]
         if not self.output_held:

@@ -51,6 +51,12 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    its saved_bytes. Rule 6 lets nothing go at such a ``Fall(i)``, nor of an
    a^i inside such an a-bar^i.
 
+10. Casts (``Costs.cast_bytes``, autocast's copies of the weights): of
+   held_bytes, c[i] is held only from stage i's first forward to ``Loss``
+   (autocast's cache; Fn/Fck and Fall in the forward phase add it after
+   their op, Fall's peak counting it beside s[i]), then by each held a-bar^i,
+   and by those ``Fall(i)`` makes after Loss, to ``B(i)``.
+
 A schedule is invalid if it uses a value that is not held, computes a value
 that is already held, recomputes a stage after its backward, runs the
 forward phase out of order, ends before ``B(1)`` or records a stage with an
@@ -63,68 +69,10 @@ from typing import NamedTuple
 from ..errors import InvalidScheduleError, UsageError
 from ..units import format_bytes
 from .checks import check_costs, check_schedule, schedule_ops
+from .ops import B, Fall, Fck, Fn, Loss
 
 __all__ = ["Fn", "Fck", "Fall", "B", "Loss", "Schedule", "Simulation", "simulate"]
 
-
-@dataclass(frozen=True, slots=True)
-class _StageOp:
-    """An op on stage ``stage``. Each op is a subclass, made a dataclass again (its
-    own ``__init__`` and slots), that sets its ``code``: what the C solver returns
-    for it. ``str`` gives the class name and the stage ("Fn3")."""
-    stage: int
-    code = None
-
-    def __str__(self):
-        return f"{type(self).__name__}{self.stage}"
-
-
-@dataclass(frozen=True, slots=True)
-class Fn(_StageOp):
-    """Forward stage ``stage`` keeping nothing; its input is let go."""
-    code = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Fck(_StageOp):
-    """Forward stage ``stage`` keeping its input as a checkpoint."""
-    code = 1
-
-
-@dataclass(frozen=True, slots=True, repr=False)
-class Fall(_StageOp):
-    """Forward stage ``stage`` recording the graph: keep its input and a-bar; with
-    ``option`` k > 0, the record of the stage's k-th option (``Costs.options``,
-    remat/solver/option.py Note [Options]) in place of a-bar. ``str`` shows the
-    option where there is one ("Fall3:o1")."""
-    option: int = 0
-    code = 2
-
-    def __str__(self):
-        return f"Fall{self.stage}:o{self.option}" if self.option else f"Fall{self.stage}"
-
-    def __repr__(self):
-        return f"Fall(stage={self.stage!r}, option={self.option!r})" if self.option else f"Fall(stage={self.stage!r})"
-
-
-@dataclass(frozen=True, slots=True)
-class B(_StageOp):
-    """Backward of stage ``stage``."""
-    code = 3
-
-
-class _LossOp:
-    __slots__ = ()
-    code = 4
-    stage = 0
-
-    def __repr__(self):
-        return "Loss"
-
-    __str__ = __reduce__ = __repr__   # (pickled as the module's Loss)
-
-
-Loss = _LossOp()
 _BY_CODE = (Fn, Fck, Fall, B)
 
 
@@ -268,7 +216,7 @@ class _Run:
 
     __slots__ = ("n", "x", "xa", "s", "ft", "ftn", "bt", "less", "late", "tf", "tn", "tb", "fd", "fdw", "options",
                  "rec", "gone", "alone", "whole", "held_at", "copy", "mem", "during", "peak", "time", "forward",
-                 "next_fwd", "grad")
+                 "next_fwd", "grad", "c", "cast")
 
     def __init__(self, costs):
         n = self.n = costs.length
@@ -286,7 +234,8 @@ class _Run:
         self.alone = [False] * (n + 1)   # a^j held on its own
         self.whole = [False] * (n + 1)   # a-bar^j held (index 0 unused)
         self.alone[0] = True
-        self.mem = self.during = self.peak = x[0] + costs.held_bytes
+        self.c, self.cast = costs.cast_bytes, [0] * (n + 1)   # (rule 10: the cast a held a-bar^j holds)
+        self.mem = self.during = self.peak = x[0] + costs.held_bytes - sum(self.c)
         self.time = 0.0
         self.forward = True   # in the forward phase (before Loss)
         self.next_fwd = 1     # the stage the forward phase runs next
@@ -301,6 +250,9 @@ class _Run:
             _bad(pos, op, f"the forward phase ended at stage {self.next_fwd - 1} of {n}")
         self.forward = False
         self.grad = n
+        if any(self.c):   # (rule 10: autocast's cache is gone, each held a-bar^j holds its stage's casts)
+            self.cast = [0] + [c if w else 0 for c, w in zip(self.c, self.whole[1:])]
+            self.mem -= sum(self.c) - sum(self.cast)
         mem = self.mem = self.during = self.mem + self.x[n]
         if mem > self.peak:
             self.peak = mem
@@ -326,6 +278,7 @@ class _Run:
             bt -= self.less[i - 1]
         if i == self.held_at:   # (a copy of a^L a Fall(L) after Loss made: rule 1)
             s, self.copy = s + self.copy, 0
+        s, self.cast[i] = s + self.cast[i], 0
         during = self.during = mem + gone[i] + x[i - 1] + bt
         if during > self.peak:
             self.peak = during
@@ -370,12 +323,14 @@ class _Run:
                 s, ft, tf = o.saved_bytes, o.fwd_tmp, o.fwd_time
             copy = self.x[i] if not forward and i == self.held_at else 0   # (rule 1)
             self.copy = copy if i == self.held_at else self.copy
-            during = mem + max(s + copy, (copy or self.xa[i]) + ft)
+            c = self.c[i - 1]   # (rule 10: held by the cache, or by this a-bar^i after Loss)
+            self.cast[i] = 0 if forward else c
+            during = mem + max(s + copy + c, (copy or self.xa[i]) + ft)
             self.time += tf
             whole[i] = True
             self.rec[i] = option
             self.late[i] = not forward
-            mem += s + copy
+            mem += s + copy + c
             if forward and i > 1 and not option:   # (rule 9: an option lets nothing go)
                 gone = self.gone
                 drop = (self.fdw[i - 2] if not self.rec[i - 1] else 0) if whole[i - 1] else \
@@ -389,7 +344,7 @@ class _Run:
             during = mem + xi + (self.ft if forward else self.ftn)[i - 1]
             self.time += self.tf[i - 1] if forward else self.tn[i - 1]
             alone[i] = True
-            mem += xi
+            mem += xi + (self.c[i - 1] if forward else 0)   # (rule 10)
             if code == 0 and alone[i - 1]:
                 alone[i - 1] = False
                 if not whole[i - 1]:
