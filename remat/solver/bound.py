@@ -105,7 +105,7 @@ def time_bound(costs, budget):
     ways = [[(costs.saved_bytes[i], costs.bwd_tmp_rebuilt[i], tf[i], costs.bwd_time[i])]
             + [(o.saved_bytes, o.bwd_tmp, o.fwd_time, o.bwd_time) for o in costs.options[i]] for i in range(n)]
     fastest = [min(w, key=lambda way: way[2] + way[3]) for w in ways]   # (the first of equals)
-    room = budget - costs.input_bytes - costs.held_bytes
+    room = budget - costs.input_bytes - costs.held_bytes + sum(costs.cast_bytes)   # (casts: maybe gone, rule 10)
     # rooms[i] (0-based i < n): what B(i+1) leaves for the a-bar of earlier stages
     # held from the forward phase (with the way that leaves most); rooms[n]: what Loss leaves for all of them
     rooms = [room - min(s + x[i + 1] + x[i] + bt for s, bt, _, _ in ways[i]) for i in range(n)] + [room]

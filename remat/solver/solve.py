@@ -53,6 +53,7 @@ import re
 import warnings
 
 from .bound import time_bound
+from .casts import least_with_casts, solve_with_casts
 from .checks import check_costs
 from .costs import MAX_BYTES, Costs
 from .group import EXACT_WORK, exact_work, group_count, solve_on_groups
@@ -166,10 +167,8 @@ def _parse_algorithm(algorithm, n):
     match = re.fullmatch(r"periodic\((\d+)\)", name.replace(" ", ""))
     if match and int(match.group(1)) >= 1:
         return "periodic", int(match.group(1))
-    raise UsageError(
-        f"remat: unknown algorithm {algorithm!r}; choose one of "
-        f"'optimal', 'store_all', 'min_memory', 'sqrt' or 'periodic(k)' with k >= 1"
-    )
+    raise UsageError(f"remat: unknown algorithm {algorithm!r}; choose one of "
+                     f"'optimal', 'store_all', 'min_memory', 'sqrt' or 'periodic(k)' with k >= 1")
 
 
 def _check_budget(budget):
@@ -229,6 +228,8 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS, groups=None):
     if name != "optimal":
         return _solve_fixed(costs, budget, algorithm, name, k)
     with solving(f"remat: solving {n:,} stages"):   # (progress past 2 s; Ctrl-C stops it)
+        if any(costs.cast_bytes) and (groups or n) >= n and exact_work(n, slots) <= EXACT_WORK:   # (casts.py)
+            return solve_with_casts(costs, budget, lambda b: _solve_optimal(costs, b, slots, groups))
         return _solve_optimal(costs, budget, slots, groups)
 
 
@@ -241,11 +242,9 @@ def _solve_fixed(costs, budget, algorithm, name, k):
            "periodic": lambda: periodic(n, k, tail)}[name]()
     sim = simulate(costs, ops)
     if sim.peak > budget:
-        raise BudgetError(
-            f"remat: the {algorithm} schedule needs {format_bytes(sim.peak)} but the budget is "
-            f"{format_bytes(budget)}; raise the budget or use algorithm='optimal' "
-            f"(this chain's minimum is {format_bytes(minimum_budget(costs))})", sim.peak
-        )
+        raise BudgetError(f"remat: the {algorithm} schedule needs {format_bytes(sim.peak)} but the budget is "
+                          f"{format_bytes(budget)}; raise the budget or use algorithm='optimal' "
+                          f"(this chain's minimum is {format_bytes(minimum_budget(costs))})", sim.peak)
     return Schedule(ops, sim.time, sim.peak, algorithm, budget, None, costs.tail)
 
 
@@ -388,7 +387,8 @@ def minimum_budget(costs):
     """The least budget in bytes any persistent schedule of ``costs`` fits in."""
     from . import binding as _c_solver
 
-    return _c_solver.least_memory(check_costs(costs, "minimum_budget"))[1] + costs.held_bytes
+    ops, least = _c_solver.least_memory(check_costs(costs, "minimum_budget"))
+    return least_with_casts(costs, ops, least + costs.held_bytes)
 
 
 def _check_fits(sim, budget):

@@ -1,0 +1,97 @@
+"""Planning with autocast's casts held in the forward phase only (``Costs.cast_bytes``).
+
+Note [Casts freed at the Loss]
+------------------------------
+Under ``torch.autocast`` each stage's bf16 copies of its weights live in
+autocast's cache from its first forward until the autocast block ends; with
+the backward after the block, as PyTorch advises, only the records that saved
+them hold them after ``Loss`` (``simulate``'s rule 10). The persistent program
+(Note [The recurrence], remat/solver/solve.py) has one headroom for a whole
+subproblem and no term for memory held through the forward phase only, so the
+C solver plans them as ``held_bytes``, through the step: every plan it makes
+fits under rule 10 too, but a bf16 GPT-2 measured 7.2 MiB (10%) under its
+prediction at every budget, and its least budget sat above Hugging Face's
+checkpointing's peak.
+
+So an optimal solve of such costs also solves at raised budgets, up to the
+budget plus every cast's bytes, and keeps the fastest schedule whose peak by
+rule 10 fits the budget (a bisection for the largest raise that fits, over
+``RAISES`` solves): never slower than the schedule at the budget itself, and
+below the C solver's least budget, the least-memory schedule wherever rule 10
+fits it. A long chain solved on groups (remat/solver/group.py) plans as
+before: each solve there takes up to seconds.
+"""
+
+from ..errors import BudgetError
+from ..units import format_bytes
+from .schedule import Schedule, simulate
+
+__all__ = ["RAISES", "least_with_casts", "solve_with_casts", "without_casts"]
+
+RAISES = 10   # bisection steps of the raised budget
+
+
+def solve_with_casts(costs, budget, solve_at):
+    """The fastest schedule ``solve_at(b)`` (the optimal solve at ``b`` bytes, planning
+    the casts through the step) gives for ``b`` from ``budget`` to ``budget`` + the
+    casts whose peak (``simulate``'s, rule 10) fits ``budget``; a ``BudgetError``
+    naming the least such peak where none fits."""
+    from . import binding as _c_solver
+
+    best = None
+    try:
+        best = solve_at(budget)
+    except BudgetError:
+        pass
+    if best is None:   # (below the C solver's least budget: its least-memory plan may fit by rule 10)
+        ops, least = _c_solver.least_memory(costs)
+        least += costs.held_bytes
+        sim = simulate(costs, ops)
+        if sim.peak > budget:
+            raise BudgetError(
+                f"remat: budget {format_bytes(budget)} is below this chain's minimum of {format_bytes(sim.peak)} "
+                f"({sim.peak} bytes, autocast's copies of the weights let go at the loss); raise the budget or "
+                f"split the largest stage", sim.peak)
+        best, low = Schedule(ops, sim.time, sim.peak, "optimal", budget, None, costs.tail), least
+    else:
+        low = budget
+    high = budget + sum(costs.cast_bytes)
+    top = _fitting(solve_at, high, budget)
+    if top is not None:
+        best = min(best, top, key=lambda s: s.time)
+    else:
+        for _ in range(RAISES):   # (the largest raise whose schedule still fits, roughly)
+            mid = (low + high) // 2
+            if mid <= low:
+                break
+            found = _fitting(solve_at, mid, budget)
+            if found is None:
+                high = mid
+            else:
+                low, best = mid, min(best, found, key=lambda s: s.time)
+    return Schedule(best.ops, best.time, best.peak, "optimal", budget, best.slot_bytes, costs.tail, best.grouping)
+
+
+def _fitting(solve_at, raised, budget):
+    try:
+        schedule = solve_at(raised)
+    except BudgetError:
+        return None
+    return schedule if schedule.peak <= budget else None
+
+
+def least_with_casts(costs, ops, least):
+    """The least budget of ``costs``, whose casts rule 10 frees: that of the C solver's
+    least-memory ``ops`` (``least`` bytes with the casts through the step) by rule 10;
+    ``least`` where there are none."""
+    return min(least, simulate(costs, ops).peak) if any(costs.cast_bytes) else least
+
+
+def without_casts(costs):
+    """``costs`` with the casts neither held nor counted (a lower bound's costs: no
+    schedule holds less by rule 10 than these hold), or ``costs`` without any."""
+    if not any(costs.cast_bytes):
+        return costs
+    data = costs.to_dict()
+    data["held_bytes"] -= sum(data.pop("cast_bytes"))
+    return type(costs).from_dict(data)
