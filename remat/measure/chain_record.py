@@ -117,13 +117,10 @@ class ChainRecord:
         self.stages = []      # a StageRecord per stage (remat/measure/record.py)
         self.names = []       # their names, stage 1 first
         self.caller = set()   # stages whose output the code around the chain holds (Note [What the ...])
-        self.input_bytes = 0
-        self.costs = None
-        self.plans = {}
+        self.input_bytes, self.costs, self.plans = 0, None, {}
         self.attempts = 0        # calls left to refine the times (remat/measure/refine.py)
         self.samples = []        # the stamped calls' times so far (remat/measure/refine.py)
-        self.costs_file = None   # the costs file this process measured for (or None)
-        self.unsaved = False     # refined costs not yet written to it
+        self.costs_file, self.unsaved = None, False   # the costs file this process measured for; refined, unwritten
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
         self._held_costs = {}    # a^L counted held or not -> ((costs, tail, that), the planning costs)
         self.tail = None         # what the measuring call saw of the chain's tail (remat/measure/tail.py)
@@ -221,9 +218,13 @@ class ChainRecord:
         key = (self.costs, self.tail, held)
         cached = self._held_costs.get(held)
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            costs = self._output_held() if held else self.costs
-            tail = self.tail if self.tail is not None else TailSeen()
-            cached = self._held_costs[held] = (key, costs.with_tail(**tail.costs()))
+            casts = [sum(v for k, v in s.held.items() if type(k) is tuple and k[0] == "cached") for s in self.stages]
+            freed = self.tail is not None and self.tail.casts in ("forward", "freed") and any(casts)   # (casts.py)
+            costs = (self._output_held() if held else self.costs).with_tail(**(self.tail or TailSeen()).costs())
+            if freed:   # (the tail's none)
+                casts = (casts + [0] * costs.length)[:costs.stages] + [0]
+                costs = Costs.from_dict({**costs.to_dict(), "cast_bytes": casts})
+            cached = self._held_costs[held] = (key, costs)
         if not options:
             return cached[1].without_options()
         return cached[1]
@@ -248,8 +249,7 @@ class ChainRecord:
             # its options too (remat/solver/option.py Note [Options]: they keep a^L)
             data["saved_bytes"][-1] -= out
             data["bwd_tmp"][-1] += freed
-            # (but a^L made again after Loss is a copy, which a rebuilt B(L) gives back as measured:
-            # remat/solver/schedule.py Note [Accounting] 1)
+            # (a^L made again after Loss is a copy, which a rebuilt B(L) gives back: Note [Accounting] 1)
             data.setdefault("bwd_rebuilt_less", [0] * len(data["bwd_tmp"]))[-1] += freed
             for option in data.get("options", [[]])[-1]:
                 option["saved_bytes"] = max(option["saved_bytes"] - out, 0)

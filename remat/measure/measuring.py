@@ -233,8 +233,11 @@ class Measurer:
         held = dict(probe.held_grads)
         if probe.costs is not None and first(probe.out).requires_grad:
             held.update(side_grads(call, x))
-        if probe.saved_cached:   # (Note [Saved tensors held elsewhere]: a cache's, nothing to say)
-            held[("cached", k)] = probe.saved_cached
+        cached = probe.saved_cached   # (under autocast its cache holds the casts not saved too: solver/casts.py)
+        if call.autocast is not None and not call.autocast.off:
+            cached = max(cached, sum(n for _, n in (probe.cached or {}).values()))
+        if cached:   # (Note [Saved tensors held elsewhere]: a cache's, nothing to say)
+            held[("cached", k)] = cached
         if probe.saved_elsewhere and self.new.held_first(held, "elsewhere", k, probe.saved_elsewhere):
             warnings.warn(
                 f"remat: stage {k} ({call.name}) saves tensors for its backward that something else "

@@ -4,6 +4,8 @@ as a backward that frees its graph runs it, and again on a fresh forward with
 another layout of its output's gradient (run 4).
 """
 
+import contextlib
+
 import torch
 
 from ..errors import backward_failed
@@ -338,7 +340,8 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         with torch.no_grad():
             for t, old in originals:
                 t.copy_(old)
-        with inst:
+        cast = call.autocast   # (in the call's backward, run again in the autocast state its forward ran in)
+        with inst, cast.context() if cast is not None and not cast.current() else contextlib.nullcontext():
             act = call.activation(xin)
         reached = [p for p in stage_leaves(act, stop) if p is not xin]
         params = [p for p in reached if id(p) not in leaves]

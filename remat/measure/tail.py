@@ -99,6 +99,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..dynamo import enter_eager, exit_eager, in_compiled_frame
 from ..runtime.executor import distributed
+from ..runtime.replay import weight_caches
 from ..errors import RematError
 from .leaves import stop_nodes, walk
 from .linger import alone, downstream, linger, release
@@ -136,6 +137,7 @@ class TailSeen:
     why: str = ""
     after_block: bool = False   # metered after the chain's block (Note [The chain's tail] 5)
     cut: bool = False           # cut short by a chain opened before the backward (Note [The chain's tail] 6)
+    casts: str = ""   # "forward": its block ended under autocast; "freed"/"held": its backward began outside/in it
 
     def costs(self):
         """The tail as ``Costs.with_tail``'s arguments: its peak, less what the caller
@@ -291,8 +293,7 @@ class _Backward:
 
     def __init__(self, meter, out, seen, on_kept, outputs=()):
         self.meter, self.out, self.seen, self.on_kept = meter, out, seen, on_kept
-        # (the storages of the stages' outputs: a tensor the tail takes that needs grad and is none of these
-        # nor made by the tail is from before the chain, ``begin``)
+        # (the stages' outputs: a tensor the tail takes needing grad, none of these nor its own, is from before)
         self.chain = {storage_key(t) for t in outputs if isinstance(t, torch.Tensor)}
         self.leaves = []   # (weak references to the leaves whose gradients the tail makes)
         self.done = False
@@ -342,6 +343,8 @@ class _Backward:
             return
         self.done = True
         meter, seen = self.meter, self.seen
+        if seen.casts:   # (solver/casts.py; an engine thread's state is that of the thread that called backward)
+            seen.casts = "freed" if weight_caches() == (False, False) else "held"
         if seen.after_block:   # (5 of the Note: the meter's work is over; remat's next entry takes it off)
             seen.cut, meter.off = seen.cut or meter.cut, True
             if self.t0 is None:   # (the call raised before the meter could stay)
@@ -360,13 +363,11 @@ class _Backward:
             # end, kept (4% over a budget before); where it does not, one gradient more is counted
             handed = 0
         out = self.out
-        # a leaf's .grad made here (the first step's: later ones add into it) is resident
-        # from then on, as the budget counts the chain's own parameters' gradients
+        # a leaf's .grad made here (the first step's) is resident from then on, as the chain's parameters' are
         leaves = self.leaves + list((meter.leaves or {}).values())   # (those the code after the block took)
         grads = {storage_key(v.grad) for v in (r() for r in leaves) if v is not None and v.grad is not None}
         made = sum(meter.created.get(key, 0) for key in grads)
-        # (at least 0: a full-suite run once gave a negative kept, which Costs refuses;
-        # not reproduced since)
+        # (at least 0: a full-suite run once gave a negative kept, which Costs refuses; not reproduced since)
         seen.kept = max(0, meter.live - handed - made - out.alive())
         forward = meter.peak if self.forward is None else self.forward   # (a^L's off as in ``leave``)
         forward -= out.bytes if out.alive() or not out.read or self.forward is not None else 0

@@ -25,7 +25,7 @@ from ..solver.group import least_planned
 from ..solver.solve import minimum_budget, solve
 from ..units import format_bytes
 from .recompute import replaying, take_slots
-from .replay import capture_autocast
+from .replay import capture_autocast, weight_caches
 from .paths import keep_path, new_shape, path_room, shorter_path, switch_path
 from .executor import distributed, in_flight
 from .runner import Runner, site_text, watch_output
@@ -277,13 +277,12 @@ class ChainCall:
             new = measurer.finish(self.k, tail.alive)
         finally:
             self.in_stage = False
-        new.tail = tail
-        record[0] = new
+        # (autocast's casts presumed let go before the backward, run after its block, until it tells)
+        tail.casts, new.tail, record[0] = "forward" if weight_caches() == (True, False) else "", tail, new
         _remember(self.key, new)
         watch_output(new, self.prev)
         try:
-            # (its own backward may yet show its output let go: Note [The chain's output],
-            # remat/measure/chain_record.py; only a budget under the measured costs' minimum fails now)
+            # (its backward may show its output let go, Note [The chain's output]: a budget under the least fails)
             plan = plan_for(new, self.budget, self.spec)
         except Exception as exc:
             measurer.undo()
@@ -305,9 +304,8 @@ class ChainCall:
         t0 = time.perf_counter()
         if runner.finish(self.k, self.prev, self.source):   # (the next measures, or runs that path's record)
             shorter_path(self.key, runner.base, runner.at(self.k), _remember)
-        plan = runner.plan
-        self.spec.explained(plan.costs, plan.schedule, self.budget, runner.entry.names, runner.entry.costs,
-                            runner.entry)
+        plan, entry = runner.plan, runner.entry
+        self.spec.explained(plan.costs, plan.schedule, self.budget, entry.names, entry.costs, entry)
         if runner.run.clock is not None:   # (the call's end is charged to its last stage)
             runner.run.clock.ran_more(self.k, time.perf_counter() - t0)
         entry = self.tail_due
@@ -339,7 +337,6 @@ def _remember(key, chain_record):
         _cache[key] = chain_record
         _cache.move_to_end(key)
         if len(_cache) > CACHE_SIZE:
-            # records of models that are gone can never match again: they go first
             for old in [k for k, e in _cache.items() if e.ident(1) is None]:
                 del _cache[old]
         while len(_cache) > CACHE_SIZE:

@@ -71,7 +71,7 @@ _warned_paths = set()    # chain sites warned of
 SHAPES = 8         # input shapes a chain site measures before ``new_shape`` warns
 shapes = {}        # chain site -> input shapes measured after its first
 _PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "fwd_nograd_less",
-                                          "options")
+                                          "options", "cast_bytes")
 
 
 def site_text(site):
@@ -279,8 +279,8 @@ def _stitched(plan, k, other, budget, spec, solve_at=None):
         return None
     held = trace[-1][2] if trace else costs.input_bytes + costs.held_bytes
     x_in = costs.sizes()[k - 1]
-    rest = dataclasses.replace(costs, input_bytes=x_in, held_bytes=held - x_in,
-                               **{f: getattr(costs, f)[k - 1:] for f in _PER_STAGE})
+    rest = dataclasses.replace(costs, input_bytes=x_in, held_bytes=held - x_in + sum(costs.cast_bytes[k - 1:]),
+                               **{f: getattr(costs, f)[k - 1:] for f in _PER_STAGE})   # (casts: rule 10)
     schedule = solve(rest, budget if solve_at is None else solve_at, spec.algorithm, spec.slots)
     moved = [op_from_code(op.code, op.stage + k - 1, getattr(op, "option", 0)) if op is not Loss else Loss
              for op in schedule.ops]

@@ -219,6 +219,13 @@ def capture_autocast(like=None):
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
+def weight_caches():
+    """(autocast on, parametrize's cache of weights on) now, this thread's: the caches the
+    copies of weights a stage saves live in (``Costs.cast_bytes``)."""
+    on = _any_autocast() if _any_autocast is not None else any(map(torch.is_autocast_enabled, _autocast_devices()))
+    return on, bool(torch.nn.utils.parametrize._cache_enabled)
+
+
 @functools.lru_cache(maxsize=None)
 def _autocast_devices():
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)

@@ -387,8 +387,7 @@ def minimum_budget(costs):
     """The least budget in bytes any persistent schedule of ``costs`` fits in."""
     from . import binding as _c_solver
 
-    ops, least = _c_solver.least_memory(check_costs(costs, "minimum_budget"))
-    return least_with_casts(costs, ops, least + costs.held_bytes)
+    return least_with_casts(costs, _c_solver.least_memory(check_costs(costs, "minimum_budget"))[1] + costs.held_bytes)
 
 
 def _check_fits(sim, budget):

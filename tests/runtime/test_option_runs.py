@@ -161,7 +161,10 @@ def test_sdpa_dropout_inplace_and_autocast_with_options(cast, which):
     blocks = [_Sdpa(16) for _ in range(4)]
     ref = _steps(copy.deepcopy(blocks), None, cast)
     _steps(copy.deepcopy(blocks), remat.chain.NO_LIMIT, cast, steps=1)
-    low = minimum_budget(remat.explain().costs)
+    # (the least budget with autocast's casts held through the step, where the options' records fit:
+    # rule 10 lets the least go lower, where only base records fit, remat/solver/casts.py)
+    low = minimum_budget(remat.Costs.from_dict({k: v for k, v in remat.explain().costs.to_dict().items()
+                                                if k != "cast_bytes"}))
     remat.clear_cache()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ChainRecord, "planning_costs", _every_stage_option(which))

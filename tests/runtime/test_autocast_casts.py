@@ -1,0 +1,159 @@
+"""Autocast's cached casts of the weights, planned where they live (remat/solver/casts.py Note
+[Casts freed at the Loss]): with the backward after the autocast block, as PyTorch advises,
+the measuring call's backward tells the chain so, and plans count each stage's casts from its
+first forward to the loss and in its records after; with the backward inside the block, through
+the step, as before."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import chains
+import remat
+from chains import SEQ_KINDS
+from remat.solver.solve import minimum_budget, store_all
+
+D, STAGES = 64, 6
+
+
+class Net(nn.Module):
+    """Six MLP blocks as stages and a small head: the step's peak is in the backward, where
+    only the records hold casts (a head whose logits dwarf the blocks peaks at the loss, while
+    every cast is alive)."""
+
+    def __init__(self, vocab=8):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            remat.stage(nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)))
+            for _ in range(STAGES))
+        self.head = nn.Linear(D, vocab)
+        self.budget = 2**40
+
+    def forward(self, x, target):
+        with remat.chain(budget=self.budget):
+            for block in self.blocks:
+                x = block(x)
+            return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
+
+
+def _step(net, x, target, inside):
+    """One bf16 step, the backward after the autocast block (or ``inside`` it): (the chain's
+    measured whole-step peak, its prediction, the gradients)."""
+    for p in net.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)   # (resident, as the budget counts them)
+        p.grad.zero_()
+    with remat.measure_peak() as meter:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = net(x, target)
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+    seen = remat.explain()
+    assert meter.peak > 0
+    return seen.measured_peak, seen.predicted_peak, [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_casts_planned_where_they_live(inside):
+    torch.manual_seed(0)
+    base = Net()
+    x, target = torch.randn(4, 32, D), torch.randint(8, (4, 32))
+    probe = copy.deepcopy(base)
+    _step(probe, x, target, inside)
+    _step(probe, x, target, inside)
+    costs = remat.explain().costs
+    casts = costs.cast_bytes
+    if inside:   # (autocast's cache alive through the backward: held through the step)
+        assert not any(casts)
+        return
+    assert all(c > 0 for c in casts[:STAGES]) and casts[-1] == 0
+    assert sum(casts) == STAGES * (2 * 4 * D * D + 4 * D + D) * 2   # (the blocks' weights and biases, in bf16)
+    through = remat.Costs.from_dict({k: v for k, v in costs.to_dict().items() if k != "cast_bytes"})
+    least, top = minimum_budget(costs), remat.simulate(costs, store_all(costs.length)).peak
+    assert least < minimum_budget(through)   # (13% less on this chain)
+    want = _step(copy.deepcopy(base), x, target, inside)[2]
+    for fraction in (0.0, 0.3, 0.6, 1.0):
+        remat.clear_cache()
+        net = copy.deepcopy(base)
+        net.budget = max(int(least + fraction * (top - least)), remat.explain().least_budget)
+        for call in range(3):   # the measuring call, then calls on the plan
+            peak, predicted, grads = _step(net, x, target, inside)
+            assert peak <= net.budget, (fraction, call, peak, net.budget)
+            assert all(torch.equal(a, b) for a, b in zip(grads, want))
+        # the plan's prediction within 2% of what it measured (it was 10-13% high, the casts through the
+        # step; the casts autograd does not save, the biases', are counted in the records after Loss)
+        assert predicted * 0.98 <= peak <= predicted, (fraction, peak, predicted)
+
+
+# (not "tied": stages sharing a weight, whose one cast autocast makes at the first use, go over: docs/limitations.md)
+@given(st.lists(st.sampled_from([k for k in SEQ_KINDS if k != "tied"]), min_size=2, max_size=6), st.floats(0, 1))
+def test_random_chains_under_autocast_stay_under_the_budget(kinds, fraction):
+    """Random chains in bf16 (the backward after the autocast block, as PyTorch advises;
+    inside it they go over: docs/limitations.md) at random budgets from the least a first
+    call and a plan need up: every call's whole step from the chain's opening after the
+    first is under the budget (the first's is not yet, under autocast: the test below),
+    and losses and gradients are plain
+    PyTorch's bitwise (a BatchNorm stage after a linear one, run again in the first
+    call's backward outside autocast, raised before)."""
+    torch.manual_seed(0)
+    base = chains.Net(kinds)
+    probe, ref, net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    probe.budget = remat.chain.NO_LIMIT
+    for seed in range(2):
+        _chain_step(probe, seed, False)
+    seen = remat.explain()
+    costs = seen.costs
+    least = max(seen.least_budget, minimum_budget(costs))
+    net.budget = int(least + fraction * (max(least, remat.simulate(costs, store_all(costs.length)).peak) - least))
+    remat.clear_cache()
+    for seed in range(3):
+        want, got = _chain_step(ref, seed, False), _chain_step(net, seed, False)
+        assert all(torch.equal(a, b) for a, b in zip(want[1], got[1])), seed
+        assert seed == 0 or got[0] <= net.budget, (seed, got[0], net.budget)
+    remat.clear_cache()
+
+
+@pytest.mark.xfail(strict=True, reason="a first call under autocast goes over its least budget (docs/limitations.md)")
+def test_a_first_call_under_autocast_stays_under_the_least_budget():
+    """Known to fail, before this session's changes too: at the least budget the measuring
+    call of these bf16 stages peaks 25% over it (12,876 bytes against 10,264), its own
+    account of what it holds not following autocast's casts; the calls after it stay
+    under (9,888 bytes), as their plans predict (9,896)."""
+    torch.manual_seed(0)
+    base = chains.Net(["bn", "attn", "attn", "attn", "mlp"])
+    probe, net = copy.deepcopy(base), copy.deepcopy(base)
+    probe.budget = remat.chain.NO_LIMIT
+    for seed in range(2):
+        _chain_step(probe, seed, False)
+    seen = remat.explain()
+    net.budget = max(seen.least_budget, minimum_budget(seen.costs))
+    remat.clear_cache()
+    peaks = [_chain_step(net, seed, False)[0] for seed in range(3)]
+    remat.clear_cache()
+    assert max(peaks[1:]) <= net.budget
+    assert peaks[0] <= net.budget, (peaks, net.budget)
+
+
+def _chain_step(net, seed, inside):
+    """A bf16 step of a ``chains.Net`` (plain where its budget is None): (the chain's
+    measured peak from its opening, the loss and every gradient)."""
+    torch.manual_seed(1000 + seed)   # (the same dropout draws for both)
+    x, mask = chains.make_input(net, seed=seed)
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + seed))
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    with remat.measure_peak() as meter:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = (net(x, mask).float() * target).sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+    peak = remat.explain().measured_peak if net.budget is not None else meter.peak
+    return peak, [loss.detach(), x.grad] + [p.grad for p in net.parameters()]
