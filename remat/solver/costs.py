@@ -89,10 +89,10 @@ class Costs:
             the k-th (1-based; option 0 is the base record, these fields).
             None (the default): no options anywhere; the tail has none.
         cast_bytes: of ``held_bytes``, each stage's share that autocast's cache
-            holds (its saved bf16 copies of the weights) from the stage's first
-            forward until the autocast block ends, before the backward; after
-            ``Loss`` only its records hold them (Note [Accounting] 10). None
-            (the default): 0 everywhere, all of ``held_bytes`` through the step.
+            holds (the bf16 copies of its weights and biases) from the stage's
+            first forward until the autocast block ends, before the backward;
+            after ``Loss`` only its records (Note [Accounting] 10). None (the
+            default): 0 everywhere, all of ``held_bytes`` through the step.
 
     Raises:
         CostsError: a list has the wrong length, a size is not a

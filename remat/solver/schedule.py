@@ -55,7 +55,8 @@ the chain input), s[i] the size of a-bar^i, which includes a^i.
    held_bytes, c[i] is held only from stage i's first forward to ``Loss``
    (autocast's cache; Fn/Fck and Fall in the forward phase add it after
    their op, Fall's peak counting it beside s[i]), then by each held a-bar^i,
-   and by those ``Fall(i)`` makes after Loss, to ``B(i)``.
+   and by those ``Fall(i)`` makes after Loss, to ``B(i)`` (all of c[i], the
+   casts autograd does not save, a bias's, too: on the safe side).
 
 A schedule is invalid if it uses a value that is not held, computes a value
 that is already held, recomputes a stage after its backward, runs the
