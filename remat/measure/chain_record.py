@@ -69,7 +69,7 @@ from ..dynamo import DYNAMO_SKIPS
 from ..errors import CostsError
 from .holding import least_budget, stage_least
 from .record import StageCosts
-from .tail import TailSeen
+from .record import TailSeen
 from ..units import format_bytes
 
 __all__ = ["NO_HINT", "ChainRecord"]
@@ -118,8 +118,7 @@ class ChainRecord:
         self.names = []       # their names, stage 1 first
         self.caller = set()   # stages whose output the code around the chain holds (Note [What the ...])
         self.input_bytes, self.costs, self.plans = 0, None, {}
-        self.attempts = 0        # calls left to refine the times (remat/measure/refine.py)
-        self.samples = []        # the stamped calls' times so far (remat/measure/refine.py)
+        self.attempts, self.samples = 0, []   # calls left to refine the times, theirs so far (measure/refine.py)
         self.costs_file, self.unsaved = None, False   # the costs file this process measured for; refined, unwritten
         self.output_held = None  # whether a call held a^L at B(L) (Note [The chain's output])
         self._held_costs = {}    # a^L counted held or not -> ((costs, tail, that), the planning costs)
@@ -220,7 +219,8 @@ class ChainRecord:
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
             casts = [sum(v for k, v in s.held.items() if type(k) is tuple and k[0] == "cached") for s in self.stages]
             freed = self.tail is not None and self.tail.casts in ("forward", "freed") and any(casts)   # (casts.py)
-            costs = (self._output_held() if held else self.costs).with_tail(**(self.tail or TailSeen()).costs())
+            handed = self.costs.out_bytes[-1] if freed else None   # (the tail's backward at B(L): tail.py)
+            costs = (self._output_held() if held else self.costs).with_tail(**(self.tail or TailSeen()).costs(handed))
             if freed:   # (the tail's none)
                 casts = (casts + [0] * costs.length)[:costs.stages] + [0]
                 costs = Costs.from_dict({**costs.to_dict(), "cast_bytes": casts})

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from ..runtime.recompute import NO_SLOTS
 
-__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord"]
+__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord", "TailSeen"]
 
 # the per-stage fields of ``remat.Costs``, in its order
 COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp",
@@ -145,3 +145,62 @@ class StageRecord:
     def again(self, costs):
         """A copy for a chain's record made again from this one, with ``costs``."""
         return dataclasses.replace(self, costs=costs, quiet=None)
+
+
+@dataclass
+class TailSeen:
+    """What a measuring call saw of the chain's tail (Note [The chain's tail], remat/measure/tail.py).
+
+    Attributes:
+        metered: whether the tail inside the block was metered (else ``why``).
+        peak: bytes its forward inside the block reached above the chain's end.
+        alive: bytes of what it made that were alive as the block ended.
+        kept: bytes of them still alive as the chain's backward began (None
+            before a backward has shown it).
+        backward_peak: the peak above the chain's end through the tail's
+            forward and backward, as that backward showed it (None before).
+        seconds: time inside its forward's ops; ``backward_seconds`` its
+            backward's nodes' (None before a backward).
+        why: why it was not metered ("" if it was).
+    """
+
+    metered: bool = False
+    peak: int = 0
+    alive: int = 0
+    kept: int = None
+    backward_peak: int = None
+    seconds: float = 0.0
+    backward_seconds: float = None
+    why: str = ""
+    after_block: bool = False   # metered after the chain's block (Note [The chain's tail] 5)
+    cut: bool = False           # cut short by a chain opened before the backward (Note [The chain's tail] 6)
+    casts: str = ""   # "forward": its block ended under autocast; "freed"/"held": its backward began outside/in it
+
+    def costs(self, handed=None):
+        """The tail as ``Costs.with_tail``'s arguments: its peak, less what the caller keeps,
+        which held_bytes counts. Until a backward has shown them, its forward's peak and
+        nothing kept: the least it can need (the plan a measuring call makes then is for a
+        later call, solved again once its backward has run; one it cannot make, the budget
+        cannot hold). ``handed`` (the bytes of a^L's gradient): its backward's at B(L), after
+        autocast's casts went (solver/casts.py), its forward's alone with them."""
+        split = handed is not None and self.backward_peak is not None
+        peak = self.peak if self.backward_peak is None or split else max(self.peak, self.backward_peak)
+        kept = 0 if self.kept is None else self.kept
+        back = 2 * self.seconds if self.backward_seconds is None else self.backward_seconds
+        return {"fwd_time": self.seconds, "bwd_time": back, "out_bytes": 0, "saved_bytes": 0, "kept": kept,
+                "fwd_tmp": max(0, peak - kept), "bwd_tmp": max(0, self.backward_peak - kept - handed) if split else 0}
+
+    def __str__(self):
+        if not self.metered:
+            return f"tail not metered: {self.why}"
+        seen = "its backward not yet seen" if self.kept is None else \
+            f"{_mib(self.backward_peak)} with its backward, {_mib(self.kept)} kept through the chain's backward"
+        if self.after_block:
+            cut = ", cut short by a chain opened before it (6 of Note [The chain's tail])" if self.cut else ""
+            return f"tail (the code after the last stage, until its backward reached the chain{cut}): {seen}"
+        return (f"tail (after the last stage, inside the chain's block): peak {_mib(self.peak)} above the "
+                f"chain's end, {_mib(self.alive)} alive as the block ended; {seen}")
+
+
+def _mib(n):
+    return f"{n / 2**20:.2f} MiB"

@@ -64,7 +64,11 @@ The measuring call meters the tail (``TailMeter``):
    tail taken to end with the block put such steps up to 3.4 times over the
    budget). It meters the code after the block, the tail's forward and its
    backward, until ``B(L)`` starts, and its figures then are the tail's as
-   in 3, its forward and backward as one. It stays only on a dispatch-mode
+   in 3, its forward and backward as one: its forward's own peak is the
+   meter's at the first op run inside a backward (``_Backward.watch``),
+   which ``TailSeen.costs`` charges apart from the backward's where
+   autocast's casts go at the loss (remat/solver/casts.py: in bf16 the one
+   peak read a logits tensor high with every cast alive). It stays only on a dispatch-mode
    stack of remat's own meters, not where the chain's output needs no
    gradient, and not under torch.distributed (every rank runs rank 0's
    schedule, and each rank's code after the block is its own): elsewhere
@@ -89,7 +93,6 @@ began, and the meter missed the rest of the window. What the tail measured,
 and what was not seen, ``remat.explain().tail`` says.
 """
 
-import dataclasses
 import time
 import warnings
 import weakref
@@ -104,67 +107,11 @@ from ..errors import RematError
 from .leaves import stop_nodes, walk
 from .linger import alone, downstream, linger, release
 from .meter import Instrument, storage_key
+from .record import TailSeen   # (what it saw: re-exported, as before)
 
 __all__ = ["TAIL_TRIES", "TailMeter", "TailSeen", "abandoned", "backward_seen", "output_held_later"]
 
 TAIL_TRIES = 2   # running calls whose tail was cut short after which a record keeps what it saw (6 of the Note)
-
-
-@dataclasses.dataclass
-class TailSeen:
-    """What a measuring call saw of the chain's tail (Note [The chain's tail]).
-
-    Attributes:
-        metered: whether the tail inside the block was metered (else ``why``).
-        peak: bytes its forward inside the block reached above the chain's end.
-        alive: bytes of what it made that were alive as the block ended.
-        kept: bytes of them still alive as the chain's backward began (None
-            before a backward has shown it).
-        backward_peak: the peak above the chain's end through the tail's
-            forward and backward, as that backward showed it (None before).
-        seconds: time inside its forward's ops; ``backward_seconds`` its
-            backward's nodes' (None before a backward).
-        why: why it was not metered ("" if it was).
-    """
-
-    metered: bool = False
-    peak: int = 0
-    alive: int = 0
-    kept: int = None
-    backward_peak: int = None
-    seconds: float = 0.0
-    backward_seconds: float = None
-    why: str = ""
-    after_block: bool = False   # metered after the chain's block (Note [The chain's tail] 5)
-    cut: bool = False           # cut short by a chain opened before the backward (Note [The chain's tail] 6)
-    casts: str = ""   # "forward": its block ended under autocast; "freed"/"held": its backward began outside/in it
-
-    def costs(self):
-        """The tail as ``Costs.with_tail``'s arguments: its peak, less what the caller
-        keeps, which held_bytes counts. Until a backward has shown them, its
-        forward's peak and nothing kept: the least it can need (the plan a
-        measuring call makes then is for a later call, solved again once its
-        backward has run; one it cannot make, the budget cannot hold)."""
-        peak = self.peak if self.backward_peak is None else max(self.peak, self.backward_peak)
-        kept = 0 if self.kept is None else self.kept
-        back = 2 * self.seconds if self.backward_seconds is None else self.backward_seconds
-        return {"fwd_time": self.seconds, "bwd_time": back, "out_bytes": 0, "saved_bytes": 0,
-                "fwd_tmp": max(0, peak - kept), "bwd_tmp": 0, "kept": kept}
-
-    def __str__(self):
-        if not self.metered:
-            return f"tail not metered: {self.why}"
-        seen = "its backward not yet seen" if self.kept is None else \
-            f"{_mib(self.backward_peak)} with its backward, {_mib(self.kept)} kept through the chain's backward"
-        if self.after_block:
-            cut = ", cut short by a chain opened before it (6 of Note [The chain's tail])" if self.cut else ""
-            return f"tail (the code after the last stage, until its backward reached the chain{cut}): {seen}"
-        return (f"tail (after the last stage, inside the chain's block): peak {_mib(self.peak)} above the "
-                f"chain's end, {_mib(self.alive)} alive as the block ended; {seen}")
-
-
-def _mib(n):
-    return f"{n / 2**20:.2f} MiB"
 
 
 class TailMeter:
@@ -214,6 +161,7 @@ class TailMeter:
             seen = meter.seen = TailSeen(True, max(0, meter.peak - out.bytes), meter.live - out.alive(),
                                          after_block=True)   # (``settle`` marks it cut short)
             self.after = back = _Backward(meter, out, seen, on_kept, outputs)
+            back.prev, meter.watch = meter.watch, _watching(weakref.ref(back), meter.watch)   # (``watch``)
             # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
             act.register_hook(lambda g: back.begin((g,)))
             return seen
@@ -268,6 +216,18 @@ def output_held_later(stages, options):
     return costs is not None and (costs.out_freed == 0 or bool(options and costs.kept and costs.kept.out_kept))
 
 
+def _watching(back, prev):
+    """The meter's watch calling ``back().watch``: by a weak reference (the meter holding its
+    ``_Backward`` would keep a record whose backward never comes alive, and the meter on)."""
+    def watch(func, args, kwargs, ran):
+        live = back()
+        if live is not None:
+            live.watch(func, args, kwargs, ran)
+        elif prev is not None:
+            prev(func, args, kwargs, ran)
+    return watch
+
+
 class _Output:
     """a^L under the tail's meter, counted from the window's start (Note [The chain's
     tail] 4): the meter's figures, less ``bytes``, are the tail's above the chain's end."""
@@ -300,7 +260,14 @@ class _Backward:
         self.t0 = None
         self.seconds = 0.0
         self.forward = None   # the meter's peak before the backward, and the backward's above a^L so far
-        self.most = 0
+        self.most, self.prev = 0, None
+
+    def watch(self, func, args, kwargs, ran):
+        """(After the block, no node hooked) the first op of a backward: the forward's peak is over."""
+        if self.prev is not None:
+            self.prev(func, args, kwargs, ran)
+        if not ran and self.forward is None and torch._C._current_graph_task_id() >= 0:
+            self.forward, self.meter.peak = self.meter.peak, self.meter.live
 
     def hook(self, nodes, last):
         for node in nodes:
@@ -369,11 +336,14 @@ class _Backward:
         made = sum(meter.created.get(key, 0) for key in grads)
         # (at least 0: a full-suite run once gave a negative kept, which Costs refuses; not reproduced since)
         seen.kept = max(0, meter.live - handed - made - out.alive())
+        if seen.after_block and self.forward is not None:   # (``watch``: the backward's since, a^L's off)
+            self.most = max(self.most, meter.peak - (out.bytes if out.alive() or not out.read else 0))
+            meter.watch = self.prev
         forward = meter.peak if self.forward is None else self.forward   # (a^L's off as in ``leave``)
         forward -= out.bytes if out.alive() or not out.read or self.forward is not None else 0
         seen.backward_peak, seen.backward_seconds = max(0, forward, self.most), self.seconds
-        if seen.after_block:
-            seen.peak, seen.alive = seen.backward_peak, seen.kept
+        if seen.after_block:   # (its forward's own peak where ``watch`` saw the backward start)
+            seen.peak, seen.alive = max(0, forward), seen.kept
             seen.backward_seconds = time.perf_counter() - self.t0
         self.on_kept(seen)
 
