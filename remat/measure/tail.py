@@ -336,12 +336,14 @@ class _Backward:
         made = sum(meter.created.get(key, 0) for key in grads)
         # (at least 0: a full-suite run once gave a negative kept, which Costs refuses; not reproduced since)
         seen.kept = max(0, meter.live - handed - made - out.alive())
-        if seen.after_block and self.forward is not None:   # (``watch``: the backward's since, a^L's off)
-            self.most = max(self.most, meter.peak - (out.bytes if out.alive() or not out.read else 0))
-            meter.watch = self.prev
-        forward = meter.peak if self.forward is None else self.forward   # (a^L's off as in ``leave``)
-        forward -= out.bytes if out.alive() or not out.read or self.forward is not None else 0
-        seen.backward_peak, seen.backward_seconds = max(0, forward, self.most), self.seconds
+        if seen.after_block and self.forward is not None:   # (``watch`` saw the backward start: the whole
+            off = out.bytes if out.alive() or not out.read else 0   # peak as one meter's, and the forward's)
+            forward, whole, meter.watch = self.forward - off, max(self.forward, meter.peak) - off, self.prev
+        else:
+            forward = meter.peak if self.forward is None else self.forward   # (a^L's off as in ``leave``)
+            forward -= out.bytes if out.alive() or not out.read or self.forward is not None else 0
+            whole = max(forward, self.most)
+        seen.backward_peak, seen.backward_seconds = max(0, whole), self.seconds
         if seen.after_block:   # (its forward's own peak where ``watch`` saw the backward start)
             seen.peak, seen.alive = max(0, forward), seen.kept
             seen.backward_seconds = time.perf_counter() - self.t0
