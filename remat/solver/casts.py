@@ -27,7 +27,7 @@ from ..errors import BudgetError
 from ..units import format_bytes
 from .schedule import Schedule, simulate
 
-__all__ = ["RAISES", "least_schedule", "least_with_casts", "solve_with_casts"]
+__all__ = ["RAISES", "least_schedule", "solve_with_casts"]
 
 RAISES = 10   # bisection steps of the raised budget
 
@@ -37,16 +37,13 @@ def solve_with_casts(costs, budget, solve_at):
     the casts through the step) gives for ``b`` from ``budget`` to ``budget`` + the
     casts whose peak (``simulate``'s, rule 10) fits ``budget``; a ``BudgetError``
     naming the least such peak where none fits."""
-    from . import binding as _c_solver
-
     best = None
     try:
         best = solve_at(budget)
     except BudgetError:
         pass
     if best is None:   # (below the C solver's least budget: its least-memory plan may fit by rule 10)
-        ops, sim = least_schedule(costs)
-        least = _c_solver.least_memory(costs)[1] + costs.held_bytes
+        ops, sim, least = least_schedule(costs)
         if sim.peak > budget:
             raise BudgetError(
                 f"remat: budget {format_bytes(budget)} is below this chain's minimum of {format_bytes(sim.peak)} "
@@ -80,20 +77,17 @@ def _fitting(solve_at, raised, budget):
     return schedule if schedule.peak <= budget else None
 
 
-def least_with_casts(costs, least):
-    """The least budget of ``costs``, whose casts rule 10 frees: that of ``least_schedule``;
-    ``least`` (the C solver's) where there are none."""
-    return min(least, least_schedule(costs)[1].peak) if any(costs.cast_bytes) else least
-
-
 def least_schedule(costs):
     """(ops, Simulation) of the C solver's least-memory schedule of ``costs`` or of them
     without their options, whichever rule 10 puts lower (an option's record is counted
     holding its casts after Loss, as the base record's: the least schedule may then be
-    one of base records)."""
+    one of base records), and the C solver's least budget (the casts through the step)."""
     from . import binding as _c_solver
 
-    found = [(ops, simulate(costs, ops)) for ops in {_c_solver.least_memory(c)[0] for c in
-                                                       (costs, costs.without_options())}]
-    return min(found, key=lambda f: (f[1].peak, f[1].time))
-
+    ops, least = _c_solver.least_memory(costs)
+    found = [(ops, simulate(costs, ops))]
+    if costs.has_options:
+        other = _c_solver.least_memory(costs.without_options())[0]
+        found.append((other, simulate(costs, other)))
+    ops, sim = min(found, key=lambda f: (f[1].peak, f[1].time))
+    return ops, sim, least + costs.held_bytes

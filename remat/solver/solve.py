@@ -53,7 +53,7 @@ import re
 import warnings
 
 from .bound import time_bound
-from .casts import least_with_casts, solve_with_casts
+from .casts import least_schedule, solve_with_casts
 from .checks import check_costs
 from .costs import MAX_BYTES, Costs
 from .group import EXACT_WORK, exact_work, group_count, solve_on_groups
@@ -385,9 +385,11 @@ def best_periodic(costs, budget, lengths=None):
 
 def minimum_budget(costs):
     """The least budget in bytes any persistent schedule of ``costs`` fits in."""
+    if any(check_costs(costs, "minimum_budget").cast_bytes):   # (remat/solver/casts.py)
+        _, sim, least = least_schedule(costs)
+        return min(least, sim.peak)
     from . import binding as _c_solver
-
-    return least_with_casts(costs, _c_solver.least_memory(check_costs(costs, "minimum_budget"))[1] + costs.held_bytes)
+    return _c_solver.least_memory(costs)[1] + costs.held_bytes
 
 
 def _check_fits(sim, budget):
