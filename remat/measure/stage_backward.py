@@ -14,6 +14,7 @@ from .leaves import HeldHooks, Shares, with_sums, edge_backward, edge_roots, sta
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
 from ..runtime.executor import RELEASES
+from ..runtime.recompute import uncached
 from .timing import Timer
 from .cuda_peak import reset_own
 
@@ -101,7 +102,6 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
     in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
     held = held_peak - base - shares.acc if graph.shared else None   # (the shares it made: not one behind a cast)
     return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt, held
-
 
 
 class _Releases:
@@ -342,7 +342,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
                 t.copy_(old)
         cast = call.autocast   # (in the call's backward, run again in the autocast state its forward ran in)
         with inst, cast.context() if cast is not None and not cast.current() else contextlib.nullcontext():
-            act = call.activation(xin)
+            act = call.activation(uncached(xin, cast))
         reached = [p for p in stage_leaves(act, stop) if p is not xin]
         params = [p for p in reached if id(p) not in leaves]
         shared = [p for p in reached if id(p) in leaves]

@@ -38,7 +38,7 @@ from .leaves import StepGrads, stage_leaves, stop_nodes
 from .meter import Instrument
 from .cuda_peak import reset_own
 from ..runtime.option_modes import option_contexts
-from ..runtime.recompute import Replay
+from ..runtime.recompute import Replay, uncached
 from ..runtime.replay import bitwise_equal, restore_tensors
 
 __all__ = ["Timer", "made_alone", "nograd_less", "nograd_run", "timed_rebuild", "timed_step", "warm_cuda"]
@@ -101,7 +101,7 @@ def _timed_step(call, x, cuda, rng0, state):
     stop = stop_nodes(call.args)
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
         with Timer(cuda) as tf:
-            out = call.activation(xin)
+            out = call.activation(uncached(xin, call.autocast))
         tb = 0.0
         if out.requires_grad:
             params = [v for v in stage_leaves(out, stop) if v is not xin]
@@ -127,10 +127,10 @@ def timed_rebuild(call, x, cuda, rng0, state):
         try:
             with rng0.replayed(), restore_tensors(state), torch.enable_grad():
                 with keep:
-                    call.activation(xin)
+                    call.activation(uncached(xin, call.autocast))
             with rng0.replayed(), restore_tensors(state), torch.enable_grad():
                 with Timer(cuda) as timer, hand:
-                    call.activation(xin)
+                    call.activation(uncached(xin, call.autocast))
         except Exception:   # (a timing, not the stage's result: the estimate stands)
             return None
         best = timer.seconds if best is None else min(best, timer.seconds)

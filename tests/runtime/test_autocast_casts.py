@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 import chains
 import remat
@@ -93,12 +93,15 @@ def test_casts_planned_where_they_live(inside):
 
 # (not "tied": stages sharing a weight, whose one cast autocast makes at the first use, go over: docs/limitations.md)
 @given(st.lists(st.sampled_from([k for k in SEQ_KINDS if k != "tied"]), min_size=2, max_size=6), st.floats(0, 1))
+# (first calls over the least budget before: measuring stage 2 beside stage 1's casts, 144 B (4.8%);
+# run 4's detached input, a leaf needing grad, its cast cached by autocast to the block's end, 384 B)
+@example(["linear", "linear"], 0.0)
+@example(["linear", "bn", "mlp"], 0.0)
 def test_random_chains_under_autocast_stay_under_the_budget(kinds, fraction):
     """Random chains in bf16 (the backward after the autocast block, as PyTorch advises;
     inside it they go over: docs/limitations.md) at random budgets from the least a first
-    call and a plan need up: every call's whole step from the chain's opening after the
-    first is under the budget (the first's is not yet, under autocast: the test below),
-    and losses and gradients are plain
+    call and a plan need up: every call's whole step from the chain's opening, the
+    first's included, is under the budget, and losses and gradients are plain
     PyTorch's bitwise (a BatchNorm stage after a linear one, run again in the first
     call's backward outside autocast, raised before)."""
     torch.manual_seed(0)
@@ -115,16 +118,15 @@ def test_random_chains_under_autocast_stay_under_the_budget(kinds, fraction):
     for seed in range(3):
         want, got = _chain_step(ref, seed, False), _chain_step(net, seed, False)
         assert all(torch.equal(a, b) for a, b in zip(want[1], got[1])), seed
-        assert seed == 0 or got[0] <= net.budget, (seed, got[0], net.budget)
+        assert got[0] <= net.budget, (seed, got[0], net.budget)
     remat.clear_cache()
 
 
-@pytest.mark.xfail(strict=True, reason="a first call under autocast goes over its least budget (docs/limitations.md)")
 def test_a_first_call_under_autocast_stays_under_the_least_budget():
-    """Known to fail, before this session's changes too: at the least budget the measuring
-    call of these bf16 stages peaks 25% over it (12,876 bytes against 10,264), its own
-    account of what it holds not following autocast's casts; the calls after it stay
-    under (9,888 bytes), as their plans predict (9,896)."""
+    """At the least budget the measuring call of these bf16 stages peaked 25% over it
+    (12,876 bytes against 10,264): run 4 of a stage, at the call's end, did not count
+    the casts autocast's cache held of the stages' weights (``Holding.run4_fits``).
+    Counted, the first call is under the budget, as the calls after it are."""
     torch.manual_seed(0)
     base = chains.Net(["bn", "attn", "attn", "attn", "mlp"])
     probe, net = copy.deepcopy(base), copy.deepcopy(base)

@@ -122,6 +122,7 @@ def test_whole_step_stays_under_budget(kinds, vocab, keep, fraction, after, opti
 @example(["bn", "mlp", "bn"], 0, 0.25, True, False)   # (a meter's cycle in run 4 held BatchNorm's statistics)
 @example(["bn", "mlp", "mlp", "bn"], 8, 0.0, True, True)   # (a residual around the chain: its gradient held)
 @example(["attn", "scale"], 8, 0.0, False, True)   # (stage 1 rebuilt beside a^1's gradient: 576 B over the least)
+@example(["bn", "linear", "scale"], 8, 0.0, False, True)   # (BatchNorm rebuilt beside its state's copies: 72 B over)
 def test_every_call_from_the_first_stays_under_the_budget(kinds, vocab, fraction, after, around):
     """Random chains with a head inside the chain's block or after it, at random budgets
     from ``least_budget`` up: every call's whole-step peak is under the budget, the first
