@@ -98,10 +98,10 @@ def timed_step(call, x, cuda, rng0, state):
 
 def _timed_step(call, x, cuda, rng0, state):
     xin = x.detach().requires_grad_(x.requires_grad)
-    stop = stop_nodes(call.args)
+    inp, stop = uncached(xin, call.autocast), stop_nodes(call.args)
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
         with Timer(cuda) as tf:
-            out = call.activation(uncached(xin, call.autocast))
+            out = call.activation(inp)
         tb = 0.0
         if out.requires_grad:
             params = [v for v in stage_leaves(out, stop) if v is not xin]
@@ -124,13 +124,14 @@ def timed_rebuild(call, x, cuda, rng0, state):
     for _ in range(2):
         keep, hand = option_contexts()
         xin = x.detach().requires_grad_(x.requires_grad)
+        inp = uncached(xin, call.autocast)   # (made outside the options' modes, as a rebuild's input is)
         try:
             with rng0.replayed(), restore_tensors(state), torch.enable_grad():
                 with keep:
-                    call.activation(uncached(xin, call.autocast))
+                    call.activation(inp)
             with rng0.replayed(), restore_tensors(state), torch.enable_grad():
                 with Timer(cuda) as timer, hand:
-                    call.activation(uncached(xin, call.autocast))
+                    call.activation(inp)
         except Exception:   # (a timing, not the stage's result: the estimate stands)
             return None
         best = timer.seconds if best is None else min(best, timer.seconds)
