@@ -229,7 +229,7 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS, groups=None):
         return _solve_fixed(costs, budget, algorithm, name, k)
     with solving(f"remat: solving {n:,} stages"):   # (progress past 2 s; Ctrl-C stops it)
         if any(costs.cast_bytes) and (groups or n) >= n and exact_work(n, slots) <= EXACT_WORK:   # (casts.py)
-            return solve_with_casts(costs, budget, lambda b: _solve_optimal(costs, b, slots, groups))
+            return solve_with_casts(costs, budget, lambda b: _solve_optimal(costs, b, slots, groups), budget // slots)
         return _solve_optimal(costs, budget, slots, groups)
 
 
