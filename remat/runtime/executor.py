@@ -164,12 +164,10 @@ class Run:
         self.fall_at = plan.fall_at if plan is not None else {}   # stage -> index in ops of its Fall
         self.policy = plan.policy if plan is not None else None   # (k, option) -> what it keeps
         self.cursor, self.held_before = 0, 0   # (held_before: what stages before a measuring part hold, paths.py)
-        self.calls = [None]       # 1-based StageCall list
-        self.anchors = [None]     # 1-based weak references
+        self.calls, self.anchors = [None], [None]   # 1-based: StageCalls, weak references to anchors
         self.orphans = {}         # stage -> anchor of a stage autograd saved nothing of
         self.passed = set()       # such stages the engine has backwarded (``settle``)
-        self.whole = [False]      # stage was recorded in the forward phase (Fall)
-        self.option = [0]         # the option of such a stage's record (Note [Running an option])
+        self.whole, self.option = [False], [0]   # recorded in the forward phase (Fall), and with what option
         self.autocast, self.clock = autocast, None   # (clock: StageTimes of a call that refines the times, refine.py)
         self.pinned = []          # anchors kept by the run itself (``pin``)
         self.holds = None         # a measuring call's: (run, j, k) -> the stages a rebuild of k from j holds the input of
@@ -216,7 +214,7 @@ class Run:
         cycle) until the backward has passed below it: until the engine is about to
         run the node that made the stage's input ``x`` (the previous stage's
         backward starts, and B(i) has freed a^(i-1) in ``simulate``), or the
-        cursor passes B(i) (``materialize``)."""
+        cursor passes B(i), or a stage below it is rebuilt (``_materialize``)."""
         if packed == 0:
             anchor.run = None
             self.orphans[anchor.stage] = anchor
@@ -316,6 +314,8 @@ class Run:
             anchor = self._anchor(k)
             if anchor is not None and anchor.saved is not None:
                 return
+        # (stages above k: their B(i) ran, which no node showed ``settle`` where a^(i-1) was made unrecorded)
+        self.orphans = {i: anchor for i, anchor in self.orphans.items() if i <= k}
         self._rebuild(k)
 
     def input_of(self, k):
