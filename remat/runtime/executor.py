@@ -314,8 +314,8 @@ class Run:
             anchor = self._anchor(k)
             if anchor is not None and anchor.saved is not None:
                 return
-        # (stages above k: their B(i) ran, which no node showed ``settle`` where a^(i-1) was made unrecorded)
-        self.orphans = {i: anchor for i, anchor in self.orphans.items() if i <= k}
+        self.passed.update(i for i in self.orphans if i > k)   # (their B(i) ran: ``settle`` saw no node
+        self.orphans = {i: anchor for i, anchor in self.orphans.items() if i <= k}   # where a^(i-1) was unrecorded)
         self._rebuild(k)
 
     def input_of(self, k):
