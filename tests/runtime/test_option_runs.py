@@ -86,6 +86,8 @@ def _uses_options(schedule, which=None):
 @settings(max_examples=10 if settings.default.max_examples <= 25 else settings.default.max_examples)   # (deep: its own)
 @given(random_chains(), st.floats(0, 1), st.sampled_from(["sgd", "adam"]), st.sampled_from([1, 2]))
 @example((["mlp", "attn", "bn", "dropout", "mlp", "ln", "relu"], False), 0.0, "sgd", 1)
+# (a scaling stage's input let go above a stage rebuilt under its option, its backward-phase Fall after that)
+@example((["conv", "conv", "dropout", "scale", "conv", "conv"], True), 0.0, "sgd", 1)
 @example((["linear", "mlp", "mlp", "attn", "attn", "gelu", "mlp", "linear"], False), 0.1, "adam", 2)
 @example((["tied", "linear", "relu", "tied", "mlp"], False), 0.0, "sgd", 2)
 @example((["convblock", "conv", "bn2d", "dropout", "convblock"], True), 0.2, "sgd", 1)
