@@ -91,13 +91,14 @@ def test_casts_planned_where_they_live(inside):
         assert predicted * 0.98 <= peak <= predicted, (fraction, peak, predicted)
 
 
-# (not "tied": stages sharing a weight under autocast, where a least budget measured at no limit can sit
-# below what a fresh chain's second call needs: docs/limitations.md)
-@given(st.lists(st.sampled_from([k for k in SEQ_KINDS if k != "tied"]), min_size=2, max_size=6), st.floats(0, 1))
+@given(st.lists(st.sampled_from(SEQ_KINDS), min_size=2, max_size=6), st.floats(0, 1))
 # (first calls over the least budget before: measuring stage 2 beside stage 1's casts, 144 B (4.8%);
 # run 4's detached input, a leaf needing grad, its cast cached by autocast to the block's end, 384 B)
 @example(["linear", "linear"], 0.0)
 @example(["linear", "bn", "mlp"], 0.0)
+# (tied stages: a least budget measured at no limit below what a fresh chain's second call planned with,
+# 3,728 against 3,800 B: the C solver's least-memory plans tie, and rule 10 tells them apart, least_schedule)
+@example(["linear", "tied", "tied", "bn", "tied"], 0.0)
 def test_random_chains_under_autocast_stay_under_the_budget(kinds, fraction):
     """Random chains in bf16 (the backward after the autocast block, as PyTorch advises;
     inside it they go over: docs/limitations.md) at random budgets from the least a first
