@@ -68,8 +68,7 @@ from ..solver.solve import store_all
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import CostsError
 from .holding import least_budget, stage_least
-from .record import StageCosts
-from .record import TailSeen
+from .record import StageCosts, TailSeen, stage_casts
 from ..units import format_bytes
 
 __all__ = ["NO_HINT", "ChainRecord"]
@@ -217,7 +216,7 @@ class ChainRecord:
         key = (self.costs, self.tail, held)
         cached = self._held_costs.get(held)
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            casts = [sum(v for k, v in s.held.items() if type(k) is tuple and k[0] == "cached") for s in self.stages]
+            casts = [stage_casts(s) for s in self.stages]
             freed = self.tail is not None and self.tail.casts in ("forward", "freed") and any(casts)   # (casts.py)
             handed = self.costs.out_bytes[-1] if freed else None   # (the tail's backward at B(L): tail.py)
             costs = (self._output_held() if held else self.costs).with_tail(**(self.tail or TailSeen()).costs(handed))

@@ -72,6 +72,7 @@ where the saved tensors are held through that backward, the first call
 stays within a stage's saved bytes of the budget.
 """
 
+import itertools
 import weakref
 
 import torch
@@ -79,6 +80,7 @@ import torch
 from ..errors import BudgetError
 from ..solver.solve import minimum_budget
 from ..units import format_bytes
+from .record import stage_casts
 
 __all__ = ["Holding", "least_budget", "measuring_least"]
 
@@ -112,7 +114,7 @@ def measuring_least(costs, record=None):
     x = costs.sizes()
     stages = record.stages if record is not None else []
     peaks = [(s.costs.measure_peak or 0) if s.costs is not None else 0 for s in stages]
-    casts = [_cached(stages[:i]) for i in range(len(stages))]   # (those of the stages below, in their caches)
+    casts = [0, *itertools.accumulate(map(stage_casts, stages))]   # (those of the stages below, in their caches)
     return max(max(stage_least(x[i], costs.out_bytes[i], costs.saved_bytes[i], costs.fwd_tmp[i], costs.bwd_tmp[i]),
                    peaks[i] if i < len(peaks) else 0) + (x[0] if i else 0) + (casts[i] if i < len(casts) else 0)
                for i in range(costs.length))
@@ -185,6 +187,7 @@ class Holding:
         self.inputs_bytes = 0
         self.spacing = 1         # the stages whose input is held: every spacing-th (``thin_inputs``)
         self.largest = hinted    # the most measuring a stage needed beyond its input so far (or, hinted, will)
+        self._casts = self._counted = 0   # (``_cached``: the casts of the first ``_counted`` stages)
         # (widest: the largest stage input so far, or, hinted, to come: alive as that stage is measured)
 
     def keep_saved(self, i, costs, given, input_bytes=0):
@@ -283,8 +286,13 @@ class Holding:
 
     def _cached(self):
         """Bytes of the caches' copies of the weights the stages measured so far made
-        (autocast's casts: alive as the stages after them are measured)."""
-        return _cached(self.record.stages) if self.record is not None else 0
+        (autocast's casts: alive as the stages after them are measured), added up as
+        stages come (the record only grows)."""
+        stages = self.record.stages if self.record is not None else ()
+        for stage in stages[self._counted:]:
+            self._casts += stage_casts(stage)
+        self._counted = len(stages)
+        return self._casts
 
     def run4_fits(self, k, run, outs, tail=0):
         """Whether run 4 of stage k (Note [Measuring a stage] in
@@ -300,7 +308,7 @@ class Holding:
         alive = {j: ref() for j, ref in outs.items()}
         storages = run.held_storages() + [t.untyped_storage() for t in alive.values() if t is not None]
         held = record.input_bytes + self.held_bytes + tail + sum({st._cdata: st.nbytes() for st in storages}.values())
-        held += _cached(record.stages)
+        held += self._cached()
         x_in = record.input_bytes if k == 1 else record.stages[k - 2].costs.out_bytes
         # its input (made again if let go) and its gradient, a fresh forward's saved tensors (its
         # output among them), the output's gradient and a copy of it, and the backward's transient
@@ -378,11 +386,3 @@ def _tail_kept(record):
     tail = record.tail
     return 0 if tail is None else tail.kept if tail.kept is not None else tail.alive or 0
 
-
-def _cached(stages):
-    """Bytes of the caches' copies of the weights ``stages`` (``StageRecord``s) made
-    (each key once): autocast's casts, alive until the autocast block ends."""
-    held = {}
-    for stage in stages:
-        held.update((k, v) for k, v in stage.held.items() if type(k) is tuple and k[0] == "cached")
-    return sum(held.values())

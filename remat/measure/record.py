@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from ..runtime.recompute import NO_SLOTS
 
-__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord", "TailSeen"]
+__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord", "TailSeen", "stage_casts"]
 
 # the per-stage fields of ``remat.Costs``, in its order
 COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp",
@@ -204,3 +204,9 @@ class TailSeen:
 
 def _mib(n):
     return f"{n / 2**20:.2f} MiB"
+
+
+def stage_casts(record):
+    """Bytes of the caches' copies of the weights a ``StageRecord`` made (its held
+    ("cached", k)): autocast's casts, ``parametrize.cached()``'s weights."""
+    return sum(v for k, v in record.held.items() if type(k) is tuple and k[0] == "cached")

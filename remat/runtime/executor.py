@@ -169,8 +169,7 @@ class Run:
         self.passed = set()       # such stages the engine has backwarded (``settle``)
         self.whole, self.option = [False], [0]   # recorded in the forward phase (Fall), and with what option
         self.autocast, self.clock = autocast, None   # (clock: StageTimes of a call that refines the times, refine.py)
-        self.pinned = []          # anchors kept by the run itself (``pin``)
-        self.holds = None         # a measuring call's: (run, j, k) -> the stages a rebuild of k from j holds the input of
+        self.pinned, self.holds = [], None   # anchors the run keeps (``pin``); a measuring call's ``rebuild_holds``
 
     # forward phase ------------------------------------------------------
 
@@ -185,8 +184,7 @@ class Run:
         count = [0]
 
         def pack(tensor):
-            i = count[0]
-            count[0] = i + 1
+            count[0] = (i := count[0]) + 1
             live = anchor.live
             if live is not None:
                 live.append(tensor)
@@ -214,7 +212,7 @@ class Run:
         cycle) until the backward has passed below it: until the engine is about to
         run the node that made the stage's input ``x`` (the previous stage's
         backward starts, and B(i) has freed a^(i-1) in ``simulate``), or the
-        cursor passes B(i), or a stage below it is rebuilt (``_materialize``)."""
+        cursor passes B(i), or the backward of a stage below it begins (``watch``)."""
         if packed == 0:
             anchor.run = None
             self.orphans[anchor.stage] = anchor
@@ -255,8 +253,12 @@ class Run:
 
         def begin(_grads):
             a = ref()
-            if a is not None and a.saved is None and a.run is not None:
-                a.run.materialize(a.stage)
+            run = a.run if a is not None else None
+            if run is not None and run.orphans:   # (the stages above passed B(i), where no node told ``settle``)
+                run.passed.update(i for i in run.orphans if i > a.stage)
+                run.orphans = {i: o for i, o in run.orphans.items() if i <= a.stage}
+            if run is not None and a.saved is None:
+                run.materialize(a.stage)
 
         node.register_prehook(begin)
 
@@ -314,8 +316,6 @@ class Run:
             anchor = self._anchor(k)
             if anchor is not None and anchor.saved is not None:
                 return
-        self.passed.update(i for i in self.orphans if i > k)   # (their B(i) ran: ``settle`` saw no node
-        self.orphans = {i: anchor for i, anchor in self.orphans.items() if i <= k}   # where a^(i-1) was unrecorded)
         self._rebuild(k)
 
     def input_of(self, k):

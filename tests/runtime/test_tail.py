@@ -73,8 +73,7 @@ def step(net, seed, metered=False):
 @example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, False, False, False)
 @example(["mlp", "linear", "attn", "mlp"], 80, True, 0.0, True, True, False)
 @example(["relu", "dropout"], 0, False, 0.0, True, False, False)
-# a transposed a^L copied by the head, kept by the last stage's saved tensors in later calls
-# (16% over the budget before), or let go (BatchNorm does not save its output)
+# a transposed a^L the head copies, kept by the last stage's saved tensors (16% over before), or not (BatchNorm's)
 @example(["linear", "bn", "relu"], 8, False, 0.0, False, False, False)
 @example(["linear", "bn", "relu"], 8, False, 0.0, True, False, False)
 @example(["bn"], 8, False, 0.0, False, False, False)
