@@ -179,7 +179,7 @@ class Run:
         it, a one-item list counting them)."""
         anchor = _Anchor(self, call.index)
         if keep_input:
-            anchor.input, anchor.version = x.detach(), x._version
+            anchor.input, anchor.version = x if x.is_leaf else x.detach(), x._version   # (recompute.record_again)
         self._register(call, weakref.ref(anchor), False, option)
         count = [0]
 

@@ -53,6 +53,8 @@ def run_again(call, x, grad, autocast, within=None):
                 with within:
                     return call.activation(x)
             leaf = None
+            if x.is_leaf and x.requires_grad:   # (the chain's own input: record_again)
+                x = x.detach()
             if call.input_requires_grad and not x.requires_grad:
                 # (as its forward had it: a stage may differentiate by it)
                 leaf = x.detach().requires_grad_()
@@ -96,8 +98,16 @@ def record_again(call, x, autocast, within=None):
         made.append(t)
         return len(made) - 1
 
-    leaf = x.detach().requires_grad_(call.input_requires_grad)
-    inp = _handle(leaf)
+    state = call.autocast if call.autocast is not None else autocast
+    if x.is_leaf and x.requires_grad and state is not None and not state.off and state.current():
+        # (the chain's input, a leaf needing grad, in a backward inside the autocast block: the
+        # cast its forward made is in autocast's cache, which every thread shares, and so taken
+        # again; on a view of a copy, as below, the stage would make another to hold)
+        leaf = None
+        inp = x
+    else:
+        leaf = x.detach().requires_grad_(call.input_requires_grad)
+        inp = _handle(leaf)
     _check_hooks(call)
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, made.__getitem__):
@@ -105,7 +115,8 @@ def record_again(call, x, autocast, within=None):
     finally:
         made.clear()   # (the recomputed graph holds its hooks: no cycle through it)
     out = out.detach()
-    _let_go(leaf)
+    if leaf is not None:
+        _let_go(leaf)
     check_saved(call, saved)
     return out, saved
 
