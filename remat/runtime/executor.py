@@ -178,8 +178,8 @@ class Run:
         if any); return (its anchor, the pack hook that hands autograd handles to
         it, a one-item list counting them)."""
         anchor = _Anchor(self, call.index)
-        if keep_input:
-            anchor.input, anchor.version = x if x.is_leaf else x.detach(), x._version   # (recompute.record_again)
+        if keep_input:   # (a leaf needing grad itself: recompute.record_again)
+            anchor.input, anchor.version = x if x.is_leaf and x.requires_grad else x.detach(), x._version
         self._register(call, weakref.ref(anchor), False, option)
         count = [0]
 
