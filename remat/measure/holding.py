@@ -313,7 +313,10 @@ class Holding:
         # its input (made again if let go) and its gradient, a fresh forward's saved tensors (its
         # output among them), the output's gradient and a copy of it, and the backward's transient
         again = x_in if k > 1 and alive.get(k - 1) is None else 0
-        return held + again + x_in + costs.saved_bytes + 2 * costs.out_bytes + max(0, costs.bwd_tmp) <= self.budget
+        out = alive.get(k)   # (and the one element of the gradient it stands in, 16 bytes at most)
+        stand_in = out.element_size() if out is not None else 16
+        return held + again + x_in + costs.saved_bytes + 2 * costs.out_bytes + max(0, costs.bwd_tmp) + stand_in \
+            <= self.budget
 
     def run4_fits_now(self, run, k, grad, again, copies):
         """Whether run 4 of stage k fits the budget in the call's backward, as the
@@ -338,8 +341,10 @@ class Holding:
         held = record.input_bytes + record.held_bytes() + _tail_kept(record) + copies + sum(live.values())
         x_in = record.input_bytes if k == 1 else record.stages[k - 2].costs.out_bytes
         # its input if made again and its gradient, a fresh forward's saved tensors (its output
-        # among them), the gradient's copy the stage may make, and the backward's transient
-        need = (x_in if again else 0) + x_in + costs.saved_bytes + costs.out_bytes + max(0, costs.bwd_tmp)
+        # among them), the gradient's copy the stage may make, the backward's transient and the
+        # one element its stand-in gradient is made of (2 bytes over the budget in bf16)
+        need = (x_in if again else 0) + x_in + costs.saved_bytes + costs.out_bytes + max(0, costs.bwd_tmp) \
+            + grad.element_size()
         return held + need <= self.budget
 
     def rebuild_holds(self, run, j, k):
