@@ -273,13 +273,12 @@ class Run:
 
     def _input(self, k):
         anchor = self._anchor(k)
-        x = anchor.input if anchor is not None else None
-        if x is None:
-            raise StageError(
-                f"remat: the input of stage {k} is needed to recompute it but is no longer held; "
-                f"please report this bug"
-            )
-        return _unchanged(anchor, x)
+        if anchor is None:   # (what it saved went with a graph it let go, its input returned: made again)
+            return self._rebuild(k, record=False)
+        if anchor.input is None:
+            raise StageError(f"remat: the input of stage {k} is needed to recompute it but is no longer held; "
+                             f"please report this bug")
+        return _unchanged(anchor, anchor.input)
 
     def _give(self, k, x):
         """Hand a^(k-1) = x to stage k's anchor, if that stage still needs it."""
@@ -355,7 +354,7 @@ class Run:
             return
         anchor = self._anchor(i)
         out = self._forward(self.calls[i], self._input(i))
-        if type(op) is Fn and not (i > 1 and self.keeps_output(i - 1)):
+        if type(op) is Fn and anchor is not None and not (i > 1 and self.keeps_output(i - 1)):
             anchor.input = None
         self._give(i + 1, out)
 
