@@ -302,7 +302,7 @@ class Measurer:
         call.flags = param_flags(call.tensors or (), call.slots[1])
         record = StageRecord(None, call.name, input_signature(x, call, dicts), dicts, module_structure(ident),
                              call.slots, call.flags, call.autocast, call.meta,
-                             state_plan(call.state, call.tensors or ()), probe.reads_state, probe.uses_rng,
+                             state_plan(call.state, call.tensors or (), call), probe.reads_state, probe.uses_rng,
                              [g for g, _ in rng0.extra], call.grad_replay, probe.costs, held, leaves=probe.leaves)
         self.new.add(record, ident)
 

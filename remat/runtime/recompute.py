@@ -22,6 +22,7 @@ import weakref
 
 import torch
 from torch.nn.parameter import is_lazy
+from torch.utils._pytree import tree_leaves
 
 from ..errors import RecomputeMismatchError, StageError
 from .replay import RngState, check_saved, copy_all, restore_tensors
@@ -284,21 +285,25 @@ def take(slots):
         return [d.get(name) for d, name in slots]
 
 
-def state_plan(state, tensors):
+def state_plan(state, tensors, call=None):
     """How to find each tensor of ``state`` on later calls: the index among
     ``tensors`` (the call's ``take``) of the slot whose tensor it is or shares its
     storage with (a stage may write a buffer through an alias it makes, which dies
     with the call: ``buf.view(-1).mul_()``, instance norm's running statistics,
-    an embedding's ``max_norm`` renormalising ``weight.detach()``), or else a weak
-    reference to it or to the tensor it is a view of."""
+    an embedding's ``max_norm`` renormalising ``weight.detach()``), or else
+    ("arg", j): the j-th tensor argument of ``call`` it shares storage with (a side
+    input the stage writes, made anew each call), or else a weak reference to it or
+    to the tensor it is a view of."""
     at = {id(t): i for i, t in enumerate(tensors) if t is not None}
     shared = {t.untyped_storage()._cdata: i for i, t in enumerate(tensors)
               if t is not None and t.layout == torch.strided}
+    given = {t.untyped_storage()._cdata: ("arg", j) for j, t in enumerate(_tensor_args(call) if call else ())
+             if t.layout == torch.strided}
     plan = []
     for t in state:
         i = at.get(id(t))
         if i is None and t.layout == torch.strided:
-            i = shared.get(t.untyped_storage()._cdata)
+            i = shared.get(key := t.untyped_storage()._cdata, given.get(key))
         if i is None:
             while t._base is not None:
                 t = t._base
@@ -308,14 +313,15 @@ def state_plan(state, tensors):
     return plan
 
 
-def resolve_state(plan, tensors):
-    """The state tensors of one call from ``state_plan``'s list (dead ones left out)."""
-    out = []
-    for p in plan:
-        t = tensors[p] if type(p) is int else p()
-        if t is not None:
-            out.append(t)
-    return out
+def resolve_state(plan, tensors, call=None):
+    """The state tensors of ``call`` from ``state_plan``'s list (dead ones left out)."""
+    args = _tensor_args(call) if any(type(p) is tuple for p in plan) else ()
+    out = [tensors[p] if type(p) is int else args[p[1]] if type(p) is tuple else p() for p in plan]
+    return [t for t in out if t is not None]
+
+
+def _tensor_args(call):
+    return [t for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor)]
 
 
 class ForwardTensors:

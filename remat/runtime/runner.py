@@ -201,7 +201,7 @@ class Runner:
             _pin_if_cut(run, out)
             return out
         call.meta = record.meta
-        call.state = resolve_state(record.state, call.tensors)
+        call.state = resolve_state(record.state, call.tensors, call)
         if record.reads_state:
             call.before = snapshot(call.state)
         call.grad_replay = record.grad_replay

@@ -6,6 +6,7 @@ tensors held outside autograd (on a custom Function's ctx, in autocast's
 cache). Each against plain PyTorch, bit for bit (the same ops in the same order
 on CPU)."""
 
+import contextlib
 import copy
 import importlib
 
@@ -204,3 +205,44 @@ def test_state_written_through_an_alias_is_put_back(kind):
     train_blocks(net, x)
     assert remat.explain().schedule.recomputations() > 0
     assert_blocks_same(ref, net)
+
+
+def test_a_stage_writing_its_side_input_in_place():
+    """A stage that reads a side input and then writes it in place (a mask flipped for the
+    next use): plain PyTorch's backward uses what the forward computed from it before.
+    Measured, the write was found on that call's mask, and later calls, each with a
+    mask of its own, found none: their recomputations read the flipped mask, the
+    gradients off from the second call on. Now it is found among each call's tensor
+    arguments (``state_plan``), and a recomputation starts from its values before."""
+    torch.manual_seed(0)
+    lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    @remat.stage
+    def masked(x, mask):
+        y = torch.tanh(lins[1](x)) * (~mask).float()
+        mask.logical_not_()
+        return y
+
+    stages = [remat.stage(lambda x, i=i: torch.tanh(lins[i](x))) for i in (0, 2, 3)]
+    x = torch.randn(8, 16)
+
+    def step(budget):
+        mask = torch.zeros(8, 16, dtype=torch.bool)
+        mask[:, :4] = True
+        lins.zero_grad(set_to_none=True)
+        with remat.chain(budget=budget) if budget is not None else contextlib.nullcontext():
+            h = stages[2](stages[1](masked(stages[0](x), mask)))
+        h.square().sum().backward()
+        return [p.grad.clone() for p in lins.parameters()] + [mask]
+
+    want = step(None)
+    step(remat.chain.NO_LIMIT)
+    least = remat.explain().least_budget
+    remat.clear_cache()
+    try:
+        for call in range(3):
+            got = step(least)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), call
+        assert "Fall2" in str(remat.explain().schedule).split("|")[1]   # (stage 2 run again)
+    finally:
+        remat.clear_cache()
