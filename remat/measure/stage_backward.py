@@ -1,8 +1,7 @@
 """A stage's backward run by itself while it is measured: on the real
 forward's graph (run 2 of Note [Measuring a stage], remat/measure/profile.py), metered
 as a backward that frees its graph runs it, and again on a fresh forward with
-another layout of its output's gradient (run 4).
-"""
+another layout of its output's gradient (run 4)."""
 
 import contextlib
 
@@ -210,12 +209,11 @@ class _Releases:
 
 
 class Run4:
-    """Run 4 of Note [Measuring a stage] (remat/measure/profile.py) of a measuring
-    call's stages, into their costs in the chain's record ``new``. One that would not
-    fit beside what the call holds (``later``: stage -> layout) runs in the call's own
-    backward, as the stage's gradient arrives (``arrived``), before the stage is
-    rebuilt there; the record's costs then take its figures and its plans go. Only
-    this object, not the measuring call, stays with the graph for that."""
+    """Run 4 of Note [Measuring a stage] (remat/measure/profile.py) of a measuring call's stages,
+    into their costs in the chain's record ``new``. One that would not fit beside what the call
+    holds (``later``: stage -> layout) runs in the call's own backward, as the stage's gradient
+    arrives (``arrived``), before the stage is rebuilt there; the record's costs then take its
+    figures and its plans go. Only this object, not the measuring call, stays with the graph."""
 
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
@@ -228,8 +226,7 @@ class Run4:
         stage is due in turn (one that passes the layout on hands it further down),
         else None."""
         costs = self.new.stages[m.index - 1].costs
-        x = m.x()
-        if x is None:   # (let go, remat/measure/holding.py: made again from an input held below)
+        if (x := m.x()) is None:   # (let go, remat/measure/holding.py: made again from an input held below)
             x = self.run.input_of(m.index)
         again = backward_again(m.call, x, m.cuda, m.rng0, m.writes, layout, costs.out_freed or 0, pool,
                                m.leaves, grad)
@@ -259,17 +256,17 @@ class Run4:
     def watch_last(self, i, act, options, fits):
         """Stage i, the last, gets its gradient from the chain's tail: where that comes in
         another layout than run 2's (a head that flattens a transposed a^L), its run 4
-        runs in the call's backward as it arrives, where it ``fits()`` beside what the
-        call holds (a call at a budget that leaves no room for it keeps run 2's
-        figures, as before: a copy of the gradient off, at most). True if it is
-        watched."""
+        runs in the call's backward as it arrives, where it ``fits()`` beside what the call
+        holds (a call at a budget that leaves no room for it keeps run 2's figures, as
+        before: a copy of the gradient off, at most). True if it is watched."""
         m = self.measured.get(i)
         if m is None or m.layout is None or not isinstance(act, torch.Tensor) or not act.requires_grad \
                 or not fits():   # (kept for it, it would hold its input through the tail)
             return False
+        layout = tuple(m.layout)   # (not ``m``, whose copies of written state go with ``_done``: 264 B held before)
 
         def arrived(grad):   # (an expanded gradient, a sum's, needs less than run 2's: left so)
-            if grad.stride() == tuple(m.layout) or 0 in grad.stride() or not self.measured or i not in self.measured:
+            if grad.stride() == layout or 0 in grad.stride() or not self.measured or i not in self.measured:
                 if not self.later:
                     self._done()
             else:
@@ -282,17 +279,15 @@ class Run4:
     def _remade(self, options):
         """The record's costs made again from its stages' (one's changed), its plans gone."""
         new = self.new
-        new.costs = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None, None,
-                                options)
-        new.plans = {}
+        new.costs, new.plans = chain_costs([s.costs for s in new.stages], new.input_bytes, new.held_bytes(), None,
+                                           None, options), {}
 
     def arrived(self, i, grad, options):
         """Stage i's gradient ``grad`` arrived in the measuring call's backward."""
-        layout = self.later.pop(i, None)
-        if layout is None:
+        if (layout := self.later.pop(i, None)) is None:
             return
         m = self.measured[i]
-        if self.room is None or self.room(self.run, i, grad, m.x() is None, self._copies()):
+        if self.room is None or self.room(self.run, i, grad, m.x() is None, self.copies()):
             due = self.again(m, layout, None, grad)
             if due is not None:   # (when its own gradient arrives)
                 self.later[due[0].index] = due[1]
@@ -302,14 +297,19 @@ class Run4:
         if not self.later:
             self._done()
 
-    def _copies(self):
-        """Bytes of the values from before the call of the state the stages left to
-        run 4 wrote (each storage once): held through the call's backward for it."""
-        return sum({storage_key(old): old.untyped_storage().nbytes()
-                    for m in self.measured.values() for _, old in m.writes}.values())
+    def copies(self, keep=None):
+        """Bytes of the values from before the call of the state the stages left to run 4
+        wrote (each storage once), held through the call's backward for it where ``keep(bytes)``
+        (else let go, run 4 with them: run 2's figures stand)."""
+        n = sum({storage_key(old): old.untyped_storage().nbytes()
+                 for m in (self.measured or {}).values() for _, old in m.writes}.values())
+        if n and keep is not None and not keep(n):
+            self._done()
+        return n if self.measured else 0
 
     def _done(self):
         self.measured = self.run = self.room = None
+        self.later = {}   # (stages whose gradient is still to come: their run 2's figures stand)
 
 
 def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=(), given=None):
