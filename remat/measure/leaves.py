@@ -16,7 +16,7 @@ __all__ = ["GradPool", "HeldHooks", "StepGrads", "Upstream", "edge_backward", "e
 def stop_nodes(tensors):
     """The nodes that made ``tensors`` (those that are tensors made by autograd):
     where a stage's own backward graph ends."""
-    return {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    return {t.grad_fn for t in tree_leaves(tensors) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
 
 
 def walk(roots, stop=(), seen=None):
@@ -355,7 +355,7 @@ def edge_backward(out, grad, x, params, grads, side=(), keep=True, shared=(), st
         # forward phase: 55% over its budget). The stage's own nodes, made after its arguments', all run
         # before theirs (the engine runs the latest made first): the backward stops as the first of those
         # is reached, its hooks run (a layout's, registered before) and not its node
-        for t in {id(t): t for t in ([] if x is None else [x]) + list(stops)}.values():
+        for t in {id(t): t for t in ([] if x is None else [x]) + tree_leaves(stops)}.values():
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 handles.append(t.register_hook(_stop_at_input))
     inputs = ([] if x is None else [x]) + list(side) + list(params) + list(shared)

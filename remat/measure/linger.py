@@ -184,28 +184,49 @@ def _take_off(mode):
 
 
 class Before:
-    """The backward of the code before a chain on input ``x`` (Note [The code before
-    the chain]), metered into ``record.before`` as the backward ends. The hooks hold
-    it while the graph lives: a backward that never comes lets it go."""
+    """The backward of the code before a chain (Note [The code before the chain]): of
+    what the chain's input and the side inputs of its stages that need grad (an
+    encoder's output into cross-attention stages) were made by, metered into
+    ``record.before`` as the backward ends. The hooks hold it while the graph lives:
+    a backward that never comes lets it go."""
 
     NODES = 4096   # (a longer graph below the chain is not metered)
 
-    def __init__(self, record, x, budget):
+    def __init__(self, record, budget):
         from .meter import Instrument, storage_key   # (meter.py imports this module)
         self.record, self.key, self.budget = record, storage_key, budget
         self.meter, self.most, self.state = Instrument(writes=False), 0, None   # (state: None, "on", "off")
-        bound, todo, seen, nodes = getattr(ends, "seq", -1), [x.grad_fn], set(), []
-        while todo:   # (not into nodes made by the time the previous chain ended: another chain's)
+        # (not into nodes made by the time the previous chain ended: another chain's)
+        self.bound, self.seen, self.tops = getattr(ends, "seq", -1), set(), set()
+
+    @classmethod
+    def reach(cls, before, record, budget, call, x, k):
+        """``before`` (of ``record``, or None for a new one), metering also what stage k's
+        call ``call`` on ``x`` takes from the code before the chain: its input, the
+        chain's, where k is 1, and its side inputs that need grad."""
+        from .leaves import grad_side_inputs
+        roots = [t for t in ([x] if k == 1 else []) + grad_side_inputs(call, x) if t.grad_fn is not None]
+        if roots:
+            before = before if before is not None else cls(record, budget)
+            before.add([t.grad_fn for t in roots])
+        return before
+
+    def add(self, roots):
+        """Meter the nodes below ``roots`` not metered yet (the gradients they are handed at the
+        roots, a^0's or a side input's, are in the level)."""
+        todo, nodes = list(roots), []
+        self.tops.update(roots)
+        while todo:
             node = todo.pop()
-            if node is None or node in seen or node._sequence_nr() <= bound:
+            if node is None or node in self.seen or node._sequence_nr() <= self.bound:
                 continue
-            seen.add(node)
+            self.seen.add(node)
             nodes.append(node)
             if len(nodes) > self.NODES:
                 return
             todo.extend(n for n, _ in node.next_functions)
         for node in nodes:
-            node.register_prehook(lambda grads, top=node is x.grad_fn: self.enter(grads, top))
+            node.register_prehook(lambda grads, node=node: self.enter(grads, node in self.tops))
             node.register_hook(self.leave)
 
     def enter(self, grads, top):

@@ -124,7 +124,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
         ``StageGraph``).
     """
     buffers = [(b, b.detach().clone()) for b in ident.buffers()] if isinstance(ident, torch.nn.Module) else []
-    stop = stop_nodes(call.args)
+    stop = stop_nodes((call.args, call.kwargs))
     if x.requires_grad:
         stop.add(node_of(x))
     with inst, torch.enable_grad(), hooks:

@@ -77,7 +77,7 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
         try:
             with inst:
                 edge_backward(act, grad_out, x if x.requires_grad else None, params, grads, side,
-                              shared=graph.shared, stops=call.args)
+                              shared=graph.shared, stops=(call.args, call.kwargs))
         except BaseException as exc:
             backward_failed(call, exc)
             raise
@@ -333,7 +333,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         output needs no gradient.
     """
     xin = x.detach().requires_grad_(call.input_requires_grad)   # (``x`` may be a detached copy)
-    stop = stop_nodes(call.args)
+    stop = stop_nodes((call.args, call.kwargs))
     inst = Instrument(exclude=[x, xin], sources=[xin])
     state = [t for t, _ in originals]
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
@@ -386,7 +386,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
             try:
                 with Timer(cuda) as timer, inst:
                     edge_backward(act, grad, xin if xin.requires_grad else None, params, grads, keep=False,
-                                  shared=shared, stops=call.args)
+                                  shared=shared, stops=(call.args, call.kwargs))
             finally:
                 peak, held_peak = shares.figures()
                 inst.watch = None   # (a cycle through it kept the meter's copies of written state alive)

@@ -98,7 +98,7 @@ def timed_step(call, x, cuda, rng0, state):
 
 def _timed_step(call, x, cuda, rng0, state):
     xin = x.detach().requires_grad_(x.requires_grad)
-    inp, stop = uncached(xin, call.autocast), stop_nodes(call.args)
+    inp, stop = uncached(xin, call.autocast), stop_nodes((call.args, call.kwargs))
     with rng0.replayed(), restore_tensors(state), torch.enable_grad():
         with Timer(cuda) as tf:
             out = call.activation(inp)

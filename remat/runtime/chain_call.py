@@ -92,6 +92,7 @@ class ChainCall:
         self.seen = {}          # id of each stage's object -> the first stage it was
         self.tail = None        # a measuring call's TailMeter (remat/measure/tail.py)
         self.tail_due = None    # the record whose tail this running call meters (Note [The chain's tail] 6)
+        self.before = None      # a measuring call's Before (remat/measure/linger.py)
         self.compiled = None    # whether a frame Dynamo runs is on the stack (no TailMeter): asked once
 
     @property
@@ -147,6 +148,8 @@ class ChainCall:
                                      runner.entry.hint(self.budget))
         if self.measuring:
             take_slots(call, ident)
+            if not x.is_cuda and not distributed():   # (the code before the chain, remat/measure/linger.py)
+                self.before = Before.reach(self.before, self.part.new, self.budget, call, x, k)
         version = x._version
         self.in_stage = True
         try:
@@ -228,8 +231,6 @@ class ChainCall:
             given = entry.costs if entry is not None and entry.remeasure == "given" else None   # (measure()'s)
             self.part = Measurer.first(self.spec, self.budget, autocast, x,
                                        _hint(self.key, ident, self.budget, x.untyped_storage().nbytes()), given)
-            if x.grad_fn is not None and not x.is_cuda and not distributed():   # (remat/measure/linger.py)
-                Before(self.part.new, x, self.budget)
             if entry is not None and given is None:   # (Note [Paths of a chain], remat/runtime/paths.py)
                 keep_path(self.part.new, entry)
             return
