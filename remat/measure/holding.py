@@ -232,7 +232,8 @@ class Holding:
         # graph: rebuilds start there, unless every stage below saved nothing, whose anchors the run keeps
         # (``Run.settle``) down to the chain's input: held through the tail, a leading ``x * 2`` on an input
         # needing no grad put a first call 14% over)
-        below = not self.diverged and run is not None and all(j in run.orphans for j in range(1, k))
+        pinned = {a.stage for a in run.pinned} if run is not None else ()   # (kept below a cut: ``Run.pin``)
+        below = not self.diverged and run is not None and all(j in run.orphans or j in pinned for j in range(1, k))
         unknown = self.tail_hint is None and not _sharded() and (x.requires_grad or below)
         if unknown or (k - 1) % self.spacing:
             anchor.input = None

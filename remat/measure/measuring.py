@@ -98,7 +98,7 @@ class Measurer:
         self.rng_start = None    # the RNG state as the call began (put back if it fails)
         self.originals = {}      # storage -> (tensor, value before the call) of the state stages wrote
         self.grad_pool = None
-        self.upstream = None
+        self.upstream = Upstream()   # (the leaves behind the stages, as they come)
         self.measured = {}       # stage -> its ``_Measured``
         self.relayout = None     # (the ``_Measured`` of the stage before, the layout its gradient has) due for run 4
         self.run4 = Run4(self.new, self.measured, self.run)   # (run 4, now or in the call's own backward)
@@ -154,8 +154,6 @@ class Measurer:
         rng0 = capture_rng(devices)
         self._measure_backward_again()
         anchor, kept, hooks = self._anchored(call, x)
-        if self.upstream is None:
-            self.upstream = Upstream()
         self.upstream.add(tree_leaves((x, call.args, call.kwargs)))
         twin = None
         if self.given is None:
@@ -296,6 +294,8 @@ class Measurer:
 
     def _record(self, call, ident, x, probe, rng0, held):
         """Append the stage's ``StageRecord`` to the chain's record."""
+        if not first(probe.out).requires_grad:   # (a cut: the anchors so far kept, as ``runner._pin_if_cut`` does)
+            self.run.pin()
         if call.index == 1:
             self.new.input_bytes = x.untyped_storage().nbytes()
         dicts = module_dicts(ident)
