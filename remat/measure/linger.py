@@ -196,8 +196,7 @@ class Before:
         from .meter import Instrument, storage_key   # (meter.py imports this module)
         self.record, self.key, self.budget = record, storage_key, budget
         self.meter, self.most, self.state = Instrument(writes=False), 0, None   # (state: None, "on", "off")
-        # (not into nodes made by the time the previous chain ended: another chain's)
-        self.bound, self.seen, self.tops = getattr(ends, "seq", -1), set(), set()
+        self.bound = getattr(ends, "seq", -1)   # (not into nodes made by the time the previous chain ended)
 
     @classmethod
     def reach(cls, before, record, budget, call, x, k):
@@ -212,21 +211,21 @@ class Before:
         return before
 
     def add(self, roots):
-        """Meter the nodes below ``roots`` not metered yet (the gradients they are handed at the
-        roots, a^0's or a side input's, are in the level)."""
-        todo, nodes = list(roots), []
-        self.tops.update(roots)
+        """Meter the nodes below ``roots`` not metered yet (the gradients handed to the roots,
+        a^0's or a side input's, are in the level). A node is marked in its ``metadata``:
+        a set of nodes would keep them, and a parameter's AccumulateGrad hooked, past the step."""
+        todo, nodes, tops = list(roots), [], set(roots)
         while todo:
             node = todo.pop()
-            if node is None or node in self.seen or node._sequence_nr() <= self.bound:
+            if node is None or node._sequence_nr() <= self.bound or node.metadata.get("remat.before") is self:
                 continue
-            self.seen.add(node)
+            node.metadata["remat.before"] = self
             nodes.append(node)
             if len(nodes) > self.NODES:
                 return
             todo.extend(n for n, _ in node.next_functions)
         for node in nodes:
-            node.register_prehook(lambda grads, node=node: self.enter(grads, node in self.tops))
+            node.register_prehook(lambda grads, top=node in tops: self.enter(grads, top))
             node.register_hook(self.leave)
 
     def enter(self, grads, top):
