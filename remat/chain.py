@@ -69,7 +69,9 @@ def parse_budget(budget):
             value = parse_bytes(budget)
         except ValueError as exc:
             raise BudgetError(f"remat: budget {budget!r}: {exc}") from None
-    elif isinstance(budget, bool) or not isinstance(budget, int):
+    elif not isinstance(budget, bool) and hasattr(type(budget), "__index__"):   # (an int, numpy's int64)
+        value = budget.__index__()
+    else:
         if isinstance(budget, float):
             raise BudgetError(f"remat: budget {budget!r} is a float; give an int of bytes or a string with a unit, "
                               f"e.g. '1.5GiB'")
@@ -77,8 +79,6 @@ def parse_budget(budget):
                 "@remat.chain() for 'auto'" if callable(budget) else "")
         raise BudgetError(f"remat: budget must be an int of bytes, a string such as '900MB' or '1.5GiB', or 'auto'; "
                           f"got {type(budget).__name__} {budget!r}{bare}")
-    else:
-        value = budget
     if value <= 0:
         raise BudgetError(f"remat: budget must be positive, got {budget!r}; give the activation memory to allow")
     if value >= 2**62:

@@ -249,3 +249,25 @@ def test_a_backward_on_a_thread_of_its_own_inside_the_block(kinds, fraction):
         pool.shutdown()
     for step, (a, b) in enumerate(zip(want, got)):
         assert all(torch.equal(u, v) for u, v in zip(a, b)), step
+
+
+@pytest.mark.xfail(strict=True, reason="tied stages recomputed after Loss each cast the shared weight; the costs "
+                                       "count one cast (docs/limitations.md, stages sharing a weight)")
+def test_tied_stages_recomputed_after_the_loss_each_cast_the_shared_weight():
+    """Found by the deep profile: 44 bytes over on the calls after the first."""
+    torch.manual_seed(0)
+    base = chains.Net(["linear", "tied", "tied", "tied", "linear", "tied"])
+    probe, net = copy.deepcopy(base), copy.deepcopy(base)
+    probe.budget = remat.chain.NO_LIMIT
+    for seed in range(2):
+        _chain_step(probe, seed, False)
+    seen = remat.explain()
+    least = max(seen.least_budget, minimum_budget(seen.costs))
+    top = remat.simulate(seen.costs, store_all(seen.costs.length)).peak
+    net.budget = int(least + 0.28125 * (max(least, top) - least))
+    remat.clear_cache()
+    try:
+        peaks = [_chain_step(net, seed, False)[0] for seed in range(3)]
+    finally:
+        remat.clear_cache()
+    assert max(peaks) <= net.budget, (peaks, net.budget)

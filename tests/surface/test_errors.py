@@ -341,3 +341,20 @@ def test_every_argument_error_is_a_remat_error():
         with pytest.raises(remat.UsageError) as caught:
             make()
         assert isinstance(caught.value, remat.RematError) and isinstance(caught.value, was)
+
+
+def test_a_budget_that_is_an_integer_of_another_type_is_taken():
+    """numpy's int64 (a budget computed with numpy) and any other integer type, as
+    ``operator.index`` takes them, are bytes like an int; a bool or a float is not."""
+    from remat.chain import parse_budget
+
+    class Bytes:
+        def __index__(self):
+            return 2**20
+
+    assert parse_budget(Bytes()) == 2**20
+    np = pytest.importorskip("numpy")
+    assert parse_budget(np.int64(4096)) == 4096
+    for bad in (True, 1.5, np.float64(2.0)):
+        with pytest.raises(remat.BudgetError):
+            parse_budget(bad)
