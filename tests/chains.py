@@ -257,6 +257,17 @@ def run_blocks(blocks, x, budget):
     return x
 
 
+def square_step(blocks, head, x, budget):
+    """A step of ``run_blocks`` and ``head`` with a mean-square loss after the chain's block,
+    the gradients resident and the step metered (``remat.measure_peak``): every gradient."""
+    params = [p for m in (*blocks, head) for p in m.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    with remat.measure_peak():
+        head(run_blocks(blocks, x, budget)).square().mean().backward()
+    return [p.grad.clone() for p in params]
+
+
 ALGORITHMS = ("optimal", "store_all", "min_memory", "sqrt", "periodic(2)", "periodic(3)")
 
 

@@ -3,12 +3,13 @@ budget] in remat/measure/holding.py): stages that save nothing or return their
 input, and a last stage rebuilt in the call's backward beside the caller's
 output, the whole step metered from the chain's opening."""
 
-import contextlib
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 
+import chains
 import remat
 from remat.measure.meter import Instrument
 from remat.solver.solve import minimum_budget
@@ -238,20 +239,8 @@ def test_a_first_call_past_a_stage_whose_output_needs_no_grad(n, cut, wide, grad
     torch.manual_seed(0)
     blocks = nn.ModuleList(_Cuts(i == cut, 2 if i == wide else 1) for i in range(n))
     head = nn.Linear(16, 3)
-    params = [*blocks.parameters(), *head.parameters()]
     x = torch.randn(12, 5, 16, requires_grad=grad)
-
-    def step(budget):
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        with remat.measure_peak():
-            h = x
-            with remat.chain(budget=budget) if budget is not None else contextlib.nullcontext():
-                for b in blocks:
-                    h = b(h)
-            head(h).square().mean().backward()
-        return [p.grad.clone() for p in params]
-
+    step = functools.partial(chains.square_step, blocks, head, x)
     want = step(None)
     try:
         step(remat.chain.NO_LIMIT)

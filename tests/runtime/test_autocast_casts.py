@@ -111,17 +111,9 @@ def test_random_chains_under_autocast_stay_under_the_budget(kinds, fraction, ins
     first's included, is under the budget, and losses and gradients are plain
     PyTorch's bitwise (a BatchNorm stage after a linear one, run again in the first
     call's backward outside autocast, raised before)."""
-    torch.manual_seed(0)
-    base = chains.Net(kinds)
-    probe, ref, net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    probe.budget = remat.chain.NO_LIMIT
-    for seed in range(2):
-        _chain_step(probe, seed, inside)
-    seen = remat.explain()
-    costs = seen.costs
-    least = max(seen.least_budget, minimum_budget(costs))
-    net.budget = int(least + fraction * (max(least, remat.simulate(costs, store_all(costs.length)).peak) - least))
-    remat.clear_cache()
+    base, least, top = _least(kinds, inside)
+    ref, net = copy.deepcopy(base), copy.deepcopy(base)
+    net.budget = int(least + fraction * (max(least, top) - least))
     for seed in range(3):
         want, got = _chain_step(ref, seed, inside), _chain_step(net, seed, inside)
         assert all(torch.equal(a, b) for a, b in zip(want[1], got[1])), seed
@@ -134,19 +126,27 @@ def test_a_first_call_under_autocast_stays_under_the_least_budget():
     (12,876 bytes against 10,264): run 4 of a stage, at the call's end, did not count
     the casts autocast's cache held of the stages' weights (``Holding.run4_fits``).
     Counted, the first call is under the budget, as the calls after it are."""
-    torch.manual_seed(0)
-    base = chains.Net(["bn", "attn", "attn", "attn", "mlp"])
-    probe, net = copy.deepcopy(base), copy.deepcopy(base)
-    probe.budget = remat.chain.NO_LIMIT
-    for seed in range(2):
-        _chain_step(probe, seed, False)
-    seen = remat.explain()
-    net.budget = max(seen.least_budget, minimum_budget(seen.costs))
-    remat.clear_cache()
+    base, least, _ = _least(["bn", "attn", "attn", "attn", "mlp"], False)
+    net = copy.deepcopy(base)
+    net.budget = least
     peaks = [_chain_step(net, seed, False)[0] for seed in range(3)]
     remat.clear_cache()
     assert max(peaks[1:]) <= net.budget
     assert peaks[0] <= net.budget, (peaks, net.budget)
+
+
+def _least(kinds, inside):
+    """A ``chains.Net`` of ``kinds``, the least budget a chain of it run at no limit named (its first
+    call's or any plan's, the more) and its store-all peak, the backward ``inside`` autocast or after."""
+    torch.manual_seed(0)
+    base = chains.Net(kinds)
+    probe = copy.deepcopy(base)
+    probe.budget = remat.chain.NO_LIMIT
+    for seed in range(2):
+        _chain_step(probe, seed, inside)
+    seen, costs = remat.explain(), remat.explain().costs
+    remat.clear_cache()
+    return base, max(seen.least_budget, minimum_budget(costs)), remat.simulate(costs, store_all(costs.length)).peak
 
 
 def _chain_step(net, seed, inside):
@@ -176,15 +176,9 @@ def test_a_backward_inside_the_block_takes_a_leaf_inputs_cast_from_the_cache(kin
     of it beside the one autocast's cache holds to the block's end, which the plan counts
     alone: 384 bytes over the prediction on later calls, 6 to 312 over the least budget
     (5 of 150 random chains). It takes the cached cast now (recompute.record_again)."""
-    torch.manual_seed(0)
-    base = chains.Net(kinds)
-    probe, net = copy.deepcopy(base), copy.deepcopy(base)
-    probe.budget = remat.chain.NO_LIMIT
-    for seed in range(2):
-        _chain_step(probe, seed, True)
-    seen = remat.explain()
-    net.budget = max(seen.least_budget, minimum_budget(seen.costs))
-    remat.clear_cache()
+    base, least, _ = _least(kinds, True)
+    net = copy.deepcopy(base)
+    net.budget = least
     try:
         for seed in range(3):
             peak = _chain_step(net, seed, True)[0]
@@ -255,17 +249,9 @@ def test_a_backward_on_a_thread_of_its_own_inside_the_block(kinds, fraction):
                                        "count one cast (docs/limitations.md, stages sharing a weight)")
 def test_tied_stages_recomputed_after_the_loss_each_cast_the_shared_weight():
     """Found by the deep profile: 44 bytes over on the calls after the first."""
-    torch.manual_seed(0)
-    base = chains.Net(["linear", "tied", "tied", "tied", "linear", "tied"])
-    probe, net = copy.deepcopy(base), copy.deepcopy(base)
-    probe.budget = remat.chain.NO_LIMIT
-    for seed in range(2):
-        _chain_step(probe, seed, False)
-    seen = remat.explain()
-    least = max(seen.least_budget, minimum_budget(seen.costs))
-    top = remat.simulate(seen.costs, store_all(seen.costs.length)).peak
+    base, least, top = _least(["linear", "tied", "tied", "tied", "linear", "tied"], False)
+    net = copy.deepcopy(base)
     net.budget = int(least + 0.28125 * (max(least, top) - least))
-    remat.clear_cache()
     try:
         peaks = [_chain_step(net, seed, False)[0] for seed in range(3)]
     finally:

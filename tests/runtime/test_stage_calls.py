@@ -4,14 +4,15 @@ into ``**kwargs``), integer ids in and a sparse gradient out, outputs needing
 no grad in the middle of a chain, nested tuples, later stages' side inputs and
 submodule flags."""
 
-import contextlib
 import copy
+import functools
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 
+import chains
 import remat
 from remat.solver.solve import minimum_budget, store_all
 
@@ -336,19 +337,7 @@ def test_a_stage_that_returns_its_input_after_computing_something_else():
     torch.manual_seed(0)
     blocks = nn.ModuleList(_Discards(16, k == 1) for k in range(4))
     head = nn.Linear(16, 4)
-    x = torch.randn(4, 6, 16)
-
-    def step(budget):
-        for p in [*blocks.parameters(), *head.parameters()]:
-            p.grad = torch.zeros_like(p)
-        with remat.measure_peak():
-            h = x
-            with remat.chain(budget=budget) if budget is not None else contextlib.nullcontext():
-                for b in blocks:
-                    h = b(h)
-            head(h).square().mean().backward()
-        return [p.grad.clone() for p in [*blocks.parameters(), *head.parameters()]]
-
+    step = functools.partial(chains.square_step, blocks, head, torch.randn(4, 6, 16))
     want = step(None)
     step(remat.chain.NO_LIMIT)
     least, top = remat.explain().least_budget, remat.simulate(remat.explain().costs, store_all(5)).peak
