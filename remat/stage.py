@@ -60,11 +60,11 @@ class _StageForward:
         if module is None:
             raise StageError("remat: the module whose forward this was is gone (a forward taken from a "
                                  "stage module outlived it); call the module itself")
+        current, inner = _active(), self.inner
+        if current is None:   # (the class's forward called on the module: Dynamo traces it with fullgraph=True)
+            return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
         # (a bound method made directly: torch 2.5's dynamo fails to trace a function's __get__)
-        forward = self.inner if self.inner is not None else types.MethodType(type(module).forward, module)
-        current = _active()
-        if current is None:
-            return forward(*args, **kwargs)
+        forward = inner if inner is not None else types.MethodType(type(module).forward, module)
         return _hand_over(current, module, type(module).__name__, forward, args, kwargs)
 
 
