@@ -326,12 +326,11 @@ def _hint(this, ident, budget, input_bytes):
     ``remat.Sequential`` opens its chain at one site: another model's record put a first call up to 118%
     over its budget), at its site, training mode and autocast state (a bf16 record's: 19% over)."""
     with _cache_lock:
-        for key, record in reversed(_cache.items()):
-            if key[0] == this[0] and key[3:] == this[3:] and any(s.ident() is ident for s in record.stages):
-                if key[1] == this[1] and key[2] != this[2]:   # (a shape it had not measured: paths.py)
-                    new_shape(this[0])
-                return record.hint(budget, input_bytes)
-    return NO_HINT
+        mine = [(key, record) for key, record in _cache.items()
+                if key[0] == this[0] and key[3:] == this[3:] and any(s.ident() is ident for s in record.stages)]
+    if mine and mine[-1][0][1] == this[1] and mine[-1][0][2] != this[2]:   # (a shape not measured: paths.py)
+        new_shape(this[0], ident, len({key[2] for key, _ in mine if key[1] == this[1]}))
+    return mine[-1][1].hint(budget, input_bytes) if mine else NO_HINT
 
 
 def _remember(key, chain_record):

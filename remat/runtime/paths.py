@@ -68,8 +68,7 @@ STALE = 50        # calls in a row on one path after which it lets the others go
 PATH_CHANGES = 3  # calls in a row that left the recorded path before a warning (``path_changed``)
 path_changes = {}       # chain key -> such calls so far
 _warned_paths = set()    # chain sites warned of
-SHAPES = 8         # input shapes a chain site measures before ``new_shape`` warns
-shapes = {}        # chain site -> input shapes measured after its first
+SHAPES = 8         # input shapes a model's chain has measured (and keeps) as ``new_shape`` warns
 _PER_STAGE = TIME_FIELDS + SIZE_FIELDS + ("fwd_drop", "fwd_drop_whole", "bwd_rebuilt_less", "fwd_nograd_less",
                                           "options", "cast_bytes")
 
@@ -101,17 +100,18 @@ def path_changed(key, site):
             f"again, and on one that skips some of its stages (docs/limitations.md)", RuntimeWarning, stacklevel=6)
 
 
-def new_shape(site):
-    """A call of the chain at ``site`` measures an input shape it had not measured (``shapes``
-    of the site so far): after ``SHAPES``, say once what that costs, and what to do."""
-    n = shapes[site] = shapes.get(site, 0) + 1
-    if n == SHAPES:
+def new_shape(site, ident, seen):
+    """A call of the chain at ``site`` whose first stage is ``ident`` measures an input shape
+    besides the ``seen`` ones the cache keeps of that model's chain: as it makes ``SHAPES``,
+    say what that costs, and what to do (once per model: the cache keeps the shapes' records)."""
+    if (n := seen + 1) == SHAPES:
+        first = getattr(ident, "__name__", None) or type(ident).__name__   # (a function's name, a module's class)
         warnings.warn(
-            f"remat: the chain at {site_text(site)} has measured {n} input shapes (batch sizes or sequence "
-            f"lengths it had not seen): the first call of each shape measures its stages, two to three steps' "
-            f"time, and remat keeps the 64 chains used last. Where the shape changes from step to step (each "
-            f"batch padded to its longest sequence), pad to a few lengths (a multiple of 64, or fixed "
-            f"buckets): each is then measured once", RuntimeWarning, stacklevel=7)
+            f"remat: the chain at {site_text(site)} (stage 1: {first}) has measured {n} input shapes (batch "
+            f"sizes or sequence lengths it had not seen): the first call of each shape measures its stages, two "
+            f"to three steps' time, and remat keeps the 64 chains used last. Where the shape changes from step "
+            f"to step (each batch padded to its longest sequence), pad to a few lengths (a multiple of 64, or "
+            f"fixed buckets): each is then measured once", RuntimeWarning, stacklevel=7)
 
 
 def keep_path(new, old):

@@ -152,8 +152,10 @@ def test_a_dropout_switched_on_where_every_stage_is_stored_whole_stays_under_the
 def test_a_shape_that_changes_every_step_is_warned_of_once():
     """Sequence lengths that change from step to step (each batch padded to its longest):
     every new shape's first call measures, two to three steps' time. The eighth new
-    shape at a chain's site warns once, with what to do (pad to a few lengths); a loop
-    that comes back to the shapes it measured does not warn."""
+    shape of a model's chain warns once, with what to do (pad to a few lengths); a loop
+    that comes back to the shapes it measured does not warn, nor do two models whose
+    chains open at one site (every ``remat.wrap`` model's does) with fewer each (the
+    count was the site's, through ``clear_cache``: a helper's find)."""
     import warnings
 
     from remat.runtime import paths
@@ -161,7 +163,6 @@ def test_a_shape_that_changes_every_step_is_warned_of_once():
     torch.manual_seed(0)
     net = _Net([_Mlp() for _ in range(2)])
     remat.clear_cache()
-    paths.shapes.clear()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for t in [4, 5, 4, 5, 4] + list(range(6, 6 + paths.SHAPES)) + [20, 21]:
@@ -169,10 +170,36 @@ def test_a_shape_that_changes_every_step_is_warned_of_once():
     said = [str(w.message) for w in seen if "input shapes" in str(w.message)]
     assert len(said) == 1 and f"measured {paths.SHAPES} input shapes" in said[0] and "pad to a few" in said[0], said
     remat.clear_cache()
-    paths.shapes.clear()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(6):
             for t in (4, 5, 6):
                 net(torch.randn(2, t, D)).square().mean().backward()
     assert not [w for w in seen if "input shapes" in str(w.message)]
+
+
+def test_models_whose_chains_open_at_one_site_count_their_shapes_apart():
+    """Every ``remat.wrap`` model's chain opens at one site: the count of new shapes was
+    the site's, through ``clear_cache``, so a model that had measured two shapes was told
+    eight (a helper's find). Each model's own, as the cache keeps them, now."""
+    import warnings
+
+    from remat.runtime import paths
+
+    class Net(_Net):   # (a site of its own, which no other test opens)
+        def forward(self, x):
+            with remat.chain(budget=self.budget):
+                for b in self.blocks:
+                    x = b(x, self.mask)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    one, other = Net([_Mlp() for _ in range(2)]), Net([_Mlp() for _ in range(2)])
+    remat.clear_cache()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for model in (one, other, one):
+            for t in range(4, 4 + paths.SHAPES - 1):
+                model(torch.randn(2, t, D)).square().mean().backward()
+    assert not [w for w in seen if "input shapes" in str(w.message)]
+    remat.clear_cache()
