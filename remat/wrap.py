@@ -126,7 +126,8 @@ def _checkpointing_on(kind, when=""):
     return StageError(
         f"remat.wrap: this {kind} has transformers' gradient checkpointing on{when} "
         f"(gradient_checkpointing_enable()); remat recomputes on its own schedule, and both together "
-        f"recompute twice and measure the wrong costs. Call model.gradient_checkpointing_disable() first; "
+        f"recompute twice and measure the wrong costs. Call model.gradient_checkpointing_disable() first "
+        f"(activation_checkpointing_disable() in the transformers releases that renamed it); "
         f"under transformers.Trainer, give TrainingArguments(gradient_checkpointing=False), which is what "
         f"turns it on there")
 
