@@ -182,14 +182,15 @@ class ChainRecord:
         remat/measure/holding.py): (the most its tail needed above the chain's end, whether storing every
         stage fits ``budget`` with a record more: measured, a kept stage's backward lets none of its saved
         tensors go until it ends, the most measuring a stage needed beyond its input, the largest stage
-        input), scaled to the input (as its square where larger: attention's saved tensors grow so with the
-        sequence; a first call four times as long, scaled linearly, went 37% over); ``NO_HINT`` before a
-        backward has shown the tail."""
+        input), scaled to the input as its square where larger (attention's saved tensors grow so with the
+        sequence; a first call four times as long, scaled linearly, went 37% over) and not where smaller (a
+        conv's weight gradient does not shrink with the batch: a ResNet's smaller last batch went 6% over,
+        keeping saved tensors by a hint scaled down); ``NO_HINT`` before a backward has shown the tail."""
         if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None \
                 or not any(self.costs.bwd_time):   # (no backward through it: its stages all frozen, say)
             return NO_HINT
         ratio = 1.0 if input_bytes is None else input_bytes / self.input_bytes
-        scale = max(ratio, ratio * ratio)
+        scale = max(1.0, ratio * ratio)
         tail, costs = self.tail.costs(), self.planning_costs()
         # the most measuring a stage needs beyond its input: the call holds inputs beside it from the
         # start (counted as the stages came, a CNN's later, larger one went 15% over the budget)

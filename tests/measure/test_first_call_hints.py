@@ -7,6 +7,7 @@ import copy
 import gc
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -203,3 +204,45 @@ def test_models_whose_chains_open_at_one_site_count_their_shapes_apart():
                 model(torch.randn(2, t, D)).square().mean().backward()
     assert not [w for w in seen if "input shapes" in str(w.message)]
     remat.clear_cache()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0])
+def test_a_smaller_batch_after_a_larger_one_measures_under_the_budget(fraction):
+    """A CNN trained at a batch of 4, then a smaller last batch of 3: its first call,
+    guided by the larger batch's record scaled down by the batch, took a conv's weight
+    gradient, which does not shrink with it, for smaller than it is, kept saved tensors
+    it had no room for, and rebuilt a stage from the chain's input beside them (which
+    ``rebuild_holds`` did not count): 14% over a budget at the larger batch's store-all
+    peak (a helper's find and diagnosis). A smaller input takes the record's figures
+    unscaled now, and a rebuild counts the saved tensors kept."""
+    def make():
+        torch.manual_seed(0)
+        return remat.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Dropout2d(0.3),
+            nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Dropout2d(0.2),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5), budget=remat.chain.NO_LIMIT)
+
+    def step(net, batch):
+        g = torch.Generator().manual_seed(batch)
+        x, y = torch.randn(batch, 3, 12, 12, generator=g), torch.randint(0, 5, (batch,), generator=g)
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        with remat.measure_peak():
+            nn.functional.cross_entropy(net(x), y).backward()
+        return remat.explain()
+
+    remat.clear_cache()
+    try:
+        net = make()
+        step(net, 4)
+        seen = step(net, 4)
+        remat.clear_cache()
+        net = make()
+        net.budget = int(seen.least_budget + fraction * (seen.predicted_peak - seen.least_budget))
+        for batch in (4, 3, 3):
+            peak = step(net, batch).measured_peak
+            assert peak <= net.budget, (batch, peak, net.budget)
+    finally:
+        remat.clear_cache()
