@@ -342,6 +342,9 @@ class Costs:
                 fh.write(text)
             if where != path:
                 os.replace(where, path)
+        except OSError as exc:   # (the temporary file's name in the message would mislead)
+            raise CostsError(f"remat: cannot write the costs to {path}: {exc.strerror or exc}; give the path of a "
+                             f"file in a folder that exists and that this process may write to") from exc
         finally:
             if where != path and os.path.exists(where):
                 os.unlink(where)

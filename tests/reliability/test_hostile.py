@@ -240,6 +240,8 @@ CASES = {
     "chain-costs-other-width": _wider_costs,
     "chain-costs-directory": _costs_dir,
     "chain-costs-not-a-path": lambda t: remat.chain(budget=100, costs=123),
+    "costs-save-directory": lambda t: _costs().save(str(t)),
+    "costs-save-missing-folder": lambda t: _costs().save(str(t / "missing" / "costs.json")),
     "solve-L0": lambda t: remat.solve(Costs(**_L0), 100),
     "solve-not-costs": lambda t: remat.solve({"fwd_time": []}, 100),
     "simulate-bool-stage": lambda t: remat.simulate(_costs(), [Fall(True), Fall(2), Fall(3), Loss, B(3), B(2), B(1)]),
