@@ -66,17 +66,16 @@ def _transformed(x):
 
 
 def _dual(x, args, kwargs):
-    """True if a forward-mode AD level is open and the chain's input or a tensor side
-    input of its first stage carries a tangent."""
+    """True if a forward-mode AD level is open and the chain's input or a side input carries a tangent."""
     dual = forward_ad.unpack_dual   # (no level open: no tangent anywhere, nothing walked)
     return forward_ad._current_level >= 0 and any(
         isinstance(t, torch.Tensor) and dual(t).tangent is not None for t in [x, *tree_leaves((args, kwargs))])
 
 
 class ChainCall:
-    """One open chain on one thread (one call of the user's forward): the stage calls checked as they
-    come and handed to its part, a ``Measurer`` or a ``Runner``; a call that leaves its recorded path
-    hands the runner's record so far to a new measurer (``Runner.diverge``)."""
+    """One open chain on one thread (one call of the user's forward): the stage calls checked as they come
+    and handed to its part, a ``Measurer`` or a ``Runner``; a call that leaves its recorded path hands the
+    runner's record so far to a new measurer (``Runner.diverge``)."""
 
     def __init__(self, spec, site):
         # (a meter left after the last block goes; a chain run plainly, under no_grad, is the tail's: linger.py)
@@ -177,11 +176,10 @@ class ChainCall:
         return out
 
     def _plainly(self, x, args, kwargs):
-        """Inside torch.func.vmap / grad: remat's hooks and meter cannot see through
-        the transforms' wrapped tensors; dual tensors of forward-mode AD carry
-        tangents whose formulas save tensors for the backward that a recomputation
-        (of the primal) cannot make again. True if so: the chain runs plainly this
-        call (every stage: the chain is never entered)."""
+        """Inside torch.func.vmap / grad: remat's hooks and meter cannot see through the transforms'
+        wrapped tensors; dual tensors of forward-mode AD carry tangents whose formulas save tensors for
+        the backward that a recomputation (of the primal) cannot make again. True if so: the chain
+        runs plainly this call (every stage: the chain is never entered)."""
         if not (_transformed(x) or _dual(x, args, kwargs)):
             return False
         if not _warned_transforms:
@@ -283,9 +281,12 @@ class ChainCall:
         _remember(self.key, new)
         watch_output(new, self.prev)
         try:
-            # (its backward may show its output let go, Note [The chain's output]: a budget under the least fails;
-            # beside the copies of written state run 4 keeps into it, else let go: 264 B over on BatchNorm before)
-            fits = lambda n: max(minimum_budget(c := new.planning_costs().with_held(n)), new.step_end(c)) <= self.budget
+            # (its backward may show its output let go, Note [The chain's output]: a budget under the least fails)
+            def fits(held):   # (beside run 4's copies of written state, else they go: 264 B over on BatchNorm)
+                try:
+                    return plan_for(new, self.budget, self.spec, held) is not None
+                except BudgetError:
+                    return False
             plan = plan_for(new, self.budget, self.spec, measurer.run4.copies(fits))
         except Exception as exc:
             measurer.undo()

@@ -17,6 +17,9 @@ from chains import (ALGORITHMS, Net, assert_same, budget_for, fresh_net, make_in
 # (the deep profile's: the tied stage measured again for BatchNorm's transposed gradient (run 4) freed its
 # output there, not in run 2; the call at this budget, with no room for run 4, needed 88 bytes more)
 @example((["tied", "bn"], False), "store_all", 0.0, "sgd")
+# (a first call planning beside run 4's copies of written state where the least budget of any plan left room,
+# not store_all's: BudgetError at store_all's own budget)
+@example((["conv", "conv", "conv", "conv", "conv", "convblock"], True), "store_all", 0.0, "sgd")
 def test_random_chains_match_plain_pytorch(chain, algorithm, fraction, opt):
     """Losses, input and parameter gradients, BatchNorm statistics and parameters after
     three optimizer steps are bitwise those of plain PyTorch (all ops here are
