@@ -101,15 +101,12 @@ def stage_least(x_in, out, saved, fwd_tmp, bwd_tmp):
 
 
 def measuring_least(costs, record=None):
-    """The least budget a first call that measures the chain of ``costs`` runs
-    under: its most demanding stage's ``stage_least``, or what measuring a stage
-    held at once (``StageCosts.measure_peak``) where ``record``, the chain's
-    ``ChainRecord``, has it; the chain's input beside a later stage's. A plan
-    may need less: measuring runs each stage whole (not under an option,
-    ``Costs.options``) and its backward beside the stage's input and output,
-    where B(i) may have let them go; and the caches' copies of the weights
-    of the stages below it (autocast's casts: alive to the autocast block's end,
-    they put two bf16 linear stages' first call 4.8% over)."""
+    """The least budget a first call that measures the chain of ``costs`` runs under: its most demanding
+    stage's ``stage_least``, or what measuring a stage held at once (``StageCosts.measure_peak``) where
+    ``record``, the chain's ``ChainRecord``, has it; the chain's input beside a later stage's. A plan may
+    need less: measuring runs each stage whole (not under an option) and its backward beside the stage's
+    input and output, where B(i) may have let them go; and the caches' copies of the weights of the stages
+    below it (autocast's casts, alive to the block's end: two bf16 linear stages' first call 4.8% over)."""
     costs = costs.without_tail()
     x = costs.sizes()
     stages = record.stages if record is not None else []
@@ -121,22 +118,20 @@ def measuring_least(costs, record=None):
 
 
 def rebuild_least(input_bytes, held, x_in, out, fwd_tmp):
-    """What the measuring call's backward holds as it rebuilds a stage (of output
-    ``out`` bytes) from that stage's input (``x_in`` bytes, 0 for the chain's): the
-    chain's input and what the step holds (``held``, the chain's output among it where
-    the caller keeps it), the output's gradient, and the stage's forward, its output
-    made again (the last stage's beside the caller's: Note [Measuring within the budget])."""
+    """What the measuring call's backward holds as it rebuilds a stage (of output ``out`` bytes) from that
+    stage's input (``x_in`` bytes, 0 for the chain's): the chain's input and what the step holds (``held``,
+    the chain's output among it where the caller keeps it), the output's gradient, and the stage's forward,
+    its output made again (the last stage's beside the caller's: Note [Measuring within the budget])."""
     return input_bytes + held + out + x_in + out + fwd_tmp
 
 
 def _rebuilds(costs, record):
-    """The most the measuring call's backward holds rebuilding a stage from the chain's
-    input, holding no input between (at the least budget), on the planning ``costs``
-    (the caller's output held where it counts) and the copies of written state it holds
-    to its end (BatchNorm's statistics: 72 bytes over before): for each stage of ``record`` that saved
-    something (the others are not rebuilt), its recording (``rebuild_least``: the gradient
-    of its output beside it, as the output the caller keeps is beside the last stage's),
-    and the forwards without recording of the stages below it, beside that gradient."""
+    """The most the measuring call's backward holds rebuilding a stage from the chain's input, holding no
+    input between (at the least budget), on the planning ``costs`` (the caller's output held where it counts)
+    and the copies of written state it holds to its end (BatchNorm's statistics: 72 bytes over before): for
+    each stage of ``record`` that saved something (the others are not rebuilt), its recording (``rebuild_least``:
+    its output's gradient beside it, as the output the caller keeps is beside the last stage's), and the
+    forwards without recording of the stages below it, beside that gradient."""
     stages = record.stages if record is not None else []
     chain = costs.without_tail()
     x, ftn, most, below = chain.sizes(), chain.fwd_tmp_nograd, 0, 0
@@ -222,10 +217,9 @@ class Holding:
         ``spacing``-th stage's, the spacing doubling as often as needed (the
         backward rebuilds a stage from the nearest input held below it: Note
         [Measuring within the budget]). ``run``: the call's ``Run``."""
-        if k < 2 or k <= self.diverged or anchor.input is None:
-            # (the chain's input is the caller's; a stage run by a schedule, the schedule's; the first
-            # stage measured after them rebuilds from its own input: the schedule may have recorded
-            # the stage before it whole, which no rebuild runs again)
+        if k < 2 or k < self.diverged or anchor.input is None or k == self.diverged and not _below(run, k):
+            # (the caller's; a schedule's; the first stage measured after them, where no rebuild can start below
+            # it (``_below``): else it may go (held, a stage frozen between steps went 10% over as it measured))
             return
         nbytes = x.untyped_storage().nbytes()
         # the tail unknown, or off the spacing: let go (but an input needing no grad, where a stage cut the
@@ -395,3 +389,11 @@ def _anchored(run):
             if t is not None:
                 live[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     return live
+
+
+def _below(run, k):
+    """Whether ``run`` holds an input below stage k to rebuild it from, none whole between (``Run._rebuild``)."""
+    for j in range(k - 1, 0, -1) if run is not None else ():
+        if run.whole[j] or (a := run._anchor(j)) is not None and a.input is not None:
+            return not run.whole[j]
+    return False

@@ -3,8 +3,10 @@ trains), then unfrozen: nothing in it had a backward, so its record must neither
 serve the unfrozen calls as recorded nor guide another chain's measuring call at
 the same site. Every call is plain PyTorch's and under the budget, as measured."""
 
+import contextlib
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -102,3 +104,69 @@ def test_a_frozen_chain_does_not_guide_another_models_first_call():
     want, got = _step(plain, x, False), _step(net, x, False)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert remat.explain().measured_peak <= budget
+
+
+class _Mid(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(16, 16)
+        self.extra = nn.BatchNorm1d(16) if kind == "bn" else nn.Dropout(0.3) if kind == "drop" else nn.Identity()
+
+    @remat.stage
+    def forward(self, x):
+        return self.extra(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("change", ["freeze", "eval", "replace"])
+def test_a_middle_stage_changed_between_steps_measures_under_the_budget(change):
+    """A middle stage frozen, put in eval mode or given a new Linear between steps: the
+    next call runs the plan up to it and measures from there, and held that stage's
+    input as the one to rebuild it from though the plan held the chain's input below it:
+    10% over the least budget (a helper's find). It goes as any other's where a rebuild
+    can start below it (``holding._below``)."""
+    def make():
+        torch.manual_seed(1)
+        blocks = nn.ModuleList(_Mid(k) for k in ("lin", "bn", "drop", "lin"))
+        return blocks, nn.Linear(16, 4)
+
+    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 4
+
+    def forward(blocks, head, budget):
+        h = x
+        with remat.chain(budget=budget) if budget is not None else contextlib.nullcontext():
+            for b in blocks:
+                h = b(h)
+        return head(h)   # (the chain's output let go before the backward)
+
+    def step(blocks, head, budget, seed):
+        for p in [*blocks.parameters(), *head.parameters()]:
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        torch.manual_seed(100 + seed)
+        with remat.measure_peak():
+            nn.functional.cross_entropy(forward(blocks, head, budget), y).backward()
+        return [p.grad for p in [*blocks.parameters(), *head.parameters()] if p.grad is not None]
+
+    def alter(blocks):
+        if change == "freeze":
+            blocks[2].requires_grad_(False)
+        elif change == "eval":
+            blocks[2].eval()
+        else:
+            torch.manual_seed(77)
+            blocks[2].lin = nn.Linear(16, 16)
+
+    remat.clear_cache()
+    try:
+        probe = make()
+        step(*probe, remat.chain.NO_LIMIT, 0)
+        least = remat.explain().least_budget
+        remat.clear_cache()
+        (net, ref) = make(), make()
+        for seed in range(4):
+            if seed == 2:
+                alter(net[0]), alter(ref[0])
+            got, want = step(*net, least, seed), step(*ref, None, seed)
+            assert remat.explain().measured_peak <= least, (seed, remat.explain().measured_peak, least)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
+    finally:
+        remat.clear_cache()
