@@ -156,7 +156,8 @@ def test_a_first_call_under_that_least_says_it_may_have_gone_over():
 class _Mlp(nn.Module):
     def __init__(self, d):
         super().__init__()
-        self.ln, self.fc1, self.fc2, self.drop = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+        self.ln, self.drop = nn.LayerNorm(d), nn.Dropout(0.1)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     @remat.stage
     def forward(self, x):
