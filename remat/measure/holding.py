@@ -382,13 +382,10 @@ def _tail_kept(record):
 def _anchored(run):
     """{storage: bytes} of what ``run``'s anchors hold, each storage once: the inputs of the
     stages after the first (the chain's is the caller's) and the saved tensors kept."""
-    live = {}
-    for a in [ref() for ref in run.anchors[1:] if ref is not None] + list(run.orphans.values()):
-        for t in ([a.input] if a is not None and a.input is not None and a.stage > 1 else []) + \
-                list(a.saved or () if a is not None else ()):
-            if t is not None:
-                live[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return live
+    anchors = [ref() for ref in run.anchors[1:] if ref is not None] + list(run.orphans.values())
+    anchors = [a for a in anchors if a is not None]
+    tensors = [t for a in anchors for t in ([a.input] if a.stage > 1 else []) + list(a.saved or ()) if t is not None]
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 
 def _below(run, k):
