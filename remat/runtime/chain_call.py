@@ -26,7 +26,7 @@ from ..solver.solve import minimum_budget, solve
 from ..units import format_bytes
 from .recompute import replaying, take_slots
 from .replay import capture_autocast, weight_caches
-from .paths import keep_path, new_shape, path_room, shorter_path, switch_path
+from .paths import keep_path, new_shape, path_room, shorter_path, switch_path, unfrozen
 from .executor import distributed, in_flight
 from .runner import Runner, site_text, watch_output
 from .stage_call import (StageCall, check_hooks_enabled, check_output, find_activation, handed_on, hooks_between,
@@ -224,10 +224,10 @@ class ChainCall:
             entry = None   # (measured without options, which this call asks for: measured again)
         if others := set(in_flight()) - set(in_flight(ident)):   # (another chain's call: remat/measure/overlap.py)
             other_chains(others, self.site)
-        self.budget = self.spec.bytes_on(x.device)
-        if entry is None or entry.costs is None or entry.remeasure:
+        self.budget, thawed = self.spec.bytes_on(x.device), False
+        if entry is None or entry.costs is None or entry.remeasure or (thawed := unfrozen(entry)):   # (paths.py)
             given = entry.costs if entry is not None and entry.remeasure == "given" else None   # (measure()'s)
-            self.part = Measurer.first(self.spec, self.budget, autocast, x,
+            self.part = Measurer.first(self.spec, self.budget, autocast, x, NO_HINT if thawed else
                                        _hint(self.key, ident, self.budget, x.untyped_storage().nbytes()), given)
             if entry is not None and given is None:   # (Note [Paths of a chain], remat/runtime/paths.py)
                 keep_path(self.part.new, entry)

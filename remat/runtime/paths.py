@@ -48,6 +48,16 @@ after ``STALE`` calls in a row that took this record's path to its end
 keys]) makes the next one measure that shorter path, unless the record keeps
 that path's own (``shorter_path``). A path met for the first time is
 measured (docs/limitations.md).
+
+A stage recorded frozen that has a parameter needing grad as a call opens
+(progressive unfreezing) makes that call measure the chain from its first
+stage, within the budget, as a first call does, with no hint from the record
+(``unfrozen``): found as the stage is called, the stages before it would have
+run on a plan that counted its backward and its weights' gradients out, and
+measuring it beside what they held went 8% over the least budget (the second
+block unfrozen from the top of eight), 23% (the last of four); and the
+record's figures, the frozen stage's among them, under-count what measuring
+it takes (7% over).
 """
 
 import dataclasses
@@ -59,6 +69,7 @@ from ..solver.plan import Plan
 from ..solver.schedule import B, Fall, Fck, Fn, Loss, Schedule, op_from_code, simulate
 from ..solver.solve import solve
 from ..units import format_bytes
+from .recompute import take
 
 __all__ = ["OTHER_PATHS", "PATH_CHANGES", "STALE", "held_before", "keep_path", "path_changed", "path_changes",
            "path_lines", "path_room", "shorter_path", "site_text", "switch_path"]
@@ -112,6 +123,19 @@ def new_shape(site, ident, seen):
             f"to three steps' time, and remat keeps the 64 chains used last. Where the shape changes from step "
             f"to step (each batch padded to its longest sequence), pad to a few lengths (a multiple of 64, or "
             f"fixed buckets): each is then measured once", RuntimeWarning, stacklevel=7)
+
+
+def unfrozen(entry):
+    """Whether a stage ``entry`` recorded frozen (parameters, none needing grad: a suspect,
+    Note [Stages recorded whole]) has one needing grad now (Note [Paths of a chain])."""
+    for k in entry.suspects:
+        if k <= len(entry.stages):
+            record = entry.stages[k - 1]
+            slots, flags = record.slots, record.grads
+            if flags and not any(f[1] for f in flags if f is not None) \
+                    and any(t is not None and t.requires_grad for t in take(slots[0][:slots[1]])):
+                return True
+    return False
 
 
 def keep_path(new, old):
