@@ -225,7 +225,7 @@ class ChainCall:
         if others := set(in_flight()) - set(in_flight(ident)):   # (another chain's call: remat/measure/overlap.py)
             other_chains(others, self.site)
         self.budget, thawed = self.spec.bytes_on(x.device), False
-        if entry is None or entry.costs is None or entry.remeasure or (thawed := unfrozen(entry)):   # (paths.py)
+        if entry is None or entry.costs is None or entry.remeasure or entry.suspects and (thawed := unfrozen(entry)):
             given = entry.costs if entry is not None and entry.remeasure == "given" else None   # (measure()'s)
             self.part = Measurer.first(self.spec, self.budget, autocast, x, NO_HINT if thawed else
                                        _hint(self.key, ident, self.budget, x.untyped_storage().nbytes()), given)
