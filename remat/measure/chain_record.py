@@ -59,6 +59,7 @@ torch.distributed, where every rank must keep rank 0's costs.
 """
 
 import dataclasses
+import itertools
 import warnings
 import weakref
 
@@ -177,26 +178,25 @@ class ChainRecord:
         return new
 
     def hint(self, budget, input_bytes=None):
-        """What a measuring call of this chain (at another shape: a chain input of ``input_bytes``; or
-        leaving this record's path) can take from this record (Note [Measuring within the budget],
-        remat/measure/holding.py): (the most its tail needed above the chain's end, whether storing every
-        stage fits ``budget`` with a record more: measured, a kept stage's backward lets none of its saved
-        tensors go until it ends, the most measuring a stage needed beyond its input, the largest stage
-        input), scaled to the input as its square where larger (attention's saved tensors grow so with the
-        sequence; a first call four times as long, scaled linearly, went 37% over) and not where smaller (a
-        conv's weight gradient does not shrink with the batch: a ResNet's smaller last batch went 6% over,
-        keeping saved tensors by a hint scaled down); ``NO_HINT`` before a backward has shown the tail."""
+        """What a measuring call of this chain (of chain input ``input_bytes``, or off this record's path)
+        takes from it (Note [Measuring within the budget], holding.py): (the most its tail needed above the
+        chain's end, whether storing all fits ``budget`` with a record more (a kept stage's backward lets
+        none of its saved tensors go until it ends), the most measuring a stage needed beyond its input, the
+        largest stage input), scaled as the input's square where larger (scaled linearly, a first call 4x as
+        long went 37% over), not where smaller (scaled down, a ResNet's last batch went 6% over: a conv's
+        weight gradient does not shrink); ``NO_HINT`` before a backward has shown the tail."""
         if self.tail is None or self.tail.kept is None or not self.input_bytes or self.costs is None \
                 or not any(self.costs.bwd_time):   # (no backward through it: its stages all frozen, say)
             return NO_HINT
-        ratio = 1.0 if input_bytes is None else input_bytes / self.input_bytes
-        scale = max(1.0, ratio * ratio)
+        scale = max(1.0, (1.0 if input_bytes is None else input_bytes / self.input_bytes) ** 2)
         tail, costs = self.tail.costs(), self.planning_costs()
         # the most measuring a stage needs beyond its input: the call holds inputs beside it from the
-        # start (counted as the stages came, a CNN's later, larger one went 15% over the budget)
+        # start (counted as the stages came, a CNN's later, larger one went 15% over the budget), and the
+        # casts of the stages before it (a bf16 ResNet's smaller batch, 0.4% over, took only those so far)
         c, x = self.costs, self.costs.sizes()
+        casts = list(itertools.accumulate((stage_casts(s) for s in self.stages[:c.length]), initial=0))
         largest = max(max(stage_least(x[i], c.out_bytes[i], c.saved_bytes[i], c.fwd_tmp[i], c.bwd_tmp[i]),
-                          s.costs.measure_peak or 0 if s.costs is not None else 0) - x[i]
+                          s.costs.measure_peak or 0 if s.costs is not None else 0) - x[i] + casts[i]
                       for i, s in enumerate(self.stages[:c.length]))
         return int((tail["fwd_tmp"] + tail["kept"]) * scale), \
             (simulate(costs, store_all(costs.length)).peak + max(costs.saved_bytes[:costs.stages])) * scale <= budget, \

@@ -246,3 +246,39 @@ def test_a_smaller_batch_after_a_larger_one_measures_under_the_budget(fraction):
             assert peak <= net.budget, (batch, peak, net.budget)
     finally:
         remat.clear_cache()
+
+
+def test_a_smaller_bf16_batch_after_a_larger_one_measures_under_the_budget():
+    """ResNet-18 under bf16 autocast at its least budget, then the short last batch of
+    an epoch (3, 5, 7 of 8): the measuring call held stage inputs by a hint that left
+    out the casts of the stages after the one measured (held until the autocast block
+    ends): 0.05-0.65% over (a helper's find). The hint's most a stage's measuring
+    needs now counts the casts of the stages before it."""
+    import remat.models
+
+    def step(net, batch, seed):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        with remat.measure_peak():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(net(x), y)
+            loss.backward()
+        return remat.explain()
+
+    remat.clear_cache()
+    try:
+        torch.manual_seed(0)
+        net = remat.models.resnet18(num_classes=10)
+        probe = copy.deepcopy(net)
+        probe.budget = remat.chain.NO_LIMIT
+        step(probe, 8, 0)
+        net.budget = step(probe, 8, 0).least_budget
+        for short in (3, 5, 7):
+            remat.clear_cache()
+            for seed, batch in enumerate((8, 8, short, short)):
+                peak = step(net, batch, seed).measured_peak
+                assert peak <= net.budget, (short, batch, peak, net.budget)
+    finally:
+        remat.clear_cache()
