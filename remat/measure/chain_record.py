@@ -69,7 +69,7 @@ from ..solver.solve import store_all
 from ..dynamo import DYNAMO_SKIPS
 from ..errors import CostsError
 from .holding import least_budget, stage_least
-from .record import StageCosts, TailSeen, stage_casts
+from .record import StageCosts, TailSeen, casts_freed, stage_casts
 from ..units import format_bytes
 
 __all__ = ["NO_HINT", "ChainRecord"]
@@ -221,9 +221,8 @@ class ChainRecord:
             freed = self.tail is not None and self.tail.casts in ("forward", "freed") and any(casts)   # (casts.py)
             handed = self.costs.out_bytes[-1] if freed else None   # (the tail's backward at B(L): tail.py)
             costs = (self._output_held() if held else self.costs).with_tail(**(self.tail or TailSeen()).costs(handed))
-            if freed:   # (the tail's none)
-                casts = (casts + [0] * costs.length)[:costs.stages] + [0]
-                costs = Costs.from_dict({**costs.to_dict(), "cast_bytes": casts})
+            if freed:
+                costs = casts_freed(costs, self.stages)
             cached = self._held_costs[held] = (key, costs)
         if not options:
             return cached[1].without_options()

@@ -163,7 +163,7 @@ def observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream):
     probe.held_grads = upstream.held_grads(params)
     probe.leaves = {id(p): p.numel() * p.element_size() for p in params}
     return probe, StageGraph(stop, side, [p for p in params if id(p) not in upstream.leaves], saved, keys,
-                             [p for p in params if id(p) in upstream.leaves])
+                             [p for p in params if id(p) in upstream.leaves], cached)
 
 
 def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, release=False):
@@ -212,7 +212,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     forward_writes = dict(inst.mutated)
     costs = probe.costs
     _forward_costs(costs, fwd_time, x, saved, probe.out)
-    bwd_delta = in_grad = rebuilt_delta = 0
+    bwd_delta = in_grad = rebuilt_delta = cast_less = 0
     sums = None
     donor = None
     if twin is not None:
@@ -225,7 +225,8 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     if donor is not None:
         probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or graph.params or graph.shared):
-        bwd_delta, in_grad, rebuilt_delta, sums = run_backward(call, act, x, graph, inst, probe, anchor, release)
+        bwd_delta, in_grad, rebuilt_delta, sums, cast_less = run_backward(call, act, x, graph, inst, probe, anchor,
+                                                                          release)
         if not cuda:   # (run 2 holds the output, and the input beside its gradient: more than any B(i))
             # (and the gradient handed in, one element expanded, made outside the meter)
             costs.measure_peak = inst.peak + x.untyped_storage().nbytes() + act.element_size()
@@ -240,6 +241,7 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     if donor is None:
         costs.bwd_tmp = max(0, bwd_delta - in_grad) - costs.out_freed
         costs.bwd_rebuilt_less = costs.bwd_tmp - (max(0, rebuilt_delta - in_grad) - costs.out_freed)
+        costs.bwd_cast_less = costs.bwd_tmp - (max(0, bwd_delta - cast_less - in_grad) - costs.out_freed)
         if sums is not None:
             costs.bwd_tmp_sums = max(0, sums - in_grad) - costs.out_freed
     return probe

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..runtime.recompute import NO_SLOTS
+from ..solver.costs import Costs
 
-__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord", "TailSeen", "stage_casts"]
+__all__ = ["COST_FIELDS", "Probe", "StageCosts", "StageGraph", "StageRecord", "TailSeen", "casts_freed", "stage_casts"]
 
 # the per-stage fields of ``remat.Costs``, in its order
 COST_FIELDS = ("fwd_time", "fwd_nograd_time", "bwd_time", "out_bytes", "saved_bytes", "fwd_tmp", "bwd_tmp",
@@ -48,6 +49,8 @@ class StageCosts:
     measure_peak: int = None   # the most its measuring runs 1 and 2 held at once, its input counted (CPU)
     bwd_tmp_sums: int = None   # bwd_tmp where it starts the sums of its shared leaves' gradients (None: it has
                                # none; Note [Shared leaves], remat/measure/leaves.py)
+    bwd_cast_less: int = 0     # what bwd_tmp needs less where its casts go as last read (Note [Casts freed at
+                               # the Loss] 2, remat/solver/casts.py; on CPU)
 
     @property
     def backward_measured(self):
@@ -74,6 +77,7 @@ class StageGraph(NamedTuple):
     saved: list     # what autograd saved in its forward
     keys: dict      # {storage: bytes} of those the stage made (``saved_storages``)
     shared: list = []   # the leaves whose gradients it makes that are used behind it too (``Upstream``)
+    casts: dict = {}    # {storage: bytes} of those it made that a cache holds too (autocast's casts)
 
 
 @dataclass(slots=True, eq=False)
@@ -102,14 +106,14 @@ class Probe:
         takes, as a dict."""
         c = self.costs
         return {"bwd_time": c.bwd_time, "bwd_tmp": c.bwd_tmp, "bwd_rebuilt_less": c.bwd_rebuilt_less,
-                "bwd_tmp_sums": c.bwd_tmp_sums, "grad_layout": self.grad_layout,
+                "bwd_tmp_sums": c.bwd_tmp_sums, "bwd_cast_less": c.bwd_cast_less, "grad_layout": self.grad_layout,
                 "input_grad_layout": self.input_grad_layout}
 
     def take_run2(self, run2):
         """Take a twin's run 2 results (``run2``)."""
         c = self.costs
         c.bwd_time, c.bwd_tmp, c.bwd_rebuilt_less = run2["bwd_time"], run2["bwd_tmp"], run2["bwd_rebuilt_less"]
-        c.bwd_tmp_sums = run2["bwd_tmp_sums"]
+        c.bwd_tmp_sums, c.bwd_cast_less = run2["bwd_tmp_sums"], run2["bwd_cast_less"]
         self.grad_layout, self.input_grad_layout = run2["grad_layout"], run2["input_grad_layout"]
 
 
@@ -210,3 +214,20 @@ def stage_casts(record):
     """Bytes of the caches' copies of the weights a ``StageRecord`` made (its held
     ("cached", k)): autocast's casts, ``parametrize.cached()``'s weights."""
     return sum(v for k, v in record.held.items() if type(k) is tuple and k[0] == "cached")
+
+
+def casts_freed(costs, stages):
+    """A chain's planning ``costs`` where autocast's casts go at the loss (the backward after
+    the autocast block; Note [Casts freed at the Loss], remat/solver/casts.py), its stages'
+    ``StageRecord``s ``stages``: each stage's casts (``stage_casts``, the tail's none) in
+    ``cast_bytes``, and its backward's transient less what letting them go as they are read
+    last takes off its peak (``StageCosts.bwd_cast_less``; none for a stage starting the sums
+    of shared leaves' gradients, whose bwd_tmp is another peak), bwd_tmp at least -out_bytes
+    and a rebuilt one's no lower than either alone."""
+    n, bt = costs.stages, costs.bwd_tmp
+    casts = ([stage_casts(s) for s in stages] + [0] * n)[:n] + [0] * (costs.length - n)
+    cut = [min(s.costs.bwd_cast_less, t + o) if s.costs is not None and s.costs.bwd_tmp_sums is None else 0
+           for s, t, o in zip(stages[:n], bt, costs.out_bytes)]
+    cut += [0] * (costs.length - len(cut))
+    return Costs.from_dict({**costs.to_dict(), "cast_bytes": casts, "bwd_tmp": [t - c for t, c in zip(bt, cut)],
+                            "bwd_rebuilt_less": [max(0, r - c) for r, c in zip(costs.bwd_rebuilt_less, cut)]})

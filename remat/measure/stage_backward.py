@@ -24,44 +24,34 @@ __all__ = ["backward_again", "run_backward"]
 
 def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
     """Run 2 of Note [Measuring a stage] (remat/measure/profile.py): the stage's backward on
-    the real forward's graph, kept for the real backward, metered as one that
-    frees its graph runs it (``_Releases``). Sets ``probe``'s bwd_time, grad_layout
-    and input_grad_layout (a ``Probe``, remat/measure/record.py).
+    the real forward's graph, kept for the real backward, metered as one that frees its
+    graph runs it (``_Releases``). Sets ``probe``'s bwd_time, grad_layout and input_grad_layout.
 
-    Args:
-        act: the stage's output; ``x`` its input.
-        graph: its ``StageGraph`` (remat/measure/record.py): where it ends, the
-            side inputs and leaves whose gradients it makes, what it saved.
-        inst: the forward's meter.
-        anchor: the stage's anchor (``instrumented_run``).
-        release: let each saved tensor go once read for the last time (``_Releases``).
+    Args: ``act`` the stage's output, ``x`` its input; ``graph`` its ``StageGraph``
+    (remat/measure/record.py); ``inst`` the forward's meter; ``anchor`` the stage's anchor
+    (``instrumented_run``); ``release``: let each saved tensor go once read for the last time.
 
-    Returns:
-        (the backward's peak above its start, the bytes of the gradients of the
-        output and of the input, which simulate counts apart from bwd_tmp, the
-        peak of the stage rebuilt, ``_Releases.rebuilt_peak``, and the peak where
-        the stage starts the sums of its shared leaves' gradients, less theirs,
-        or None: Note [Shared leaves], remat/measure/leaves.py).
+    Returns (the backward's peak above its start, the bytes of the gradients of the output and
+    of the input, which simulate counts apart from bwd_tmp, the peak of the stage rebuilt
+    (``_Releases.rebuilt_peak``), the peak where the stage starts the sums of its shared
+    leaves' gradients, less theirs, or None (Note [Shared leaves], remat/measure/leaves.py),
+    and how much lower the peak is where its casts go as last read, ``_Releases``).
     """
     cuda, side, params = act.is_cuda, graph.side, graph.params
-    # the meter is off between the two runs: what is made here is no stage's
-    # (the gradient handed in takes no memory: the one the engine holds, below, is the
-    # step's; two were one output's bytes over what a step holds)
+    # the meter is off between the two runs: what is made here is no stage's (the gradient handed
+    # in takes no memory: the one the engine holds, below, is the step's; two were an output over)
     grad_out = torch.ones((), dtype=act.dtype, device=act.device).expand(act.shape)
     probe.grad_layout = torch.empty_like(act, device="meta").stride()
-    # side inputs needing grad: their gradients are taken at their edges as x's is
-    # (what the stage adds into the sum the engine holds: remat/measure/measuring.py
-    # side_grads), their nodes (before the chain, or a leaf's AccumulateGrad) not run
+    # side inputs needing grad: their gradients are taken at their edges as x's is (what the stage adds into
+    # the sum the engine holds: measuring.py side_grads), their nodes (before the chain, AccumulateGrad) not run
     own = HeldHooks(([x] if x.requires_grad else []) + side)   # their hooks held back (x's .grad kept)
     own.__enter__()
-    # a training step hands the stage a gradient only the engine holds, which
-    # it may add into in place (a residual's sum): so does a copy made here
+    # a training step hands the stage a gradient only the engine holds, which it may add into in place
     relay = act.register_hook(lambda _g, like=act: torch.ones_like(like))   # (laid out as the output)
     # (after the relay: a stage returning its input (an identity) hands it what the relay made, not the
     # expanded stand-in, whose strides no step hands: run 4 of the stage before ran for them, 9% over)
     hook = x.register_hook(lambda g: setattr(probe, "input_grad_layout", g.stride())) if x.requires_grad else None
-    # (the parameters' gradients are not added anywhere: Note [Measuring within the
-    # budget] in remat/measure/holding.py)
+    # (the parameters' gradients are not added anywhere: Note [Measuring within the budget], holding.py)
     with HeldHooks(params):
         grads = [None] * len(params)
         if cuda:
@@ -70,7 +60,8 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
             base_b = torch.cuda.memory_allocated()
         released = None
         if not cuda:
-            released = _Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor, release)
+            released = _Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor, release,
+                                 graph.casts)
             inst.open_window(released.held)
         ops_before = inst.op_seconds
         shares = Shares(act, graph.stop, graph.shared, inst, cuda, window=True)
@@ -95,12 +86,12 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
         bwd_delta = peak - base
         if not cuda and released.rebuilt_peak is not None:
             rebuilt = min(bwd_delta, released.rebuilt_peak - released.held)
-    # the output's gradient stands for the one simulate holds (x[i]), and the
-    # input's for the one B(i) adds (x[i-1]); what is left is bwd_tmp (and where the
-    # stage starts the sums of shared leaves' gradients, held_bytes counts those)
+    # the output's gradient stands for the one simulate holds (x[i]), the input's for the one B(i) adds
+    # (x[i-1]); what is left is bwd_tmp (and where the stage starts shared leaves' sums, held_bytes counts those)
     in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
     held = held_peak - base - shares.acc if graph.shared else None   # (the shares it made: not one behind a cast)
-    return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt, held
+    return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt, held, \
+        released.plain - released.cast_peak if released is not None else 0
 
 
 class _Releases:
@@ -120,24 +111,28 @@ class _Releases:
     the engine unpacks it: gone as the node's apply returns, before those sums.
     ``rebuilt_peak`` is the window's peak as such a backward would see it
     (``Costs.bwd_rebuilt_less``): what a node lets go is taken off the sums
-    (``sum(..., keepdim=True)``, as ``at::sum_to`` runs it) that end its run."""
+    (``sum(..., keepdim=True)``, as ``at::sum_to`` runs it) that end its run.
+    ``cast_peak``: the window's peak less the ``casts`` (storage: bytes) that autocast's
+    cache holds, each let go as the node unpacking its last handle has run (Note
+    [Casts freed at the Loss] 2, remat/solver/casts.py), beside ``plain``, the peak."""
 
-    def __init__(self, act, stop, saved, sizes, out_key, inst, anchor, free=False):
-        self.inst, self.anchor, self.saved = inst, anchor, saved
+    def __init__(self, act, stop, saved, sizes, out_key, inst, anchor, free=False, casts=None):
+        self.inst, self.anchor, self.saved, self.casts = inst, anchor, saved, casts or {}
         self.left, self.pending, self.hooks = {}, [], []
         self.where = {} if free else None   # storage -> the indices of ``saved`` holding it
         self.rebuilt_peak, self.sums = None, None   # (sums: the most live at the sums ending a node so far)
+        self.cast_freed = self.cast_peak = self.plain = 0
         if not RELEASES or anchor is None or act.grad_fn is None:
             self.held = 0
             return
         for t in saved:
             key = storage_key(t)
-            if key in sizes and key != out_key:
+            if key in self.casts or key in sizes and key != out_key:
                 self.left[key] = self.left.get(key, 0) + 1
         if self.where is not None:
             for i, t in enumerate(saved):
                 self.where.setdefault(storage_key(t), []).append(i)
-        self.held = self.rebuilt_peak = sum(sizes[k] for k in self.left)
+        self.held = self.rebuilt_peak = self.plain = self.cast_peak = sum(sizes.get(k, 0) for k in self.left)
         self.key_at = [storage_key(t) for t in saved]
         inst.watch = self._op
         anchor.observe = self.pending.append
@@ -149,6 +144,9 @@ class _Releases:
     def _op(self, func, args, kwargs, ran):
         """An op is to run or ran (``Instrument.watch``): a sum to a shape may be the
         engine's, after the node's apply; any other op is not."""
+        if ran:
+            live = self.inst.window_live
+            self.plain, self.cast_peak = max(self.plain, live), max(self.cast_peak, live - self.cast_freed)
         if func is _SUM and (args[2] if len(args) > 2 else kwargs.get("keepdim", False)):
             if not ran:
                 if self.where is not None and self.pending:
@@ -192,7 +190,9 @@ class _Releases:
             n = self.left.get(key)
             if n:
                 self.left[key] = n - 1
-                if n == 1:
+                if n == 1 and key in self.casts:
+                    self.cast_freed += self.casts[key]
+                elif n == 1:
                     self.inst.release(self.sizes[key])
                     if self.where is not None:
                         for j in self.where[key]:
@@ -232,7 +232,7 @@ class Run4:
                                m.leaves, grad)
         if again is None:
             return None
-        seconds, costs.bwd_tmp, seen, costs.bwd_tmp_sums = again
+        (seconds, costs.bwd_tmp, seen, costs.bwd_tmp_sums), costs.bwd_cast_less = again, 0   # (run 2's, not its)
         costs.bwd_tmp = with_sums(costs.bwd_tmp, costs.bwd_tmp_sums, self.started.get(m.index, (0, 0)))
         # (run 4 frees as autograd does: what a rebuilt backward needs less is run 2's)
         costs.bwd_rebuilt_less = min(costs.bwd_rebuilt_less, costs.bwd_tmp + costs.out_bytes)

@@ -257,3 +257,42 @@ def test_tied_stages_recomputed_after_the_loss_each_cast_the_shared_weight():
     finally:
         remat.clear_cache()
     assert max(peaks) <= net.budget, (peaks, net.budget)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_a_bf16_resnets_later_calls_peak_at_their_prediction(fraction):
+    """ResNet-18 under bf16 autocast, the backward after the block: each stage's backward
+    lets the casts of its weights go as it reads them for the last time (Note [Casts
+    freed at the Loss] 2, remat/solver/casts.py). Before, plans counted them to the
+    backward's end: predictions 11-15% above the measured peaks, at every budget. The
+    calls after the measuring one peak under the budget and within 1% of the prediction."""
+    import remat.models
+
+    def step(net, seed):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        with remat.measure_peak():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+        return remat.explain()
+
+    remat.clear_cache()
+    try:
+        torch.manual_seed(0)
+        net = remat.models.resnet18(num_classes=10)
+        probe = copy.deepcopy(net)
+        probe.budget = remat.chain.NO_LIMIT
+        step(probe, 0)
+        seen = step(probe, 0)
+        remat.clear_cache()
+        net.budget = int(seen.least_budget + fraction * max(0, seen.predicted_peak - seen.least_budget))
+        for seed in range(3):
+            e = step(net, seed)
+            assert e.measured_peak <= net.budget, (seed, e.measured_peak, net.budget)
+            if seed:
+                assert abs(e.predicted_peak / e.measured_peak - 1) <= 0.01, (seed, e.predicted_peak, e.measured_peak)
+    finally:
+        remat.clear_cache()
