@@ -37,6 +37,11 @@ The measuring call meters the tail (``TailMeter``):
    around the chain, ``head(chain(x) + x)``), the gradient it hands the
    chain is kept too: an add hands that tensor the same one, which waits
    with its node for the chain's backward to end.
+   Where a^L needs no gradient and the tail's graph does (linear probing: a
+   head trained on a frozen chain), no ``B(L)`` comes: the tail's backward is
+   the step's, and the figures are taken as it ends (a callback queued on the
+   engine as its first node runs; before, the tail's forward alone was
+   counted, and such steps peaked at 2.5 times the least budget named).
    Until a backward has shown them, the tail counts as its forward's peak,
    kept by no one: the least it can need. The measuring call's plan, made
    as its block ends, is for a later call: it is solved again once the
@@ -174,6 +179,11 @@ class TailMeter:
         out = _Output(meter, act, read)
         seen = TailSeen(True, meter.peak - out.bytes, meter.live - out.alive(), None, None, meter.op_seconds)
         roots = {t.grad_fn for ref in made if (t := ref()) is not None and t.grad_fn is not None}
+        if roots and isinstance(act, torch.Tensor) and not act.requires_grad:
+            # (a^L needs no gradient, the tail's graph does (linear probing, its head trained): its backward is
+            # the step's, metered to its end, the engine's callback (it was not: every call 148% over))
+            _Backward(meter, out, seen, on_kept, outputs).hook(walk(roots, stop_nodes(outputs)), None)
+            return seen
         if node is None or not roots:
             seen.kept, seen.backward_peak, seen.backward_seconds = seen.alive, seen.peak, 0.0
             return seen
@@ -260,7 +270,7 @@ class _Backward:
         self.t0 = None
         self.seconds = 0.0
         self.forward = None   # the meter's peak before the backward, and the backward's above a^L so far
-        self.most, self.prev = 0, None
+        self.most, self.prev, self.queued = 0, None, None
 
     def watch(self, func, args, kwargs, ran):
         """(After the block, no node hooked) the first op of a backward: the forward's peak is over."""
@@ -276,7 +286,10 @@ class _Backward:
             variable = getattr(node, "variable", None)   # (an AccumulateGrad's leaf)
             if isinstance(variable, torch.Tensor):
                 self.leaves.append(weakref.ref(variable))
-        last.register_prehook(self.begin)
+        if last is not None:
+            last.register_prehook(self.begin)
+        else:   # (no B(L): the backward's end is the tail's, ``enter``)
+            self.queued = False
 
     def enter(self, grads):
         if self.done:
@@ -293,6 +306,9 @@ class _Backward:
                 self.meter.count(g)   # (made by code after the block, which is not metered)
         self.meter.__enter__()
         self.t0 = time.perf_counter()
+        if self.queued is False:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.begin(()))
 
     def leave(self, _grad_inputs, _grad_outputs):
         if self.t0 is None:

@@ -235,3 +235,54 @@ def test_stages_unfrozen_and_frozen_between_steps_stay_under_the_budget(widths, 
                 assert all(torch.equal(a, b) for a, b in zip(got, want)), (i, seed)
     finally:
         remat.clear_cache()
+
+
+def test_a_frozen_chains_head_is_counted_with_its_backward():
+    """Linear probing with a head larger than the chain (a 512-way head on frozen blocks,
+    the head and loss inside the chain's block): the chain's output needs no gradient,
+    so no backward reaches the chain, and the tail's backward, the whole step's, went
+    unmetered: plans counted the head's forward alone, and every call peaked at 2.5
+    times the budget they named as the least (a helper's find). It is metered to the
+    backward's end now: the least is the step's peak, and a budget under it is refused."""
+    class Probe(nn.Module):
+        def __init__(self, budget):
+            super().__init__()
+            self.blocks = nn.ModuleList(remat.stage(nn.Sequential(nn.Linear(8, 8), nn.Tanh())) for _ in range(4))
+            self.head, self.budget = nn.Linear(8, 512), budget
+            self.blocks.requires_grad_(False)
+
+        def forward(self, x):
+            with remat.chain(budget=self.budget):
+                for b in self.blocks:
+                    x = b(x)
+                return self.head(x).square().mean()
+
+    x = torch.randn(4, 16, 8)
+
+    def step(net):
+        for p in net.head.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        with remat.measure_peak():
+            net(x).backward()
+        return remat.explain()
+
+    remat.clear_cache()
+    try:
+        torch.manual_seed(0)
+        net = Probe(remat.chain.NO_LIMIT)
+        step(net)
+        seen = step(net)
+        assert seen.least_budget >= seen.measured_peak, (seen.least_budget, seen.measured_peak)
+        for budget in (seen.least_budget, 2 * seen.least_budget):
+            remat.clear_cache()
+            net.budget = budget
+            for _ in range(3):
+                assert step(net).measured_peak <= budget
+        remat.clear_cache()
+        net.budget = seen.least_budget // 2
+        with pytest.warns(RuntimeWarning, match="below this chain's minimum"):
+            step(net)   # (the first call learns it as its backward ends: the next one raises)
+        with pytest.raises(remat.BudgetError):
+            step(net)
+    finally:
+        remat.clear_cache()
