@@ -73,9 +73,11 @@ The measuring call meters the tail (``TailMeter``):
    meter's at the first op run inside a backward (``_Backward.watch``),
    which ``TailSeen.costs`` charges apart from the backward's where
    autocast's casts go at the loss (remat/solver/casts.py: in bf16 the one
-   peak read a logits tensor high with every cast alive). It stays only on a dispatch-mode
-   stack of remat's own meters, not where the chain's output needs no
-   gradient, and not under torch.distributed (every rank runs rank 0's
+   peak read a logits tensor high with every cast alive). Where a^L needs no
+   gradient, it meters to the backward's end, as in 3 (it stayed only where a^L
+   needed one: a frozen chain's head after the block went 367% over). It stays
+   only on a dispatch-mode stack of remat's own meters,
+   and not under torch.distributed (every rank runs rank 0's
    schedule, and each rank's code after the block is its own): elsewhere
    the tail is what ran inside the block, as in 1-3, and code after the
    block is not metered.
@@ -161,20 +163,23 @@ class TailMeter:
         exit_eager(meter)
         made, meter.made = meter.made, None
         node = act.grad_fn if isinstance(act, torch.Tensor) else None
-        if stayed and node is not None and alone() and not distributed():   # (5 of the Note)
+        free = isinstance(act, torch.Tensor) and not act.requires_grad   # (a^L needing no gradient: 3 of the Note)
+        if stayed and (node is not None or free) and alone() and not distributed():   # (5 of the Note)
             out = _Output(meter, act, read)   # (what ran inside the block so far: the call's end holds it)
             seen = meter.seen = TailSeen(True, max(0, meter.peak - out.bytes), meter.live - out.alive(),
                                          after_block=True)   # (``settle`` marks it cut short)
             self.after = back = _Backward(meter, out, seen, on_kept, outputs)
             back.prev, meter.watch = meter.watch, _watching(weakref.ref(back), meter.watch)   # (``watch``)
-            # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
-            act.register_hook(lambda g: back.begin((g,)))
+            if free:   # (to the backward's end, ``watch``; no graph's hook holds it: the meter does)
+                back.queued, meter.back = False, back
+            else:   # (a hook on a^L's gradient runs before its node's, the rebuilds of the measuring call's backward)
+                act.register_hook(lambda g: back.begin((g,)))
             return seen
         if not made:   # (a tail of nothing, known as such)
             return TailSeen(kept=0, backward_peak=0, backward_seconds=0.0,
                             why="nothing ran after the last stage inside the chain's block, and the code "
                                 "after the block was not metered (a dispatch mode of another's was active, "
-                                "torch.distributed, or an output needing no gradient): have the head and loss "
+                                "or torch.distributed): have the head and loss "
                                 "inside it")
         out = _Output(meter, act, read)
         seen = TailSeen(True, meter.peak - out.bytes, meter.live - out.alive(), None, None, meter.op_seconds)
@@ -278,6 +283,7 @@ class _Backward:
             self.prev(func, args, kwargs, ran)
         if not ran and self.forward is None and torch._C._current_graph_task_id() >= 0:
             self.forward, self.meter.peak = self.meter.peak, self.meter.live
+            self._queue()
 
     def hook(self, nodes, last):
         for node in nodes:
@@ -306,6 +312,10 @@ class _Backward:
                 self.meter.count(g)   # (made by code after the block, which is not metered)
         self.meter.__enter__()
         self.t0 = time.perf_counter()
+        self._queue()
+
+    def _queue(self):
+        """No ``B(L)`` comes (a^L needs no gradient): the backward's end is the tail's."""
         if self.queued is False:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.begin(()))

@@ -237,13 +237,16 @@ def test_stages_unfrozen_and_frozen_between_steps_stay_under_the_budget(widths, 
         remat.clear_cache()
 
 
-def test_a_frozen_chains_head_is_counted_with_its_backward():
+@pytest.mark.parametrize("after", [False, True])
+def test_a_frozen_chains_head_is_counted_with_its_backward(after):
     """Linear probing with a head larger than the chain (a 512-way head on frozen blocks,
     the head and loss inside the chain's block): the chain's output needs no gradient,
     so no backward reaches the chain, and the tail's backward, the whole step's, went
     unmetered: plans counted the head's forward alone, and every call peaked at 2.5
     times the budget they named as the least (a helper's find). It is metered to the
-    backward's end now: the least is the step's peak, and a budget under it is refused."""
+    backward's end now: the least is the step's peak, and a budget under it is refused.
+    The same with the head and loss after the block (their meter did not stay there
+    past a chain whose output needs no gradient: 367% over)."""
     class Probe(nn.Module):
         def __init__(self, budget):
             super().__init__()
@@ -255,7 +258,9 @@ def test_a_frozen_chains_head_is_counted_with_its_backward():
             with remat.chain(budget=self.budget):
                 for b in self.blocks:
                     x = b(x)
-                return self.head(x).square().mean()
+                if not after:
+                    return self.head(x).square().mean()
+            return self.head(x).square().mean()
 
     x = torch.randn(4, 16, 8)
 
