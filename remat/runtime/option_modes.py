@@ -28,7 +28,10 @@ torch's SAC pair: torch's imports Dynamo and sympy on its first op (over a
 second) and refuses a recomputation that runs a cheap op its forward did not
 (an autocast cast the forward found cached); remat's file only the kept ops,
 by op and argument shapes, and make again an output written in place since
-(its version counter moved). Each op goes through Python: measured into the
+(its version counter moved, or an op wrote its storage: a bias-free linear
+on a 3-D input returns ``_unsafe_view`` of its ``mm``, which shares the
+storage and not the counter, and SwiGLU's ``h *= silu(gate(x))`` wrote it
+unseen, the rebuild handed it back written: wrong gradients). Each op goes through Python: measured into the
 option's fwd_time (remat/measure/options.py). Deciding at pack time, from the
 op that made each saved tensor, would skip that cost: not done (a cached
 output must be handed back to the very op that made it, and what links the two
@@ -111,11 +114,14 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.cache = cache
         self.calls = 0   # (the forward's kept calls so far: each is numbered)
+        self.written = set()   # (the storages ops wrote in place: ``_Keeping``)
 
 
 class _Keeping(_Mode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if self.cache and func._schema.is_mutable:   # (by storage, as the meter sees writes: a kept output written
+            self.written.update(_written(func, args, kwargs))   # through ``_unsafe_view``, a bias-free linear's
+        out = func(*args, **(kwargs or {}))                     # on 3-D input, moves no version: wrong gradients)
         key = _key(func, args)
         if key is not None:
             # (detached below autograd, sharing the version counter: a write into it shows)
@@ -128,7 +134,9 @@ class _Keeping(_Mode):
 
     def __exit__(self, *exc):   # outputs the stage wrote into in place are not kept: made again in B(i)
         for listed in self.cache.values():
-            listed[:] = [(kept if _versions(kept) == v else None, v, j) for kept, v, j in listed]
+            listed[:] = [(kept if _versions(kept) == v and not self.written & _storages(kept) else None, v, j)
+                         for kept, v, j in listed]
+        self.written.clear()
         return super().__exit__(*exc)
 
 
@@ -148,6 +156,20 @@ def _many(out):
 
 def _versions(out):
     return tuple(t._version for t in _many(out) if isinstance(t, torch.Tensor))
+
+
+def _storages(out):
+    return {t.untyped_storage()._cdata for t in _many(out) if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+
+
+def _written(func, args, kwargs):
+    """The storages of the arguments ``func`` writes in place (its schema's)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else (kwargs or {}).get(a.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    yield t.untyped_storage()._cdata
 
 
 def keep_only(modes, policy, saved, out):
