@@ -18,7 +18,7 @@ from remat.measure.holding import measuring_least
 from remat.solver.schedule import simulate
 from remat.solver.solve import minimum_budget, solve, store_all
 
-SEQ_KINDS = ("linear", "mlp", "ln", "dropout", "gelu", "relu", "bn", "attn", "tied", "scale")
+SEQ_KINDS = ("linear", "mlp", "ln", "dropout", "gelu", "relu", "bn", "attn", "tied", "scale", "swiglu")
 IMG_KINDS = ("conv", "bn2d", "relu", "gelu", "dropout", "convblock", "scale")
 
 
@@ -62,6 +62,21 @@ class Stage(nn.Module):
         return self.body(x)
 
 
+class SwiGlu(nn.Module):
+    """LLaMA's MLP: bias-free linears, whose outputs on 3-D input are ``_unsafe_view``s of their
+    ``mm``, one written in place (an option must make it again: remat/runtime/option_modes.py)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.gate, self.down = (nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False),
+                                         nn.Linear(2 * d, d, bias=False))
+
+    def forward(self, x):
+        h = self.up(x)
+        h *= F.silu(self.gate(x))
+        return x + self.down(h)
+
+
 class TiedLinear(nn.Module):
     def __init__(self, shared):
         super().__init__()
@@ -92,6 +107,8 @@ def make_stage(kind, d, p, shared):
         return Stage(kind, TiedLinear(shared))
     if kind == "scale":
         return Stage(kind, Scale())
+    if kind == "swiglu":
+        return Stage(kind, SwiGlu(d))
     if kind == "conv":
         return Stage(kind, nn.Conv2d(d, d, 3, padding=1))
     if kind == "bn2d":
