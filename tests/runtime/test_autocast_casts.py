@@ -296,3 +296,25 @@ def test_a_bf16_resnets_later_calls_peak_at_their_prediction(fraction):
                 assert abs(e.predicted_peak / e.measured_peak - 1) <= 0.01, (seed, e.predicted_peak, e.measured_peak)
     finally:
         remat.clear_cache()
+
+
+@pytest.mark.xfail(strict=True, reason="open: run 4's casts of a view of a leaf input (docs/limitations.md)")
+def test_a_first_stage_measured_again_on_its_leaf_inputs_casts_stays_under_the_budget():
+    """A SwiGLU stage first, on a chain input that is a leaf needing grad, then a
+    BatchNorm stage (which hands it a transposed gradient), in bf16 with the backward
+    inside the autocast block, at the store-all budget: the first call's run 4 of stage
+    1, in its backward, runs on a view of its input, whose casts autocast does not cache
+    as it cached run 1's cast of the leaf (one per op reading it), and which
+    ``run4_fits_now`` does not count: 124 B (1.5%) over (the deep profile of the random
+    chains above, seventh session of 2026-11-29, once SwiGLU was among the kinds).
+    Counting the forward's transient instead of its saved tensors there made run 4 skip
+    on a chain whose later calls need its figures (``test_runtime``'s attention and
+    BatchNorm example went over on every later call)."""
+    base, least, top = _least(["swiglu", "bn", "linear"], True)
+    net = copy.deepcopy(base)
+    net.budget = top
+    try:
+        for seed in range(2):
+            assert _chain_step(net, seed, True)[0] <= net.budget, seed
+    finally:
+        remat.clear_cache()
