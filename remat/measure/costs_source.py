@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from ..solver.costs import Costs
-from ..errors import CostsError, RematError
+from ..errors import CostsError, RematError, UsageError
 from ..units import format_bytes
 from ..runtime.executor import distributed
 from .chain_record import write_costs
@@ -74,11 +74,18 @@ def chain_costs(stages, input_bytes, held_bytes, path, given, options=True):
                   options=[_option_of(s, b) for s, b in zip(stages, [input_bytes] + [s.out_bytes for s in stages])]
                   if options else None)
     rank = 0
-    if distributed():
-        box = [costs.to_dict()]
-        torch.distributed.broadcast_object_list(box, src=0)
+    if distributed():   # (every rank plans rank 0's schedule: where the ranks' sizes differ, none can)
+        rank, box = torch.distributed.get_rank(), [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(box, costs.to_dict())
+        sizes = [(d["input_bytes"], d["out_bytes"], d["saved_bytes"]) for d in box]
+        if any(s != sizes[0] for s in sizes):
+            raise UsageError(
+                f"remat: the ranks measured this chain on inputs of other sizes (the chain's input: "
+                f"{', '.join(f'rank {r} {format_bytes(s[0])}' for r, s in enumerate(sizes))}), and every rank "
+                f"plans rank 0's schedule, which fits rank 0's sizes alone: give every rank inputs of one shape "
+                f"at each step (pad each batch to a length every rank uses: a fixed length, or buckets chosen "
+                f"alike on all ranks); a rank meeting a new shape while the others do not would wait for them")
         costs = Costs.from_dict(box[0])
-        rank = torch.distributed.get_rank()
     if path is not None and rank == 0:
         write_costs(costs, path)
     return costs

@@ -318,3 +318,34 @@ def test_fsdp2_unit_per_stage_is_a_clear_error(fsdp_results):
     for out in fsdp_results:
         kind, message = out["fsdp2_per_stage"]
         assert kind == "StageError" and "stage 2" in message and "stage 1" in message
+
+
+def _shapes_worker(rank, port, tmp):
+    _init(rank, port)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Model()
+    net.budget = 2**30
+    ddp = DDP(net)
+    out = []
+    mask = torch.full((2 * LENGTH, 2 * LENGTH), float("-inf")).triu(1)
+    for length in (LENGTH * (1 + rank), LENGTH):   # (ranks padded apart, then alike)
+        x = torch.randn(BATCH, length, D, requires_grad=True)
+        try:
+            ddp(x, mask[:length, :length]).sum().backward()
+            out.append("ran")
+        except remat.UsageError as exc:
+            out.append(str(exc))
+    torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ranks_measuring_other_shapes_is_a_clear_error_on_every_rank(tmp_path):
+    """Two DDP ranks whose batches are padded to other lengths: every rank plans rank 0's
+    schedule, which fits rank 0's sizes alone. Before, rank 1 ran on rank 0's costs at
+    71% over the budget, silently (a helper's find); now every rank raises, naming the
+    fix, and a step on one shape after it runs."""
+    for first, then in _spawn(_shapes_worker, tmp_path):
+        assert "other sizes" in first and "give every rank inputs of one shape" in first, first
+        assert then == "ran", then
