@@ -314,3 +314,49 @@ def test_gpt2_wrapped_inside_a_wrapped_model_says_to_wrap_side_by_side(gpt2_setu
     ids, mask = gpt2_batch(0)
     with pytest.raises(remat.StageError, match="before the open chain's first stage.*side by side"):
         model(ids, attention_mask=mask, labels=ids)
+
+
+class _Loss(torch.nn.Module):
+    """A module computing its loss around a GPT-2, its forward taking no use_cache."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids):
+        return self.hf(input_ids=ids, labels=ids).loss
+
+
+@needs_transformers
+def test_a_module_around_gpt2_trains_with_its_cache_off(gpt2_setup):
+    """remat.wrap of a module that calls GPT-2 (a loss around it; DDP around it is the same):
+    the GPT-2 config's use_cache is off while the wrapped forward runs with grad, and as it
+    was after. Left on, each run of a block wrote the cache again: 21-39% over the least
+    budget (a helper's find). Every step under it, gradients plain PyTorch's (no cache)."""
+    base, _, _ = gpt2_setup["sdpa"]
+    plain, wrapped = _Loss(copy.deepcopy(base)), _Loss(copy.deepcopy(base))
+    probe = _Loss(copy.deepcopy(base))
+    remat.wrap(probe, probe.hf.transformer.h, budget=remat.chain.NO_LIMIT)
+    ids = gpt2_batch(0)[0]
+
+    def step(model):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        torch.manual_seed(3)
+        with remat.measure_peak():
+            model(ids).backward()
+        return remat.explain()
+
+    step(probe)
+    least = step(probe).least_budget
+    remat.wrap(wrapped, wrapped.hf.transformer.h, budget=least)
+    for _ in range(3):
+        assert step(wrapped).measured_peak <= least
+    assert wrapped.hf.config.use_cache is True
+    torch.manual_seed(3)
+    for p in plain.parameters():
+        p.grad = torch.zeros_like(p)
+    plain.hf(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    step(wrapped)
+    assert_same([p.grad for p in plain.parameters()], [p.grad for p in wrapped.parameters()])
+    remat.clear_cache()
