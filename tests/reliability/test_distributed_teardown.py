@@ -84,18 +84,22 @@ def _worker(rank, port, tmp):
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     # remat's collectives (rank 0's costs, remat/measure/costs_source.py): the hooks in force at each
     sent = []
-    broadcast = dist.broadcast_object_list
+    sends = {name: getattr(dist, name) for name in ("broadcast_object_list", "all_gather_object")}
 
-    def watched(*args, **kwargs):
-        sent.append(_hooks())
-        return broadcast(*args, **kwargs)
+    def watching(send):
+        def watched(*args, **kwargs):
+            sent.append(_hooks())
+            return send(*args, **kwargs)
+        return watched
 
-    dist.broadcast_object_list = watched
+    for name, send in sends.items():
+        setattr(dist, name, watching(send))
     threads = {t.ident for t in threading.enumerate()}
     try:
         refs, recomputations = _train(rank)
     finally:
-        dist.broadcast_object_list = broadcast
+        for name, send in sends.items():
+            setattr(dist, name, send)
     gc.collect()
     out = {"alive": sorted(k for k, r in refs.items() if r() is not None),
            "recomputations": recomputations, "sent": len(sent),
@@ -139,7 +143,7 @@ def test_no_thread_and_no_hooks_left(teardown):
 
 
 def test_collectives_sent_without_remat_hooks(teardown):
-    """remat's broadcasts of rank 0's costs are sent with none of its saved-tensor
+    """remat's collectives (rank 0's costs, each rank's sizes) are sent with none of its saved-tensor
     hooks in force (a gloo work would keep them, and free them on its own thread)."""
     for rank, out in enumerate(teardown):
         assert out["sent"] > 0, f"rank {rank}: remat sent no collective"
