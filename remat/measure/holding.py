@@ -352,7 +352,9 @@ class Holding:
         live = sum(_anchored(run).values())
         # what B(k) needs beside the inputs held: measuring a stage like the largest, the
         # gradient flowing down, the output of a stage rebuilt beside its input
-        reserve = self.largest + 2 * max(record.costs.out_bytes)
+        reserve = self.largest + 2 * max(record.costs.out_bytes) + max(   # (and the rebuild's own forwards' transient:
+            (c.fwd_tmp - c.fwd_nograd_less for s in record.stages[j - 1:k - 1]   # a frozen chain's, which ``largest``
+             if (c := s.costs) is not None and c.fwd_tmp is not None), default=0)   # misses, put a first call 8% over)
         room = self.budget - record.input_bytes - record.held_bytes() - kept - reserve - live - self.before \
             - record.state_copies
         if room <= 0:
