@@ -246,3 +246,54 @@ def test_a_stage_writing_its_side_input_in_place():
         assert "Fall2" in str(remat.explain().schedule).split("|")[1]   # (stage 2 run again)
     finally:
         remat.clear_cache()
+
+
+class _Checkpointed(nn.Module):
+    """A conv and a BatchNorm under torch.utils.checkpoint inside the stage: plain PyTorch's
+    backward runs them again, and updates the statistics a second time."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, k, padding=k // 2, bias=False), nn.BatchNorm2d(4)
+
+    def inner(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+    @remat.stage
+    def forward(self, x):
+        return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("budget", [2**30, None])
+def test_a_checkpoint_inside_a_stage_updates_batchnorm_as_plain_pytorch(budget):
+    """The measuring call's own run of a stage's backward (run 2) ran the checkpoint's
+    BatchNorm again, one update of its statistics too many, kept for good (its running
+    statistics move no version counter): every stage the first call measured drifted
+    from plain PyTorch (a helper's find). Statistics, gradients and parameters bitwise
+    plain PyTorch's over three steps, at a budget storing all and at the least."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Checkpointed(k) for k in (1, 3, 5))
+    x = torch.randn(2, 4, 8, 8)
+
+    def steps(net, budget):
+        out = []
+        for step in range(3):
+            with remat.chain(budget=budget) if budget else contextlib.nullcontext():
+                h = x
+                for b in net:
+                    h = b(h)
+            h.square().mean().backward()
+            out += [t.clone() for t in [*net.buffers(), *(p.grad for p in net.parameters())]]
+        return out
+
+    remat.clear_cache()
+    try:
+        want = steps(copy.deepcopy(blocks), None)
+        if budget is None:
+            steps(copy.deepcopy(blocks), 2**30)
+            budget = remat.explain().least_budget
+            remat.clear_cache()
+        got = steps(blocks, budget)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    finally:
+        remat.clear_cache()
