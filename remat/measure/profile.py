@@ -225,15 +225,8 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     if donor is not None:
         probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or graph.params or graph.shared):
-        # (state the forward wrote, as it left it: run 2 may write it again, a checkpoint inside the stage
-        # running its BatchNorm again, where only the real backward should: one update too many, for good)
-        # (BatchNorm's running statistics move no version counter: every one is put back)
-        after = [(t, t.detach().clone()) for t, _ in forward_writes.values()]
         bwd_delta, in_grad, rebuilt_delta, sums, cast_less = run_backward(call, act, x, graph, inst, probe, anchor,
                                                                           release)
-        with torch.no_grad():
-            for t, value in after:
-                t.copy_(value)
         if not cuda:   # (run 2 holds the output, and the input beside its gradient: more than any B(i))
             # (and the gradient handed in, one element expanded, made outside the meter)
             costs.measure_peak = inst.peak + x.untyped_storage().nbytes() + act.element_size()
