@@ -104,6 +104,7 @@ class Instrument(TorchDispatchMode):
     leaves = None        # a dict: {id: weak reference} of the leaves needing grad ops take are added to it
     grad_reads = None    # a dict: {storage: shape} of older tensors needing grad that ops take (not parameters)
     sync = False         # synchronize CUDA around each op: its time is its kernels' (options' shares on a GPU)
+    again = None         # {key: None} of written state to watch: a write fills in (tensor, its value before it)
 
     def __new__(cls, *args, **kwargs):
         # Note [Dynamo and the meter]: keep Dynamo away only where it is loaded
@@ -332,6 +333,8 @@ class Instrument(TorchDispatchMode):
         key = storage_key(t)
         if self._writes and key not in self.created and key not in self.mutated and key not in self._exclude:
             self.mutated[key] = (t, t.detach().clone())
+        elif self.again is not None and self.again.get(key, 1) is None:   # (written again: its value before)
+            self.again[key] = (t, t.detach().clone())
         return key
 
     def note_changed(self, before):

@@ -225,8 +225,15 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
     if donor is not None:
         probe.take_run2(donor)
     elif act.requires_grad and (x.requires_grad or graph.params or graph.shared):
+        # (state the forward wrote, written again by run 2, goes back as the forward left it: a checkpoint
+        # inside the stage runs its BatchNorm again in its backward, where only the real backward should)
+        inst.again = dict.fromkeys(forward_writes)
         bwd_delta, in_grad, rebuilt_delta, sums, cast_less = run_backward(call, act, x, graph, inst, probe, anchor,
                                                                           release)
+        with torch.no_grad():
+            for t, value in filter(None, inst.again.values()):
+                t.copy_(value)
+        inst.again = None
         if not cuda:   # (run 2 holds the output, and the input beside its gradient: more than any B(i))
             # (and the gradient handed in, one element expanded, made outside the meter)
             costs.measure_peak = inst.peak + x.untyped_storage().nbytes() + act.element_size()

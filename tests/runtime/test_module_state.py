@@ -264,16 +264,15 @@ class _Checkpointed(nn.Module):
         return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-@pytest.mark.xfail(strict=True, reason="open: run 2 updates a checkpointed BatchNorm again (docs/limitations.md)")
 @pytest.mark.parametrize("budget", [2**30, None])
 def test_a_checkpoint_inside_a_stage_updates_batchnorm_as_plain_pytorch(budget):
-    """The measuring call's own run of a stage's backward (run 2) runs the checkpoint's
-    BatchNorm again, one update of its statistics too many, kept for good (its running
-    statistics move no version counter, so the undo of run 2's writes misses them):
-    every stage the first call measures drifts from plain PyTorch (a helper's find).
-    Putting back a clone of the state after run 2 fixed it, but the clones and the
-    copies' version bumps put 14 other tests over or off (their first calls' peaks,
-    the watch on buffers a stage starts writing): not kept."""
+    """The measuring call's own run of a stage's backward (run 2) ran the checkpoint's
+    BatchNorm again, one update of its statistics too many, kept for good (the undo of
+    run 2's writes left out the state the forward had written): every stage the first
+    call measured drifted from plain PyTorch (a helper's find). The state run 2 writes
+    again goes back as the forward left it (the meter's ``again``; a first version put
+    back every written tensor, copies and version bumps that put 14 tests off).
+    Statistics, gradients and parameters bitwise plain PyTorch's over three steps."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(_Checkpointed(k) for k in (1, 3, 5))
     x = torch.randn(2, 4, 8, 8)
