@@ -369,3 +369,18 @@ def tracked_runs(monkeypatch):
     for part in ("remat.runtime.runner", "remat.measure.measuring"):   # (where the parts make their Runs)
         monkeypatch.setattr(sys.modules[part], "Run", Tracked)
     return made
+
+
+def bf16_image_step(net, batch, seed, classes=10):
+    """One step of an image classifier ``net`` on ``batch`` random 32x32 images (seed ``seed``),
+    its forward under CPU bf16 autocast and its backward after the block, the parameters'
+    gradients resident; ``remat.explain()`` after it, its peak measured (``measure_peak``)."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, classes, (batch,), generator=g)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+    with remat.measure_peak():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+    return remat.explain()

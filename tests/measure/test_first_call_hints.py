@@ -255,17 +255,7 @@ def test_a_smaller_bf16_batch_after_a_larger_one_measures_under_the_budget():
     ends): 0.05-0.65% over (a helper's find). The hint's most a stage's measuring
     needs now counts the casts of the stages before it."""
     import remat.models
-
-    def step(net, batch, seed):
-        g = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-        for p in net.parameters():
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-        with remat.measure_peak():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(net(x), y)
-            loss.backward()
-        return remat.explain()
+    from chains import bf16_image_step as step
 
     remat.clear_cache()
     try:

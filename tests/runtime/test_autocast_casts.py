@@ -269,15 +269,7 @@ def test_a_bf16_resnets_later_calls_peak_at_their_prediction(fraction):
     import remat.models
 
     def step(net, seed):
-        g = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-        for p in net.parameters():
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-        with remat.measure_peak():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-        return remat.explain()
+        return chains.bf16_image_step(net, 32, seed)
 
     remat.clear_cache()
     try:

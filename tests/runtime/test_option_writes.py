@@ -7,6 +7,7 @@ a residual added in place), and so does ``q @ k.transpose(-2, -1)`` before a cau
 output and handed it back, written, to the rebuild, which wrote it again: gradients
 off by up to 0.1 and steps 6-13% over the budget (a helper's find)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -75,7 +76,7 @@ def _steps(blocks, budget, steps=3):
         x = torch.randn(3, 8, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
         optim.zero_grad(set_to_none=False)
         with remat.measure_peak():
-            with remat.chain(budget=budget or remat.chain.NO_LIMIT, options=True) if budget else _plain():
+            with remat.chain(budget=budget, options=True) if budget else contextlib.nullcontext():
                 h = x
                 for b in blocks:
                     h = b(h)
@@ -87,22 +88,20 @@ def _steps(blocks, budget, steps=3):
     return out + [p.detach().clone() for p in params], peaks
 
 
-class _plain:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _plain_and_blocks(kind):
+    """Three stages of ``kind`` (seed 0) and plain PyTorch's ``_steps`` of a copy of them."""
+    torch.manual_seed(0)
+    blocks = [KINDS[kind]() for _ in range(3)]
+    want, _ = _steps(copy.deepcopy(blocks), None)
+    remat.clear_cache()
+    return blocks, want
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("which", [1, 2])
 def test_a_kept_output_written_through_an_alias_is_made_again(kind, which):
     """Every stage the solver records recorded with option ``which``: bitwise plain PyTorch."""
-    torch.manual_seed(0)
-    blocks = [KINDS[kind]() for _ in range(3)]
-    want, _ = _steps(copy.deepcopy(blocks), None)
-    remat.clear_cache()
+    blocks, want = _plain_and_blocks(kind)
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ChainRecord, "planning_costs", _every_stage_option(which))
@@ -119,10 +118,7 @@ def test_the_bytes_such_an_option_keeps_are_what_the_runtime_holds(kind):
     """The measured option 1 made faster than the records, so the solver takes it at a
     budget that stores every stage: every step under the budget, the later ones within
     3% of the prediction, and bitwise plain PyTorch's."""
-    torch.manual_seed(0)
-    blocks = [KINDS[kind]() for _ in range(3)]
-    want, _ = _steps(copy.deepcopy(blocks), None)
-    remat.clear_cache()
+    blocks, want = _plain_and_blocks(kind)
     try:
         with pytest.MonkeyPatch.context() as mp:
             planning = _measured_options_cheap(1)
