@@ -27,22 +27,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.option_modes import KEPT_OPS, kept_flops
+from ..runtime.option_modes import KEPT_OPS, kept_flops, written_arguments as _written_arguments
 from .linger import settle
 
 __all__ = ["Instrument", "storage_key"]
-
-
-# ops that write arguments in place their schema does not say they write (BatchNorm's statistics): name -> positions
-_UNDECLARED_WRITES = {f"aten::{kind}_batch_norm": (3, 4) for kind in ("native", "cudnn", "miopen")}
-
-
-def _written_arguments(schema):
-    """(position, name) of the arguments an op writes in place."""
-    if schema.is_mutable:
-        return tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                     if a.alias_info is not None and a.alias_info.is_write)
-    return tuple((i, None) for i in _UNDECLARED_WRITES.get(schema.name, ()))
 
 
 def _returns_views(schema):

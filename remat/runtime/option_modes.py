@@ -42,7 +42,8 @@ one run and not the other shifts).
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["KEPT_OPS", "KEEP_EXPENSIVE", "KEEP_SAVED", "Calls", "keep_only", "kept_flops", "option_contexts"]
+__all__ = ["KEPT_OPS", "KEEP_EXPENSIVE", "KEEP_SAVED", "Calls", "keep_only", "kept_flops", "option_contexts",
+           "written_arguments"]
 
 # what a stage's option keeps (``Plan.policy``, remat/solver/plan.py): every output of
 # ``KEPT_OPS`` (option 1), or those of them autograd saves and the stage's output (option 2);
@@ -119,7 +120,9 @@ class _Mode(TorchDispatchMode):
 
 class _Keeping(_Mode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.cache and func._schema.is_mutable:   # (by storage, as the meter sees writes: a kept output written
+        if func not in _WRITES:
+            _WRITES[func] = written_arguments(func._schema)
+        if self.cache and _WRITES[func]:   # (by storage, as the meter sees writes: a kept output written
             self.written.update(_written(func, args, kwargs))   # through ``_unsafe_view``, a bias-free linear's
         out = func(*args, **(kwargs or {}))                     # on 3-D input, moves no version: wrong gradients)
         key = _key(func, args)
@@ -158,18 +161,30 @@ def _versions(out):
     return tuple(t._version for t in _many(out) if isinstance(t, torch.Tensor))
 
 
+# ops that write arguments in place their schema does not say they write (BatchNorm's statistics): name -> positions
+_UNDECLARED_WRITES = {f"aten::{kind}_batch_norm": (3, 4) for kind in ("native", "cudnn", "miopen")}
+_WRITES = {}   # op -> ``written_arguments`` of its schema
+
+
+def written_arguments(schema):
+    """(position, name) of the arguments an op writes in place."""
+    if schema.is_mutable:
+        return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                     if a.alias_info is not None and a.alias_info.is_write)
+    return tuple((i, None) for i in _UNDECLARED_WRITES.get(schema.name, ()))
+
+
 def _storages(out):
     return {t.untyped_storage()._cdata for t in _many(out) if isinstance(t, torch.Tensor) and t.layout == torch.strided}
 
 
 def _written(func, args, kwargs):
-    """The storages of the arguments ``func`` writes in place (its schema's)."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[i] if i < len(args) else (kwargs or {}).get(a.name)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    yield t.untyped_storage()._cdata
+    """The storages of the arguments ``func`` writes in place (``written_arguments``)."""
+    for i, name in _WRITES.get(func, ()):
+        value = args[i] if i < len(args) else (kwargs or {}).get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                yield t.untyped_storage()._cdata
 
 
 def keep_only(modes, policy, saved, out):
