@@ -16,12 +16,13 @@ of the backward, over parameters and gradients already resident: an exact
 meter of live tensor storages on CPU, the CUDA allocator's peak above what
 was allocated on a GPU), the whole step's (from the model's forward: the
 embeddings' output and dropout mask come on top), its step time
-(the median over ``rounds`` rounds, each running every method once, in turn),
-and for remat the whole-step peak ``remat.explain().predicted_peak`` predicts and
-the plan's chain time (its tail's included) on its own costs over the least any
-schedule of them could take within the budget (``time_bound``; the steps are
-timed under the CPU storage meter, whose dispatch is in every method's time, so
-that only the model's figures are set against the bound).
+(the median over ``rounds`` rounds, each running every method once, in turn; on
+CPU these steps run without the storage meter, whose dispatch would be in every
+method's time, and one more metered round gives the peaks), its time over HF
+checkpointing's round by round (the median of these paired ratios and their
+quartiles), and for remat the whole-step peak ``remat.explain().predicted_peak``
+predicts and the plan's chain time (its tail's included) on its own costs over
+the least any schedule of them could take within the budget (``time_bound``).
 Budgets: 0.95x and 1x HF checkpointing's peak, HF with SAC's peak, each compiled
 method's whole-step peak, and 20%, 35% and 60% of plain's.
 A compiled step's peak is its whole step's (a hook in the compiled model
@@ -83,15 +84,24 @@ class Step:
         for p in self.model.parameters():   # resident gradients: every step adds into them
             p.grad = torch.zeros_like(p)
 
-    def run(self, batch):
+    def run(self, batch, metered=True):
         """One step: (seconds, whole-step peak, peak from the chain's opening), bytes
         above what was allocated before the step (parameters, gradients) and, for the
         second, above what was allocated as the first block was called, its input
-        counted (the budget's scope: docs/how-it-works.md, "The tail")."""
+        counted (the budget's scope: docs/how-it-works.md, "The tail"). On CPU a step
+        not ``metered`` runs without the storage meter (whose dispatch would be in its
+        time) and gives (seconds, None, None)."""
         ids = batch.to(self.device)
         for p in self.model.parameters():
             p.grad.zero_()
         cuda = self.device.type == "cuda"
+        if not cuda and not metered:
+            t0 = time.perf_counter()
+            with _autocast(self.device):
+                loss = self.forward(ids, labels=ids).loss
+            loss.backward()
+            del loss
+            return time.perf_counter() - t0, None, None
         opened = []
 
         def open_scope(_module, args):
@@ -254,17 +264,25 @@ def main():
         print(f"{s.name}: first calls {[round(p / 2**20, 1) for p in first_calls[s.name]]} MiB "
               f"(budget {budget / 2**20:.1f}) in {time.perf_counter() - t0:.1f} s; {s.plan}", file=sys.stderr)
         methods.append(s)
-    for r in range(args.rounds):
+    for r in range(args.rounds + 1):   # (timed rounds, unmetered on CPU, then one metered for the peaks)
+        metered = device.type == "cuda" or r == args.rounds
         for s in (methods if r % 2 == 0 else methods[::-1]):
-            seconds, peak, scoped = s.run(batches[r % len(batches)])
-            s.times.append(seconds)
-            s.peaks.append(peak)
-            s.scoped.append(scoped)
+            seconds, peak, scoped = s.run(batches[r % len(batches)], metered)
+            if r < args.rounds:
+                s.times.append(seconds)
+            if metered:
+                s.peaks.append(peak)
+                s.scoped.append(scoped)
     plain_time = statistics.median(plain.times)
     rows = []
     for s in methods:
         row = {"method": s.name, "budget": s.budget, "peak_bytes": max(s.peaks), "scoped_peak_bytes": max(s.scoped),
                "step_seconds": statistics.median(s.times), "over_plain": statistics.median(s.times) / plain_time}
+        if s is not plain:   # (its time over HF checkpointing's in each round, both timed side by side)
+            ratios = sorted(a / b for a, b in zip(s.times, hf.times))
+            row["over_hf_rounds"] = ratios
+            row["over_hf_median"] = statistics.median(ratios)
+            row["over_hf_quartiles"] = [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]]
         if s.budget is not None:
             row["predicted_peak"] = s.predicted
             row["forward_ops"] = s.plan
@@ -306,16 +324,19 @@ def table(result):
              f"batch {result['model']['batch']}x{result['model']['length']} on {result['machine']} "
              f"(torch {result['torch']})", "",
              "| method | budget MiB | peak from the chain's opening MiB | predicted MiB | whole-step peak MiB | "
-             "first calls' peaks MiB | step vs plain | plan over the bound | plan's forward |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "first calls' peaks MiB | step vs plain | vs HF, paired (quartiles) | plan over the bound | "
+             "plan's forward |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         budget = mib(r["budget"]) if r["budget"] is not None else ""
         predicted = mib(r["predicted_peak"]) if r.get("predicted_peak") is not None else ""
         first = ", ".join(mib(p) for p in r.get("first_calls_peak_bytes", []))
+        paired = f"{r['over_hf_median']:.3f} ({r['over_hf_quartiles'][0]:.3f}-{r['over_hf_quartiles'][1]:.3f})" \
+            if "over_hf_median" in r else ""
         bound = f"{r['predicted_chain_seconds'] / r['bound_chain_seconds']:.3f}" \
             if 0 < r.get("bound_chain_seconds", 0) < float("inf") else ""
         lines.append(f"| {r['method']} | {budget} | {mib(r['scoped_peak_bytes'])} | {predicted} | "
-                     f"{mib(r['peak_bytes'])} | {first} | {r['over_plain']:.2f}x | {bound} | "
+                     f"{mib(r['peak_bytes'])} | {first} | {r['over_plain']:.2f}x | {paired} | {bound} | "
                      f"{r.get('forward_ops') or ''} |")
     if any(r["method"].startswith("compile(") for r in result["rows"]):
         lines.append("\ncompile(v): torch.compile under activation_memory_budget=v; its peak is the whole "
