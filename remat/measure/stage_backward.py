@@ -86,9 +86,9 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
         bwd_delta = peak - base
         if not cuda and released.rebuilt_peak is not None:
             rebuilt = min(bwd_delta, released.rebuilt_peak - released.held)
-    # the output's gradient stands for the one simulate holds (x[i]), the input's for the one B(i) adds
-    # (x[i-1]); what is left is bwd_tmp (and where the stage starts shared leaves' sums, held_bytes counts those)
-    in_grad = (x.untyped_storage().nbytes() if x.requires_grad else 0) + act.numel() * act.element_size()
+    # the output's gradient stands for the one simulate holds (x[i]), the input's for the one B(i) adds (x[i-1], made
+    # or not: Note [An input needing no grad], profile.py); the rest is bwd_tmp (the shared leaves' sums: held_bytes)
+    in_grad = x.untyped_storage().nbytes() + act.numel() * act.element_size()
     held = held_peak - base - shares.acc if graph.shared else None   # (the shares it made: not one behind a cast)
     return bwd_delta, in_grad, bwd_delta if rebuilt is None else rebuilt, held, \
         released.plain - released.cast_peak if released is not None else 0
@@ -394,7 +394,7 @@ def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None,
         if hook is not None:
             hook.remove()
         seconds = timer.seconds if cuda else inst.op_seconds - ops_before
-        in_grad = (x.untyped_storage().nbytes() if call.input_requires_grad else 0) + out_bytes
+        in_grad = x.untyped_storage().nbytes() + out_bytes   # (Note [An input needing no grad], profile.py)
         held = max(0, held_peak - start - in_grad - shares.acc) - out_freed if shared else None
         del out_kept
         return seconds, max(0, peak - start - in_grad) - out_freed, handed[0] if handed else None, held
