@@ -277,12 +277,12 @@ class ChainRecord:
         """The measuring call's chain ends at stage ``last``; ``outs`` maps stages to
         weak references to the activations they returned. Those the code around the
         chain still holds (a^L aside: remat's) no schedule can let go: they count as
-        held through the step (Note [What the forward phase drops])."""
-        stages = [k for k, ref in outs.items() if k < last and ref() is not None]
-        for k in outs:
-            costs = self.stages[k - 1].costs
-            if costs is not None:
-                costs.caller_holds = k == last or k in stages
+        held through the step (Note [What the forward phase drops]); not one alive as a later one's base
+        (a transposing last stage's input, a^L's storage: it was warned of and counted twice)."""
+        alive = {k: t for k, ref in outs.items() if (t := ref()) is not None}
+        stages = [k for k, t in alive.items() if k < last and all(u._base is not t for u in alive.values())]
+        for k in (k for k in outs if self.stages[k - 1].costs is not None):
+            self.stages[k - 1].costs.caller_holds = k == last or k in stages
         if not stages:
             return
         for i in stages:
