@@ -383,7 +383,7 @@ class chain:
         if exc_type is None:
             current.finish()
         else:
-            current.abort()
+            current.abort(exc)
         return False
 
     def __call__(self, fn):

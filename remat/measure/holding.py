@@ -58,7 +58,7 @@ the first call cannot hold to the budget is measuring a stage itself. Its
 measured backward runs on the real forward's graph (retain_graph, for the
 real backward), but where the call keeps none of the saved tensors it lets
 each go once read for the last time, as a step's backward does
-(``_Releases``, remat/measure/stage_backward.py; on CPU), the gradient it
+(``Releases``, remat/measure/timing.py; on CPU), the gradient it
 hands the stage is the engine's only, and the parameters' gradients are let
 go as they come (a step adds them into resident ones, which the budget does
 not count: buffers standing in for those would count). So the first call

@@ -59,7 +59,11 @@ this order:
    before a BatchNorm 288 bytes under run 2 (its weight's gradient came
    once the output had gone), and a call at a budget with no room for run
    4, on run 2's figures, needed 88 bytes more than the least budget a
-   roomy call had named: its next call raised ``BudgetError``.
+   roomy call had named: its next call raised ``BudgetError``. A stage
+   whose gradient arrives in another layout where the call has no room for
+   its run 4 takes a copy of that gradient more than run 2's
+   (``Run4._unmeasured``, remat/measure/stage_backward.py): on run 2's
+   figures, later calls went that copy over the budget (3.6-9%).
 
 Run 1 is the one that counts, so RNG streams and BatchNorm statistics end
 where one plain forward leaves them. The times of runs 1 and 2 are those of
@@ -95,7 +99,7 @@ where 7.38 MB fits; now 7.38 MB.
 
 import torch
 
-from ..errors import input_modified
+from ..errors import StageError, input_modified
 from ..runtime.stage_call import check_output, first, out_tensors
 from .leaves import grad_side_inputs, node_of, stage_leaves, stop_nodes
 from .meter import Instrument, InputWritten, storage_key
@@ -112,7 +116,7 @@ def saved_storages(inst, saved, act, held_elsewhere):
     """{storage: bytes} of the distinct storages among a stage's ``saved`` tensors and
     its output ``act`` that the meter ``inst`` saw it make, less those ``held_elsewhere``
     (counted as held through the step instead, remat/measure/measuring.py; the stage's backward
-    lets none of them go, ``_Releases`` in remat/measure/stage_backward.py). saved_bytes is
+    lets none of them go, ``Releases`` in remat/measure/timing.py). saved_bytes is
     their sum, at least the output's."""
     keys = {}
     for t in saved + [act]:
@@ -214,11 +218,16 @@ def instrumented_run(call, ident, x, rng0, hooks, anchor, upstream, twin=None, r
         base = torch.cuda.memory_allocated()
     try:
         probe, graph = observed_forward(call, ident, x, inst, hooks, saved, rng0, upstream)
-    except InputWritten:
-        raise input_modified(call.index, call.name) from None
+        check_output(call, probe.out, x, version)
+    except (InputWritten, StageError) as exc:   # (refused: what it wrote goes back, as the call's undo does the
+        with torch.no_grad():                     # stages' before it; a stage's own error leaves plain PyTorch's)
+            for t, old in inst.mutated.values():
+                t.copy_(old)
+        if isinstance(exc, InputWritten):
+            raise input_modified(call.index, call.name) from None
+        raise
     fwd_time = inst.op_seconds
     probe.meta = tuple((t.shape, t.dtype, t.device) for t in saved)
-    check_output(call, probe.out, x, version)
     act = first(probe.out)
     fwd_peak = inst.peak if not cuda else torch.cuda.max_memory_allocated() - base
     forward_writes = dict(inst.mutated)

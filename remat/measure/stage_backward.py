@@ -9,15 +9,12 @@ import torch
 
 from ..errors import backward_failed
 from .costs_source import chain_costs
-from .leaves import HeldHooks, Shares, with_sums, edge_backward, edge_roots, stage_leaves, stop_nodes, walk
+from .leaves import HeldHooks, Shares, with_sums, edge_backward, edge_roots, stage_leaves, stop_nodes
 from .meter import Instrument, storage_key
 from ..runtime.replay import restore_tensors
-from ..runtime.executor import RELEASES
 from ..runtime.recompute import uncached
-from .timing import Timer
+from .timing import Releases, Timer
 from .cuda_peak import reset_own
-
-_SUM = torch.ops.aten.sum.dim_IntList
 
 __all__ = ["backward_again", "run_backward"]
 
@@ -25,7 +22,7 @@ __all__ = ["backward_again", "run_backward"]
 def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
     """Run 2 of Note [Measuring a stage] (remat/measure/profile.py): the stage's backward on
     the real forward's graph, kept for the real backward, metered as one that frees its
-    graph runs it (``_Releases``). Sets ``probe``'s bwd_time, grad_layout and input_grad_layout.
+    graph runs it (``Releases``). Sets ``probe``'s bwd_time, grad_layout and input_grad_layout.
 
     Args: ``act`` the stage's output, ``x`` its input; ``graph`` its ``StageGraph``
     (remat/measure/record.py); ``inst`` the forward's meter; ``anchor`` the stage's anchor
@@ -33,9 +30,9 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
 
     Returns (the backward's peak above its start, the bytes of the gradients of the output and
     of the input, which simulate counts apart from bwd_tmp, the peak of the stage rebuilt
-    (``_Releases.rebuilt_peak``), the peak where the stage starts the sums of its shared
+    (``Releases.rebuilt_peak``), the peak where the stage starts the sums of its shared
     leaves' gradients, less theirs, or None (Note [Shared leaves], remat/measure/leaves.py),
-    and how much lower the peak is where its casts go as last read, ``_Releases``).
+    and how much lower the peak is where its casts go as last read, ``Releases``).
     """
     cuda, side, params = act.is_cuda, graph.side, graph.params
     # the meter is off between the two runs: what is made here is no stage's (the gradient handed
@@ -60,7 +57,7 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
             base_b = torch.cuda.memory_allocated()
         released = None
         if not cuda:
-            released = _Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor, release,
+            released = Releases(act, graph.stop, graph.saved, graph.keys, storage_key(act), inst, anchor, release,
                                  graph.casts)
             inst.open_window(released.held)
         ops_before = inst.op_seconds
@@ -94,120 +91,6 @@ def run_backward(call, act, x, graph, inst, probe, anchor=None, release=False):
         released.plain - released.cast_peak if released is not None else 0
 
 
-class _Releases:
-    """Meters a stage's backward as one that frees its graph runs it: each saved
-    storage the stage made (its output aside, which stays as the next input) is
-    let go once the node unpacking its last handle has run, as ``_unpack`` and
-    autograd do (Note [The life of a saved tensor] 2 in remat/runtime/executor.py).
-    ``held`` is their bytes at the start. Without the engine's keep-graph query
-    (old PyTorch) the runtime keeps them to the stage's end, and so does this.
-    With ``free``, the storages also go for real (their tensors dropped from
-    ``saved``, the anchor's list), where the call keeps none of them.
-
-    That is the backward of a stage recorded in the forward phase, whose saved
-    tensors autograd keeps itself: they go once the node has run, after the engine
-    has checked its outputs (summing a bias's gradient to the bias's shape). A
-    stage rebuilt in the backward runs under remat's hooks, which let each go as
-    the engine unpacks it: gone as the node's apply returns, before those sums.
-    ``rebuilt_peak`` is the window's peak as such a backward would see it
-    (``Costs.bwd_rebuilt_less``): what a node lets go is taken off the sums
-    (``sum(..., keepdim=True)``, as ``at::sum_to`` runs it) that end its run.
-    ``cast_peak``: the window's peak less the ``casts`` (storage: bytes) that autocast's
-    cache holds, each let go as the node unpacking its last handle has run (Note
-    [Casts freed at the Loss] 2, remat/solver/casts.py), beside ``plain``, the peak."""
-
-    def __init__(self, act, stop, saved, sizes, out_key, inst, anchor, free=False, casts=None):
-        self.inst, self.anchor, self.saved, self.casts = inst, anchor, saved, casts or {}
-        self.left, self.pending, self.hooks = {}, [], []
-        self.where = {} if free else None   # storage -> the indices of ``saved`` holding it
-        self.rebuilt_peak, self.sums = None, None   # (sums: the most live at the sums ending a node so far)
-        self.cast_freed = self.cast_peak = self.plain = 0
-        if not RELEASES or anchor is None or act.grad_fn is None:
-            self.held = 0
-            return
-        for t in saved:
-            key = storage_key(t)
-            if key in self.casts or key in sizes and key != out_key:
-                self.left[key] = self.left.get(key, 0) + 1
-        if self.where is not None:
-            for i, t in enumerate(saved):
-                self.where.setdefault(storage_key(t), []).append(i)
-        self.held = self.rebuilt_peak = self.plain = self.cast_peak = sum(sizes.get(k, 0) for k in self.left)
-        self.key_at = [storage_key(t) for t in saved]
-        inst.watch = self._op
-        anchor.observe = self.pending.append
-        for node in walk([act.grad_fn], stop):
-            if type(node).__name__ != "AccumulateGrad":
-                self.hooks.append(node.register_hook(self._ran))
-        self.sizes = sizes
-
-    def _op(self, func, args, kwargs, ran):
-        """An op is to run or ran (``Instrument.watch``): a sum to a shape may be the
-        engine's, after the node's apply; any other op is not."""
-        if ran:
-            live = self.inst.window_live
-            self.plain, self.cast_peak = max(self.plain, live), max(self.cast_peak, live - self.cast_freed)
-        if func is _SUM and (args[2] if len(args) > 2 else kwargs.get("keepdim", False)):
-            if not ran:
-                if self.where is not None and self.pending:
-                    self._drop_early()
-                return
-            live = self.inst.window_live
-            self.sums = live if self.sums is None else max(self.sums, live)
-            return
-        if not ran:
-            return
-        live = self.inst.window_live
-        self._settle(0)
-        if live > self.rebuilt_peak:
-            self.rebuilt_peak = live
-
-    def _settle(self, freed):
-        if self.sums is not None:
-            self.rebuilt_peak = max(self.rebuilt_peak, self.sums - freed)
-            self.sums = None
-
-    def _drop_early(self):
-        """Let go for real of what the node has read for the last time, as its sums
-        start (the apply that read it has returned, as in a rebuilt stage's backward);
-        ``_release`` counts it at the node's end."""
-        reads = {}
-        for i in self.pending:
-            reads[self.key_at[i]] = reads.get(self.key_at[i], 0) + 1
-        for key, n in reads.items():
-            if self.left.get(key) == n:
-                for j in self.where[key]:
-                    self.saved[j] = None
-
-    def _ran(self, *_):
-        before = self.inst.window_live
-        self._release()
-        self._settle(before - self.inst.window_live)
-
-    def _release(self):
-        for i in self.pending:
-            key = self.key_at[i]
-            n = self.left.get(key)
-            if n:
-                self.left[key] = n - 1
-                if n == 1 and key in self.casts:
-                    self.cast_freed += self.casts[key]
-                elif n == 1:
-                    self.inst.release(self.sizes[key])
-                    if self.where is not None:
-                        for j in self.where[key]:
-                            self.saved[j] = None
-        self.pending.clear()
-
-    def close(self):
-        self._settle(0)
-        self.inst.watch = None
-        for h in self.hooks:
-            h.remove()
-        if self.anchor is not None:
-            self.anchor.observe = None
-
-
 class Run4:
     """Run 4 of Note [Measuring a stage] (remat/measure/profile.py) of a measuring call's stages,
     into their costs in the chain's record ``new``. One that would not fit beside what the call
@@ -218,7 +101,9 @@ class Run4:
     def __init__(self, new, measured, run):
         self.new, self.measured, self.run = new, measured, run   # (measured: stage -> ``_Measured``)
         self.later, self.started = {}, {}   # (started: stage -> its ``sums_started``, as the call's end found)
-        self.room = None   # (run, stage, gradient, input made again, bytes of state copies) -> run 4 fits now
+        self.room = self.options = None   # (room: run, stage, gradient, input made again, bytes of state
+        # copies -> run 4 fits now)
+        self.layouts = {}   # stage -> the gradient layout its costs are measured for (run 2's, or run 4's)
 
     def again(self, m, layout, pool=None, grad=None):
         """Run 4 of the stage of ``m`` for its gradient laid out so (``grad``, the
@@ -232,6 +117,7 @@ class Run4:
                                m.leaves, grad)
         if again is None:
             return None
+        self.layouts[m.index] = tuple(layout)
         (seconds, costs.bwd_tmp, seen, costs.bwd_tmp_sums), costs.bwd_cast_less = again, 0   # (run 2's, not its)
         costs.bwd_tmp = with_sums(costs.bwd_tmp, costs.bwd_tmp_sums, self.started.get(m.index, (0, 0)))
         # (run 4 frees as autograd does: what a rebuilt backward needs less is run 2's)
@@ -248,10 +134,10 @@ class Run4:
         no more), the last stage's where its tail may hand it another layout (a^L
         ``act``, or None: ``watch_last``). ``room``: whether a run 4 fits in the call's
         backward (``Holding.run4_fits_now``), or None where each runs regardless."""
+        self.layouts = {i: m.layout for i, m in self.measured.items() if m.layout is not None} | self.layouts
         top = max([last if act is not None and self.watch_last(last, act, options, fits) else 0, *self.later])
         self.measured = {i: m for i, m in self.measured.items() if i <= top} if top else None
-        self.run = self.run if top else None
-        self.room = room if top else None
+        (self.run, self.room), self.options = (self.run, room) if top else (None, None), options
 
     def watch_last(self, i, act, options, fits):
         """Stage i, the last, gets its gradient from the chain's tail: where that comes in
@@ -260,8 +146,10 @@ class Run4:
         holds (a call at a budget that leaves no room for it keeps run 2's figures, as
         before: a copy of the gradient off, at most). True if it is watched."""
         m = self.measured.get(i)
-        if m is None or m.layout is None or not isinstance(act, torch.Tensor) or not act.requires_grad \
-                or not fits():   # (kept for it, it would hold its input through the tail)
+        if m is None or m.layout is None or not isinstance(act, torch.Tensor) or not act.requires_grad:
+            return False
+        if not fits():   # (kept for it, it would hold its input through the tail; else what it costs)
+            act.register_hook(lambda grad: self.arrived(i, grad, options))
             return False
         layout = tuple(m.layout)   # (not ``m``, whose copies of written state go with ``_done``: 264 B held before)
 
@@ -285,6 +173,8 @@ class Run4:
     def arrived(self, i, grad, options):
         """Stage i's gradient ``grad`` arrived in the measuring call's backward."""
         if (layout := self.later.pop(i, None)) is None:
+            if _costlier(self.layouts.get(i), grad):
+                self._unmeasured([i], options)   # (another layout, and no run 4 due)
             return
         m = self.measured[i]
         if self.room is None or self.room(self.run, i, grad, m.x() is None, self.copies()):
@@ -292,8 +182,8 @@ class Run4:
             if due is not None:   # (when its own gradient arrives)
                 self.later[due[0].index] = due[1]
             self._remade(options)
-        # (else run 2's figures stand, as where the call's end had no room for the last stage's:
-        # a copy of the gradient off, at most; run 4 there put a first call 1.1% over)
+        else:   # (no room: run 4 there put a first call 1.1% over)
+            self._unmeasured([i], options)
         if not self.later:
             self._done()
 
@@ -307,9 +197,33 @@ class Run4:
             self._done()
         return n if self.measured else 0
 
+    def _unmeasured(self, stages, options):
+        """Stages whose gradient comes (or is to come) laid out otherwise than run 2's where run 4 cannot run
+        (no room): their backward takes a copy of it more than run 2's, what a reshape of it costs. On run 2's
+        figures, later calls went a gradient's copy over the budget (a linear stage before a transposing one,
+        or an MLP-Mixer's token MLPs with their transposes as stages: 3.6-9%)."""
+        stages = [i for i in stages if self.layouts.pop(i, None) and not self.new.stages[i - 1].costs.out_of_input]
+        for c in (self.new.stages[i - 1].costs for i in stages):   # (a view's backward is a view: no copy)
+            c.bwd_tmp += c.out_bytes
+            c.bwd_tmp_sums = None if c.bwd_tmp_sums is None else c.bwd_tmp_sums + c.out_bytes
+        if stages:
+            self._remade(options)
+
     def _done(self):
+        self._unmeasured([i for i in self.later if _costlier(self.layouts.get(i), self.later[i])], self.options)
         self.measured = self.run = self.room = None
-        self.later = {}   # (stages whose gradient is still to come: their run 2's figures stand)
+        self.later = {}
+
+
+def _costlier(layout, grad):
+    """Whether a gradient ``grad`` (or, where it has not arrived, its strides) may cost a backward measured
+    for gradients laid out ``layout`` a copy more (made contiguous): neither contiguous nor expanded where
+    ``layout`` is (strides alone: laid out otherwise, not expanded)."""
+    if layout is None or 0 in tuple(grad.stride() if isinstance(grad, torch.Tensor) else grad):
+        return False
+    if not isinstance(grad, torch.Tensor):
+        return tuple(layout) != tuple(grad)
+    return not grad.is_contiguous() and tuple(layout) == torch.empty(grad.shape, device="meta").stride()
 
 
 def backward_again(call, x, cuda, rng0, originals, layout, out_freed, pool=None, leaves=(), given=None):

@@ -2,7 +2,8 @@
 synchronise CUDA, CUDA's once-per-process set-up done before the first stage,
 on CUDA a forward and backward timed on a copy of the input, and run 3, the
 forward without recording, timed and metered (Note [Measuring a stage],
-remat/measure/profile.py).
+remat/measure/profile.py); and ``Releases``, which meters run 2, the backward, as one
+that frees its graph runs it.
 
 Note [Metering the forward without recording]
 ---------------------------------------------
@@ -34,16 +35,18 @@ import time
 
 import torch
 
-from .leaves import StepGrads, stage_leaves, stop_nodes
-from .meter import Instrument
+from .leaves import StepGrads, stage_leaves, stop_nodes, walk
+from .meter import Instrument, storage_key
 from .cuda_peak import reset_own
+from ..runtime.executor import RELEASES
 from ..runtime.option_modes import option_contexts
 from ..runtime.recompute import Replay, uncached
 from ..runtime.replay import bitwise_equal, restore_tensors
 
-__all__ = ["Timer", "made_alone", "nograd_less", "nograd_run", "timed_rebuild", "timed_step", "warm_cuda"]
+__all__ = ["Releases", "Timer", "made_alone", "nograd_less", "nograd_run", "timed_rebuild", "timed_step", "warm_cuda"]
 
 _warm = set()   # CUDA devices warm_cuda has set up
+_SUM = torch.ops.aten.sum.dim_IntList
 
 
 class Timer:
@@ -196,3 +199,117 @@ def nograd_less(costs, metered, writes, cached):
     more += sum(n for key, (ref, n) in (cached or {}).items()
                 if ref() is not None and (reads is None or key in reads))
     return min(costs.fwd_tmp, max(0, costs.fwd_tmp - max(0, peak - costs.out_bytes) - more))
+
+
+class Releases:
+    """Meters a stage's backward as one that frees its graph runs it: each saved
+    storage the stage made (its output aside, which stays as the next input) is
+    let go once the node unpacking its last handle has run, as ``_unpack`` and
+    autograd do (Note [The life of a saved tensor] 2 in remat/runtime/executor.py).
+    ``held`` is their bytes at the start. Without the engine's keep-graph query
+    (old PyTorch) the runtime keeps them to the stage's end, and so does this.
+    With ``free``, the storages also go for real (their tensors dropped from
+    ``saved``, the anchor's list), where the call keeps none of them.
+
+    That is the backward of a stage recorded in the forward phase, whose saved
+    tensors autograd keeps itself: they go once the node has run, after the engine
+    has checked its outputs (summing a bias's gradient to the bias's shape). A
+    stage rebuilt in the backward runs under remat's hooks, which let each go as
+    the engine unpacks it: gone as the node's apply returns, before those sums.
+    ``rebuilt_peak`` is the window's peak as such a backward would see it
+    (``Costs.bwd_rebuilt_less``): what a node lets go is taken off the sums
+    (``sum(..., keepdim=True)``, as ``at::sum_to`` runs it) that end its run.
+    ``cast_peak``: the window's peak less the ``casts`` (storage: bytes) that autocast's
+    cache holds, each let go as the node unpacking its last handle has run (Note
+    [Casts freed at the Loss] 2, remat/solver/casts.py), beside ``plain``, the peak."""
+
+    def __init__(self, act, stop, saved, sizes, out_key, inst, anchor, free=False, casts=None):
+        self.inst, self.anchor, self.saved, self.casts = inst, anchor, saved, casts or {}
+        self.left, self.pending, self.hooks = {}, [], []
+        self.where = {} if free else None   # storage -> the indices of ``saved`` holding it
+        self.rebuilt_peak, self.sums = None, None   # (sums: the most live at the sums ending a node so far)
+        self.cast_freed = self.cast_peak = self.plain = 0
+        if not RELEASES or anchor is None or act.grad_fn is None:
+            self.held = 0
+            return
+        for t in saved:
+            key = storage_key(t)
+            if key in self.casts or key in sizes and key != out_key:
+                self.left[key] = self.left.get(key, 0) + 1
+        if self.where is not None:
+            for i, t in enumerate(saved):
+                self.where.setdefault(storage_key(t), []).append(i)
+        self.held = self.rebuilt_peak = self.plain = self.cast_peak = sum(sizes.get(k, 0) for k in self.left)
+        self.key_at = [storage_key(t) for t in saved]
+        inst.watch = self._op
+        anchor.observe = self.pending.append
+        for node in walk([act.grad_fn], stop):
+            if type(node).__name__ != "AccumulateGrad":
+                self.hooks.append(node.register_hook(self._ran))
+        self.sizes = sizes
+
+    def _op(self, func, args, kwargs, ran):
+        """An op is to run or ran (``Instrument.watch``): a sum to a shape may be the
+        engine's, after the node's apply; any other op is not."""
+        if ran:
+            live = self.inst.window_live
+            self.plain, self.cast_peak = max(self.plain, live), max(self.cast_peak, live - self.cast_freed)
+        if func is _SUM and (args[2] if len(args) > 2 else kwargs.get("keepdim", False)):
+            if not ran:
+                if self.where is not None and self.pending:
+                    self._drop_early()
+                return
+            live = self.inst.window_live
+            self.sums = live if self.sums is None else max(self.sums, live)
+            return
+        if not ran:
+            return
+        live = self.inst.window_live
+        self._settle(0)
+        if live > self.rebuilt_peak:
+            self.rebuilt_peak = live
+
+    def _settle(self, freed):
+        if self.sums is not None:
+            self.rebuilt_peak = max(self.rebuilt_peak, self.sums - freed)
+            self.sums = None
+
+    def _drop_early(self):
+        """Let go for real of what the node has read for the last time, as its sums
+        start (the apply that read it has returned, as in a rebuilt stage's backward);
+        ``_release`` counts it at the node's end."""
+        reads = {}
+        for i in self.pending:
+            reads[self.key_at[i]] = reads.get(self.key_at[i], 0) + 1
+        for key, n in reads.items():
+            if self.left.get(key) == n:
+                for j in self.where[key]:
+                    self.saved[j] = None
+
+    def _ran(self, *_):
+        before = self.inst.window_live
+        self._release()
+        self._settle(before - self.inst.window_live)
+
+    def _release(self):
+        for i in self.pending:
+            key = self.key_at[i]
+            n = self.left.get(key)
+            if n:
+                self.left[key] = n - 1
+                if n == 1 and key in self.casts:
+                    self.cast_freed += self.casts[key]
+                elif n == 1:
+                    self.inst.release(self.sizes[key])
+                    if self.where is not None:
+                        for j in self.where[key]:
+                            self.saved[j] = None
+        self.pending.clear()
+
+    def close(self):
+        self._settle(0)
+        self.inst.watch = None
+        for h in self.hooks:
+            h.remove()
+        if self.anchor is not None:
+            self.anchor.observe = None

@@ -1,7 +1,6 @@
-"""One call of a chain (the user's forward, from the ``with remat.chain`` to its
-end): its stage calls checked and handed to its measuring part (``Measurer``,
-remat/measure/measuring.py) or its running part (``Runner``, remat/runtime/runner.py),
-and the records of the chains, per key (Note [Chain keys], remat/chain.py), in a bounded cache."""
+"""One call of a chain (the user's forward, from the ``with remat.chain`` to its end): its stage calls
+checked and handed to its measuring part (``Measurer``, remat/measure/measuring.py) or its running part
+(``Runner``, remat/runtime/runner.py), and the chains' records, per key (Note [Chain keys]), in a bounded cache."""
 
 import collections
 import threading
@@ -116,10 +115,8 @@ class ChainCall:
         t0 = time.perf_counter()   # (a stamped call's forward time: remat's checks included)
         pos, in_kw, x = find_activation(args, kwargs, 0, fn)
         if x is None:
-            raise StageError(
-                f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor "
-                f"argument of a stage is the activation that flows along the chain{packed_hint(args, kwargs)}"
-            )
+            raise StageError(f"remat: stage {self.k + 1} ({name}) got no tensor argument; the first tensor argument "
+                             f"of a stage is the activation that flows along the chain{packed_hint(args, kwargs)}")
         k = self.k + 1
         if k == 1:
             if self._plainly(x, args, kwargs):
@@ -298,10 +295,12 @@ class ChainCall:
         published[0] = self.spec.last
         self.tail.linger(new)   # (a tail after the block: Note [The chain's tail] 5, remat/measure/tail.py)
 
-    def abort(self):
-        """The chain's ``with`` block ended with an exception."""
+    def abort(self, exc=None):
+        """The block ended with ``exc``: a measuring call remat failed leaves no trace (a stage's error: plain's)."""
         if self.tail is not None:
             self.tail.close()
+        if isinstance(exc, RematError):   # (a refused stage left those before it with their writes)
+            getattr(self.part, "undo", lambda: None)()
 
     def _finish_run(self):
         runner = self.part

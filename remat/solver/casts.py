@@ -22,13 +22,17 @@ table barely changes, and on 200 stages, where a solve takes 0.16 s, ten
 steps made it 2.2-2.9 s): never slower than the schedule at the budget itself, and
 below the C solver's least budget, the least-memory schedule wherever rule 10
 fits it. A long chain solved on groups (remat/solver/group.py) plans as
-before: each solve there takes up to seconds.
+before: each solve there takes up to seconds. So does a chain whose
+``RAISES`` + 1 exact solves would take longer than one exact table may
+(``EXACT_WORK``; its least-memory plan still competes below the C solver's
+least): 1,000 stages with casts took minutes at their least budget, against
+15 s without.
 
 2. A stage's backward lets its casts go too, each as the node that read it
 last has run (autograd releases a node's saved tensors then, and the cache
 that also held them is gone). A stage's ``bwd_tmp`` is measured inside the
 autocast block, where the cache keeps them all, so the measuring call meters
-its backward both ways on CPU (``_Releases`` in remat/measure/stage_backward.py:
+its backward both ways on CPU (``Releases`` in remat/measure/timing.py:
 the peak less the casts let go so far, ``StageCosts.bwd_cast_less``), and the
 planning costs take that off ``bwd_tmp`` where the casts go at the loss
 (``casts_freed``, remat/measure/record.py): a ResNet-18 in bf16 (batch 32, CPU)
@@ -42,6 +46,7 @@ run 4, whose ``bwd_tmp`` is another peak: those plans stay on the safe side.
 from ..errors import BudgetError
 from ..units import format_bytes
 from .costs import Costs
+from .group import EXACT_WORK
 from .schedule import Schedule, simulate
 
 __all__ = ["RAISES", "least_schedule", "solve_with_casts"]
@@ -49,11 +54,13 @@ __all__ = ["RAISES", "least_schedule", "solve_with_casts"]
 RAISES = 10   # bisection steps of the raised budget
 
 
-def solve_with_casts(costs, budget, solve_at, slot=1):
+def solve_with_casts(costs, budget, solve_at, slot=1, work=0):
     """The fastest schedule ``solve_at(b)`` (the optimal solve at ``b`` bytes, planning
     the casts through the step) gives for ``b`` from ``budget`` to ``budget`` + the
     casts whose peak (``simulate``'s, rule 10) fits ``budget``, the raise found to
-    within ``slot`` bytes; a ``BudgetError`` naming the least such peak where none fits."""
+    within ``slot`` bytes (at ``budget`` alone where ``RAISES`` more solves of ``work``
+    each, the table's, would exceed ``EXACT_WORK``); a ``BudgetError`` naming the least
+    such peak where none fits."""
     best = None
     try:
         best = solve_at(budget)
@@ -69,6 +76,8 @@ def solve_with_casts(costs, budget, solve_at, slot=1):
         best, low = Schedule(ops, sim.time, sim.peak, "optimal", budget, None, costs.tail), least
     else:
         low = budget
+    if work * (RAISES + 1) > EXACT_WORK:
+        return best
     high = budget + sum(costs.cast_bytes)
     top = _fitting(solve_at, high, budget)
     if top is not None:

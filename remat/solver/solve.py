@@ -224,12 +224,12 @@ def solve(costs, budget, algorithm="optimal", slots=DEFAULT_SLOTS, groups=None):
     n = costs.length
     if n == 0:
         raise UsageError("remat: the chain has no stages; call at least one @remat.stage inside the chain")
-    name, k = _parse_algorithm(algorithm, n)
+    (name, k), work = _parse_algorithm(algorithm, n), exact_work(n, slots)
     if name != "optimal":
         return _solve_fixed(costs, budget, algorithm, name, k)
     with solving(f"remat: solving {n:,} stages"):   # (progress past 2 s; Ctrl-C stops it)
-        if any(costs.cast_bytes) and (groups or n) >= n and exact_work(n, slots) <= EXACT_WORK:   # (casts.py)
-            return solve_with_casts(costs, budget, lambda b: _solve_optimal(costs, b, slots, groups), budget // slots)
+        if any(costs.cast_bytes) and (groups or n) >= n and work <= EXACT_WORK:   # (casts.py)
+            return solve_with_casts(costs, budget, lambda at: _solve_optimal(costs, at, slots), budget // slots, work)
         return _solve_optimal(costs, budget, slots, groups)
 
 

@@ -85,3 +85,31 @@ def test_casts_freed_at_the_loss_buy_lower_budgets_and_faster_plans():
         budget = int(least + 0.3 * (simulate(through, store_all(costs.length)).peak - least))
         faster += solve(costs, budget).time < solve(through, budget).time - 1e-9
     assert lower >= 30 and faster >= 20, (lower, faster)
+
+
+def test_a_chain_too_long_for_the_raises_solves_once(monkeypatch):
+    """Where ``RAISES`` more exact solves would exceed one exact table's work, the casts'
+    solve takes the budget's schedule, or the least-memory one below the C solver's
+    least, and no raised solves: 1,000 stages with casts took minutes at their least
+    budget (a helper's find, 2026-11-29), 6 s now. Such a chain still fits by rule 10
+    down to its least budget."""
+    import remat.solver.casts as casts
+    import remat.solver.solve as solving
+
+    calls = []
+    real = solving._solve_optimal
+    monkeypatch.setattr(solving, "_solve_optimal", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    rng = random.Random(7)
+    base = random_costs(rng, 8)
+    costs = _with_casts(base, [rng.randint(1, 12) for _ in range(base.stages)] + [0] * base.tail)
+    least = minimum_budget(costs)
+    budget = int(least + 0.3 * (simulate(costs, store_all(costs.length)).peak - least))
+    for b in (least, budget):
+        calls.clear()
+        solve(costs, b)
+        assert len(calls) > 1, b   # (the raises, where the work allows them)
+    monkeypatch.setattr(casts, "EXACT_WORK", 8 ** 3 * 500 * casts.RAISES)
+    for b in (least, budget):
+        calls.clear()
+        assert solve(costs, b).peak <= b
+        assert len(calls) == 1, (b, calls)
