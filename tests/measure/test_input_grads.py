@@ -37,12 +37,7 @@ class Net(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # (tests/conftest.py)
 
 
 def _step(model, x, y):

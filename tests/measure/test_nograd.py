@@ -16,13 +16,7 @@ from chains import IMG_KINDS, SEQ_KINDS, Net, measured_costs
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread (exact bytes), for these tests only."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # (tests/conftest.py)
 
 
 def _mlp(d, depth, p=0.1, bn=False):

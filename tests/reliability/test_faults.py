@@ -109,7 +109,7 @@ def _budget(model, fraction, algorithm="optimal"):
                if algorithm != "optimal" else low)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # (tests/reliability/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")   # (tests/conftest.py)
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ class Model(nn.Module):
         return x
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # (tests/reliability/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")   # (tests/conftest.py)
 
 
 @pytest.fixture
