@@ -280,7 +280,8 @@ class ChainRecord:
         held through the step (Note [What the forward phase drops]); not one alive as a later one's base
         (a transposing last stage's input, a^L's storage: it was warned of and counted twice)."""
         alive = {k: t for k, ref in outs.items() if (t := ref()) is not None}
-        stages = [k for k, t in alive.items() if k < last and all(u._base is not t for u in alive.values())]
+        bases = {id(t._base) for t in alive.values() if t._base is not None}   # (one pass: chains of thousands)
+        stages = [k for k, t in alive.items() if k < last and id(t) not in bases]
         for k in (k for k in outs if self.stages[k - 1].costs is not None):
             self.stages[k - 1].costs.caller_holds = k == last or k in stages
         if not stages:
